@@ -1,0 +1,92 @@
+"""Plain PyTorch paged attention and KV store: the readable version of every kernel.
+
+This is the CPU serving path and the oracle the Triton kernels are tested against. Math is done in
+fp32 whatever the input dtype, and the result is cast back, so low-precision kernels are compared
+with an fp32 answer.
+
+Paged KV: a sequence's KV lives in the blocks its block table lists, in order:
+    token t of sequence i  ->  key_cache[block_tables[i, t // block_size], t % block_size]
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+
+
+def store_kv_cache(key: torch.Tensor, value: torch.Tensor, key_cache: torch.Tensor,
+                   value_cache: torch.Tensor, slot_mapping: torch.Tensor) -> None:
+    """Write each new token's K and V into its cache slot; slots of -1 are padding and skipped."""
+    num_blocks, block_size, num_kv_heads, head_dim = key_cache.shape
+    keep = slot_mapping >= 0
+    slots = slot_mapping[keep]
+    key_cache.view(-1, num_kv_heads, head_dim)[slots] = key[keep].to(key_cache.dtype)
+    value_cache.view(-1, num_kv_heads, head_dim)[slots] = value[keep].to(value_cache.dtype)
+
+
+def gather_kv(cache: torch.Tensor, block_table: torch.Tensor, seq_len: int) -> torch.Tensor:
+    """The first seq_len tokens of one sequence, contiguous: (seq_len, num_kv_heads, head_dim)."""
+    block_size = cache.shape[1]
+    num_blocks = -(-seq_len // block_size)
+    blocks = cache[block_table[:num_blocks].long()]          # (num_blocks, block_size, kv_heads, head_dim)
+    return blocks.flatten(0, 1)[:seq_len]
+
+
+def paged_decode_attention(query: torch.Tensor, key_cache: torch.Tensor, value_cache: torch.Tensor,
+                           block_tables: torch.Tensor, seq_lens: torch.Tensor, scale: float,
+                           seq_lens_cpu: list[int] | None = None) -> torch.Tensor:
+    """One query token per sequence attends to all of its seq_len cached tokens.
+
+    query (num_seqs, num_heads, head_dim) -> (num_seqs, num_heads, head_dim)
+    Vectorized over the batch: gather every sequence's blocks up to the longest, mask the tail.
+    """
+    num_seqs, num_heads, head_dim = query.shape
+    block_size, num_kv_heads = key_cache.shape[1], key_cache.shape[2]
+    group = num_heads // num_kv_heads                         # query heads sharing one KV head (GQA)
+    max_len = max(seq_lens_cpu) if seq_lens_cpu is not None else int(seq_lens.max())
+    max_blocks = -(-max_len // block_size)
+    tables = block_tables[:, :max_blocks].long()
+    k = key_cache[tables].flatten(1, 2)[:, :max_len].float()   # (num_seqs, max_len, kv_heads, head_dim)
+    v = value_cache[tables].flatten(1, 2)[:, :max_len].float()
+    q = query.float().view(num_seqs, num_kv_heads, group, head_dim)
+    scores = torch.einsum("bhgd,bthd->bhgt", q, k) * scale     # (num_seqs, kv_heads, group, max_len)
+    pos = torch.arange(max_len, device=query.device)
+    valid = pos[None, :] < seq_lens.to(query.device)[:, None]  # (num_seqs, max_len)
+    scores = scores.masked_fill(~valid[:, None, None, :], float("-inf"))
+    probs = scores.softmax(dim=-1)
+    out = torch.einsum("bhgt,bthd->bhgd", probs, v)            # (num_seqs, kv_heads, group, head_dim)
+    return out.reshape(num_seqs, num_heads, head_dim).to(query.dtype)
+
+
+def paged_prefill_attention(query: torch.Tensor, key_cache: torch.Tensor, value_cache: torch.Tensor,
+                            block_tables: torch.Tensor, cu_seqlens_q: torch.Tensor, seq_lens: torch.Tensor,
+                            scale: float, q_lens_cpu: list[int] | None = None,
+                            seq_lens_cpu: list[int] | None = None) -> torch.Tensor:
+    """Causal attention for a flat batch of sequences, each with q_len new tokens at the end of its KV.
+
+    query (num_tokens, num_heads, head_dim) -> (num_tokens, num_heads, head_dim)
+    Sequence i's new tokens sit at positions seq_len_i - q_len_i ... seq_len_i - 1, so the cached
+    context (prefix-cache hits, earlier chunks of a chunked prefill) is attended to in full.
+    """
+    num_heads = query.shape[1]
+    num_kv_heads = key_cache.shape[2]
+    if q_lens_cpu is None:
+        q_lens_cpu = (cu_seqlens_q[1:] - cu_seqlens_q[:-1]).tolist()
+    if seq_lens_cpu is None:
+        seq_lens_cpu = seq_lens.tolist()
+    out = torch.empty_like(query)
+    start = 0
+    for i, (q_len, seq_len) in enumerate(zip(q_lens_cpu, seq_lens_cpu)):
+        q = query[start:start + q_len].float().transpose(0, 1)               # (num_heads, q_len, head_dim)
+        k = gather_kv(key_cache, block_tables[i], seq_len).float().transpose(0, 1)    # (kv_heads, seq_len, d)
+        v = gather_kv(value_cache, block_tables[i], seq_len).float().transpose(0, 1)
+        if num_kv_heads != num_heads:
+            k = k.repeat_interleave(num_heads // num_kv_heads, dim=0)      # (num_heads, seq_len, head_dim)
+            v = v.repeat_interleave(num_heads // num_kv_heads, dim=0)
+        # Query row r is at position seq_len - q_len + r and sees keys 0 .. that position.
+        q_pos = torch.arange(seq_len - q_len, seq_len, device=query.device)
+        mask = torch.arange(seq_len, device=query.device)[None, :] <= q_pos[:, None]  # (q_len, seq_len)
+        o = F.scaled_dot_product_attention(q, k, v, attn_mask=mask, scale=scale)     # (num_heads, q_len, d)
+        out[start:start + q_len] = o.transpose(0, 1).to(query.dtype)
+        start += q_len
+    return out

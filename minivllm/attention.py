@@ -1,0 +1,101 @@
+"""Paged attention for one flat batch: the metadata, and the backends that compute it.
+
+Owns: `AttentionMetadata` (where each token's K/V goes, which blocks each sequence reads) and the choice
+of backend. The reference backend is plain PyTorch from `minivllm_kernels.reference` (the CPU serving
+path and the kernels' test oracle); the Triton backend runs `minivllm_kernels`' kernels.
+
+A flat batch mixes prefills and decodes with no padding. For sequence i:
+    its new tokens are query rows  cu_seqlens_q[i] : cu_seqlens_q[i+1]   (q_len_i of them)
+    its KV length is               seq_lens[i]  (cached context + the q_len_i new tokens)
+    its new tokens sit at positions seq_lens[i] - q_len_i ... seq_lens[i] - 1, causally masked.
+A decode is just q_len_i == 1.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from minivllm._kernels import kernels
+
+
+@dataclass
+class AttentionMetadata:
+    slot_mapping: torch.Tensor     # (num_tokens,) int64: flat cache slot of each new token; -1 = skip
+    cu_seqlens_q: torch.Tensor     # (num_seqs + 1,) int32: query row offsets
+    seq_lens: torch.Tensor         # (num_seqs,) int32: KV length of each sequence after this step
+    block_tables: torch.Tensor     # (num_seqs, max_blocks_per_seq) int32, padded with 0
+    max_q_len: int                 # longest q_len in the batch (1 for a pure decode batch)
+    max_seq_len: int
+    # Host copies, so the reference path can slice without device syncs.
+    q_lens_cpu: list[int]
+    seq_lens_cpu: list[int]
+
+    @property
+    def is_pure_decode(self) -> bool:
+        return self.max_q_len == 1
+
+
+class AttentionBackend:
+    """Stores the new K/V into the paged cache, then attends each sequence's queries to its KV."""
+
+    name = "base"
+
+    def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
+                key_cache: torch.Tensor, value_cache: torch.Tensor,
+                meta: AttentionMetadata, scale: float) -> torch.Tensor:
+        # q (num_tokens, num_heads, head_dim); k, v (num_tokens, num_kv_heads, head_dim)
+        # key_cache, value_cache (num_blocks, block_size, num_kv_heads, head_dim)
+        raise NotImplementedError
+
+
+class TorchAttentionBackend(AttentionBackend):
+    """The readable reference: gathers each sequence's blocks and calls PyTorch attention."""
+
+    name = "torch"
+
+    def forward(self, q, k, v, key_cache, value_cache, meta, scale):
+        ref = kernels.reference
+        ref.store_kv_cache(k, v, key_cache, value_cache, meta.slot_mapping)
+        if meta.is_pure_decode:
+            return ref.paged_decode_attention(q, key_cache, value_cache, meta.block_tables,
+                                              meta.seq_lens, scale, seq_lens_cpu=meta.seq_lens_cpu)
+        return ref.paged_prefill_attention(q, key_cache, value_cache, meta.block_tables,
+                                           meta.cu_seqlens_q, meta.seq_lens, scale,
+                                           q_lens_cpu=meta.q_lens_cpu, seq_lens_cpu=meta.seq_lens_cpu)
+
+
+class TritonAttentionBackend(AttentionBackend):
+    """The production path: Triton kernels for the KV store and paged attention."""
+
+    name = "triton"
+
+    def forward(self, q, k, v, key_cache, value_cache, meta, scale):
+        kernels.triton_ops.store_kv_cache(k, v, key_cache, value_cache, meta.slot_mapping)
+        if meta.is_pure_decode:
+            return kernels.triton_ops.paged_decode_attention(q, key_cache, value_cache, meta.block_tables,
+                                                             meta.seq_lens, scale)
+        return kernels.triton_ops.paged_prefill_attention(q, key_cache, value_cache, meta.block_tables,
+                                                          meta.cu_seqlens_q, meta.seq_lens, scale,
+                                                          max_q_len=meta.max_q_len)
+
+
+def get_attention_backend(name: str, device: torch.device) -> AttentionBackend:
+    """auto: Triton on CUDA, the PyTorch reference elsewhere. Triton on a CPU needs TRITON_INTERPRET=1."""
+    import os
+
+    choices = ("auto", "torch", "triton")
+    if name not in choices:
+        raise ValueError(f"attention_backend is {name!r}; choose one of {choices}.")
+    if name == "auto":
+        name = "triton" if device.type == "cuda" and kernels.triton_available() else "torch"
+    if name == "triton":
+        if not kernels.triton_available():
+            raise ValueError("attention_backend='triton' needs the triton package: pip install triton")
+        if device.type != "cuda" and os.environ.get("TRITON_INTERPRET") != "1":
+            raise ValueError(f"attention_backend='triton' on device {device.type!r} needs Triton's "
+                             "interpreter: set TRITON_INTERPRET=1 (slow; for tests and lessons), "
+                             "or use attention_backend='torch'.")
+        return TritonAttentionBackend()
+    return TorchAttentionBackend()

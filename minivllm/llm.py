@@ -1,0 +1,113 @@
+"""LLM: the offline API, with vLLM's names. `LLM(...).generate(prompts, sampling_params)`.
+
+Owns: validating a whole batch before anything runs, driving the engine until the batch is done,
+and returning outputs in input order. All the serving logic lives in the engine.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+from minivllm.config import EngineConfig
+from minivllm.engine import EngineStats, LLMEngine, PromptType
+from minivllm.outputs import RequestOutput
+from minivllm.sampling_params import SamplingParams
+
+
+class LLM:
+    """An offline engine.
+
+    LLM(model=None, dtype="auto", device="auto", block_size=16, num_kv_blocks=None, max_num_seqs=256,
+        max_num_batched_tokens=8192, max_model_len=None, enable_prefix_caching=True,
+        tensor_parallel_size=1, seed=0, ...)   (every field of EngineConfig)
+    model=None loads the embedded SmolLM2-135M-Instruct.
+    """
+
+    def __init__(self, model: str | None = None, **kwargs):
+        self.llm_engine = LLMEngine(EngineConfig.from_kwargs(model=model, **kwargs))
+
+    def get_tokenizer(self):
+        return self.llm_engine.tokenizer
+
+    def generate(self, prompts: PromptType | Sequence[PromptType],
+                 sampling_params: SamplingParams | Sequence[SamplingParams] | None = None,
+                 use_tqdm: bool = True, priority: Sequence[int] | None = None) -> list[RequestOutput]:
+        """Generate for every prompt; returns one RequestOutput per prompt, in input order.
+
+        Every prompt and parameter set is checked first: a bad one raises ValueError before anything runs.
+        """
+        if isinstance(prompts, (str, dict)) or (isinstance(prompts, list) and prompts
+                                                and isinstance(prompts[0], int)):
+            prompts = [prompts]
+        prompts = list(prompts)
+        params = self._broadcast(sampling_params, len(prompts), "sampling_params")
+        priority = self._broadcast(priority, len(prompts), "priority", default=0)
+        engine = self.llm_engine
+        tokenized = []
+        for i, (p, sp) in enumerate(zip(prompts, params)):
+            if isinstance(sp, dict):
+                sp = SamplingParams.from_dict(sp)
+            if not isinstance(sp, SamplingParams):
+                raise ValueError(f"sampling_params[{i}] is a {type(sp).__name__}; pass SamplingParams.")
+            try:
+                text, ids = engine.tokenize(p)
+                engine.validate_request(ids, sp)
+            except ValueError as e:
+                raise ValueError(f"prompt {i}: {e}") from None
+            tokenized.append(({"prompt": text, "prompt_token_ids": ids}, sp))
+        return self._run(tokenized, priority, use_tqdm)
+
+    def chat(self, messages: list[dict] | list[list[dict]],
+             sampling_params: SamplingParams | Sequence[SamplingParams] | None = None,
+             use_tqdm: bool = True, add_generation_prompt: bool = True) -> list[RequestOutput]:
+        """Apply the tokenizer's chat template to one conversation (a list of messages) or to a list of them."""
+        conversations = [messages] if messages and isinstance(messages[0], dict) else list(messages)
+        prompts = []
+        for i, conv in enumerate(conversations):
+            if not conv or not all(isinstance(m, dict) and "role" in m and "content" in m for m in conv):
+                raise ValueError(f"conversation {i} must be a non-empty list of {{'role': ..., 'content': ...}} "
+                                 "messages.")
+            text = self.get_tokenizer().apply_chat_template(conv, tokenize=False,
+                                                            add_generation_prompt=add_generation_prompt)
+            ids = self.get_tokenizer().encode(text, add_special_tokens=False)
+            prompts.append({"prompt": text, "prompt_token_ids": ids})
+        return self.generate(prompts, sampling_params, use_tqdm=use_tqdm)
+
+    def get_stats(self) -> EngineStats:
+        return self.llm_engine.get_stats()
+
+    # ------------------------------------------------------------------
+    @staticmethod
+    def _broadcast(value, n: int, name: str, default=None) -> list:
+        if value is None:
+            value = default if default is not None else SamplingParams()
+        if isinstance(value, (list, tuple)):
+            if len(value) != n:
+                raise ValueError(f"{name} has {len(value)} entries for {n} prompts; pass one, or one per prompt.")
+            return list(value)
+        return [value] * n
+
+    def _run(self, requests: list[tuple[dict, SamplingParams]], priority: list[int],
+             use_tqdm: bool) -> list[RequestOutput]:
+        engine = self.llm_engine
+        ids = [engine.add_request(p, sp, priority=pr).request_id for (p, sp), pr in zip(requests, priority)]
+        results: dict[str, RequestOutput] = {}
+        bar = None
+        if use_tqdm:
+            from tqdm.auto import tqdm
+            bar = tqdm(total=len(ids), desc="Processed prompts", dynamic_ncols=True)
+        try:
+            while engine.has_unfinished_requests():
+                for out in engine.step():
+                    if out.finished:
+                        results[out.request_id] = out
+                        if bar is not None:
+                            bar.update(1)
+        except BaseException:
+            for rid in ids:                          # never leave this batch's blocks behind
+                engine.abort_request(rid)
+            raise
+        finally:
+            if bar is not None:
+                bar.close()
+        return [results[rid] for rid in ids]

@@ -1,0 +1,93 @@
+"""Loading a checkpoint: resolve the model path, the dtype and the device, then read safetensors.
+
+Owns: turning `model=None | path` and `dtype="auto" | ...` into a model with its weights on a device.
+It reads only this rank's shard of each tensor (safetensors slices lazily) and never uses
+transformers' modeling classes.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import torch
+from safetensors import safe_open
+
+from minivllm.layers import TPGroup
+from minivllm.model import LlamaForCausalLM, ModelConfig
+
+DTYPES = {"float32": torch.float32, "float16": torch.float16, "bfloat16": torch.bfloat16}
+
+
+def resolve_model_path(model: str | None) -> Path:
+    if model is None:
+        from minivllm.default_model import default_model_dir
+        return default_model_dir()
+    path = Path(model).expanduser()
+    if not path.is_dir():
+        raise FileNotFoundError(
+            f"model {model!r} is not a local directory. minivllm loads local Hugging Face checkpoints "
+            "(config.json, *.safetensors, tokenizer files); it cannot download from a hub. "
+            "Leave --model out to use the embedded SmolLM2-135M-Instruct.")
+    return path
+
+
+def resolve_device(device: str) -> torch.device:
+    if device == "auto":
+        return torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    dev = torch.device(device)
+    if dev.type == "cuda" and not torch.cuda.is_available():
+        raise ValueError(f"device is {device!r} but torch sees no CUDA GPU; use device='cpu' or 'auto'.")
+    if dev.type not in ("cpu", "cuda"):
+        raise ValueError(f"device is {device!r}; minivllm runs on 'cpu' or 'cuda'.")
+    return dev
+
+
+def resolve_dtype(dtype: str | torch.dtype, cfg: ModelConfig, device: torch.device) -> torch.dtype:
+    """auto: fp32 on a CPU (fast there, and exact against Hugging Face); the checkpoint's own dtype on a
+    GPU, with fp32 checkpoints served in bf16 (as vLLM does)."""
+    if isinstance(dtype, torch.dtype):
+        return dtype
+    if dtype == "auto":
+        if device.type == "cpu":
+            return torch.float32
+        ckpt = DTYPES.get(cfg.torch_dtype.removeprefix("torch."), torch.bfloat16)
+        return torch.bfloat16 if ckpt == torch.float32 else ckpt
+    if dtype in ("half", "fp16"):
+        dtype = "float16"
+    if dtype in ("float", "fp32"):
+        dtype = "float32"
+    if dtype in ("bf16",):
+        dtype = "bfloat16"
+    if dtype not in DTYPES:
+        raise ValueError(f"dtype is {dtype!r}; choose one of auto, {', '.join(DTYPES)}.")
+    return DTYPES[dtype]
+
+
+def load_model(path: Path, cfg: ModelConfig, dtype: torch.dtype, device: torch.device,
+               tp: TPGroup = TPGroup()) -> LlamaForCausalLM:
+    files = sorted(path.glob("*.safetensors"))
+    if not files:
+        raise FileNotFoundError(f"{path} has no *.safetensors files; minivllm reads safetensors weights only "
+                                "(convert .bin checkpoints with transformers' save_pretrained).")
+    with torch.device(device):
+        model = LlamaForCausalLM(cfg, tp)
+    for p in model.parameters():          # weights in `dtype`; the rotary tables stay fp32
+        p.data = p.data.to(dtype)
+    loaded: set[str] = set()
+    for f in files:
+        with safe_open(str(f), framework="pt", device="cpu") as st:
+            for name in st.keys():
+                if "rotary_emb" in name:
+                    continue
+                if model.load_param(name, st.get_tensor(name).to(device)):
+                    loaded.add(name.removeprefix("model."))
+    expected = {_checkpoint_name(n) for n, _ in model.named_parameters()}
+    missing = sorted(expected - {_checkpoint_name(n) for n in loaded})
+    if missing:
+        raise ValueError(f"{path} is missing weights {missing[:5]}{' ...' if len(missing) > 5 else ''}.")
+    return model.eval()
+
+
+def _checkpoint_name(name: str) -> str:
+    """Map a fused parameter name back to one of the names it is loaded from (for the missing check)."""
+    return name.replace("qkv_proj", "q_proj").replace("gate_up_proj", "gate_proj")

@@ -1,0 +1,41 @@
+"""What `LLM.generate` and the engine return, with vLLM's names and shapes."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+from minivllm.request import RequestMetrics
+
+
+@dataclass
+class CompletionOutput:
+    index: int
+    text: str
+    token_ids: list[int]
+    finish_reason: str | None = None      # "stop", "length", "abort", or None while running
+    stop_reason: int | str | None = None  # the stop string or stop token id that ended it
+
+    @property
+    def finished(self) -> bool:
+        return self.finish_reason is not None
+
+
+@dataclass
+class RequestOutput:
+    request_id: str
+    prompt: str | None
+    prompt_token_ids: list[int]
+    outputs: list[CompletionOutput]
+    finished: bool
+    metrics: RequestMetrics | None = None
+    num_cached_tokens: int = 0            # prompt tokens served from the prefix cache
+    # For streaming: the text and token ids added since the previous output of this request.
+    delta_text: str = ""
+    delta_token_ids: list[int] = field(default_factory=list)
+
+    def __repr__(self) -> str:
+        o = self.outputs[0]
+        return (f"RequestOutput(request_id={self.request_id!r}, prompt={self.prompt!r}, "
+                f"num_prompt_tokens={len(self.prompt_token_ids)}, text={o.text!r}, "
+                f"num_output_tokens={len(o.token_ids)}, finish_reason={o.finish_reason!r}, "
+                f"finished={self.finished})")

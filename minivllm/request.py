@@ -1,0 +1,105 @@
+"""Request: one prompt's life inside the engine.
+
+Owns: the token ids (prompt + generated), how many of them have KV in the cache (`num_computed_tokens`),
+the lifecycle status, and timing. The block manager mutates `block_table` (and `num_computed_tokens`
+when blocks come from the prefix cache or are dropped); the scheduler mutates `status` and advances
+`num_computed_tokens`; the engine appends output tokens. Nobody else writes here.
+
+    all_token_ids:  [ p0 p1 ... p(P-1) | o0 o1 ... ]      P = num_prompt_tokens
+                      \_____ num_computed_tokens ____/\__ still to run through the model __/
+    block_table[i] holds the KV of tokens [i*block_size, (i+1)*block_size).
+"""
+
+from __future__ import annotations
+
+import enum
+import time
+from dataclasses import dataclass, field
+
+import torch
+
+from minivllm.sampling_params import SamplingParams
+
+
+class RequestStatus(enum.Enum):
+    WAITING = "waiting"            # in the waiting queue, no KV yet
+    RUNNING = "running"            # holds blocks, scheduled every step
+    PREEMPTED = "preempted"        # KV dropped (recompute mode); back in the waiting queue
+    SWAPPED = "swapped"            # KV copied to the CPU pool (swap mode); waiting to come back
+    FINISHED_STOPPED = "finished_stopped"    # EOS, a stop token or a stop string
+    FINISHED_LENGTH = "finished_length"      # max_tokens or max_model_len reached
+    FINISHED_ABORTED = "finished_aborted"    # abort(request_id)
+
+    @property
+    def finished(self) -> bool:
+        return self.value.startswith("finished")
+
+    @property
+    def finish_reason(self) -> str | None:
+        return {"finished_stopped": "stop", "finished_length": "length",
+                "finished_aborted": "abort"}.get(self.value)
+
+
+@dataclass
+class RequestMetrics:
+    """Wall-clock times (time.time()) in vLLM's names."""
+    arrival_time: float
+    first_scheduled_time: float | None = None
+    first_token_time: float | None = None
+    last_token_time: float | None = None
+    finished_time: float | None = None
+
+
+@dataclass(eq=False)
+class Request:
+    request_id: str
+    prompt: str | None
+    prompt_token_ids: list[int]
+    sampling_params: SamplingParams
+    eos_token_ids: frozenset[int] = frozenset()
+    priority: int = 0                     # lower runs first (vLLM's convention)
+    arrival_time: float = field(default_factory=time.time)
+
+    output_token_ids: list[int] = field(default_factory=list)
+    status: RequestStatus = RequestStatus.WAITING
+    num_computed_tokens: int = 0          # tokens whose KV is in the cache
+    num_cached_tokens: int = 0            # of the prompt, how many came from the prefix cache (first schedule)
+    block_table: list[int] = field(default_factory=list)   # physical block ids, owned by the block manager
+    num_preemptions: int = 0
+    stop_reason: int | str | None = None  # the stop string or stop token that ended it
+    output_text: str = ""
+    generator: torch.Generator | None = None   # per-request RNG when sampling_params.seed is set
+    detok_state: object = None                  # the detokenizer's incremental offsets
+    num_emitted_chars: int = 0                  # streaming: text already handed out in outputs
+    num_emitted_tokens: int = 0
+
+    def __post_init__(self) -> None:
+        self.metrics = RequestMetrics(arrival_time=self.arrival_time)
+        self.all_token_ids = list(self.prompt_token_ids)   # prompt + outputs, appended as we go
+        if self.sampling_params.seed is not None:
+            self.generator = torch.Generator().manual_seed(self.sampling_params.seed)
+
+    @property
+    def num_prompt_tokens(self) -> int:
+        return len(self.prompt_token_ids)
+
+    @property
+    def num_tokens(self) -> int:
+        return len(self.all_token_ids)
+
+    @property
+    def num_output_tokens(self) -> int:
+        return len(self.output_token_ids)
+
+    @property
+    def is_finished(self) -> bool:
+        return self.status.finished
+
+    def append_output_token(self, token_id: int) -> None:
+        self.output_token_ids.append(token_id)
+        self.all_token_ids.append(token_id)
+
+    def __repr__(self) -> str:
+        return (f"Request({self.request_id!r}, {self.status.value}, prompt={self.num_prompt_tokens}, "
+                f"out={self.num_output_tokens}, computed={self.num_computed_tokens}, "
+                f"blocks={self.block_table})")

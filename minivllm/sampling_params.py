@@ -1,0 +1,90 @@
+"""SamplingParams: how one request turns logits into tokens, and when it stops.
+
+Owns: the per-request knobs and their validation. Never touches tensors; the sampler reads these fields.
+Every check runs in `__post_init__`, so a bad value fails where it is written, before anything runs.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, fields
+
+
+@dataclass
+class SamplingParams:
+    """Per-request sampling parameters, with vLLM's names and defaults.
+
+    temperature: 0 means greedy (argmax); > 0 scales the logits before sampling.
+    top_p: keep the smallest set of tokens whose probability mass reaches top_p; 1.0 keeps all.
+    top_k: keep the k most likely tokens; -1 (or 0) keeps all.
+    seed: a per-request seed: the same seed gives the same tokens whatever else is in the batch.
+    max_tokens: the most tokens to generate (the output may stop earlier on EOS or a stop string).
+    stop: strings that end generation; the stop string itself is not included in the text.
+    stop_token_ids: token ids that end generation (kept in token_ids, like EOS).
+    ignore_eos: keep generating past EOS (benchmarks use this to fix the output length).
+    skip_special_tokens: leave special tokens such as <|im_end|> out of the text.
+    """
+
+    temperature: float = 1.0
+    top_p: float = 1.0
+    top_k: int = -1
+    seed: int | None = None
+    max_tokens: int = 16
+    stop: list[str] | str | None = None
+    stop_token_ids: list[int] | None = None
+    ignore_eos: bool = False
+    skip_special_tokens: bool = True
+    n: int = 1
+
+    def __post_init__(self) -> None:
+        if isinstance(self.stop, str):
+            self.stop = [self.stop]
+        self.stop = list(self.stop or [])
+        self.stop_token_ids = list(self.stop_token_ids or [])
+        _check_number("temperature", self.temperature, (int, float))
+        if self.temperature < 0:
+            raise ValueError(f"temperature is {self.temperature}; it must be >= 0 (0 means greedy).")
+        _check_number("top_p", self.top_p, (int, float))
+        if not 0 < self.top_p <= 1:
+            raise ValueError(f"top_p is {self.top_p}; it must be in (0, 1] (1 keeps every token).")
+        _check_number("top_k", self.top_k, (int,))
+        if self.top_k < -1:
+            raise ValueError(f"top_k is {self.top_k}; it must be -1 (off), 0 (off) or a positive count.")
+        if self.top_k == 0:
+            self.top_k = -1
+        _check_number("max_tokens", self.max_tokens, (int,))
+        if self.max_tokens < 1:
+            raise ValueError(f"max_tokens is {self.max_tokens}; it must be >= 1.")
+        if self.seed is not None:
+            _check_number("seed", self.seed, (int,))
+        _check_number("n", self.n, (int,))
+        if self.n != 1:
+            raise ValueError(f"n is {self.n}; minivllm generates one completion per request (n=1). "
+                             "Send the prompt several times with different seeds instead.")
+        for s in self.stop:
+            if not isinstance(s, str) or not s:
+                raise ValueError(f"stop contains {s!r}; each stop string must be a non-empty string.")
+        for t in self.stop_token_ids:
+            if not isinstance(t, int) or isinstance(t, bool) or t < 0:
+                raise ValueError(f"stop_token_ids contains {t!r}; each must be a non-negative int.")
+
+    @property
+    def greedy(self) -> bool:
+        return self.temperature == 0
+
+    @classmethod
+    def from_dict(cls, d: dict) -> "SamplingParams":
+        """Build from a plain dict, refusing keys SamplingParams does not know (a typo must not pass)."""
+        known = {f.name for f in fields(cls)}
+        unknown = sorted(set(d) - known)
+        if unknown:
+            raise ValueError(f"unknown sampling parameter(s) {unknown}; known ones are {sorted(known)}.")
+        return cls(**d)
+
+
+def _check_number(name: str, value, types: tuple) -> None:
+    if isinstance(value, bool) or not isinstance(value, types):
+        kind = "an int" if types == (int,) else "a number"
+        raise ValueError(f"{name} is {value!r} ({type(value).__name__}); it must be {kind}.")
+
+
+__all__ = ["SamplingParams"]
