@@ -18,7 +18,7 @@ from minivllm.block_manager import BlockManager
 from minivllm.config import EngineConfig
 from minivllm.detokenizer import DetokState, detokenize_incrementally, find_stop_string
 from minivllm.model import ModelConfig
-from minivllm.model_loader import resolve_device, resolve_model_path
+from minivllm.model_loader import load_tokenizer, resolve_device, resolve_model_path
 from minivllm.model_runner import ModelRunner
 from minivllm.outputs import CompletionOutput, RequestOutput
 from minivllm.request import Request, RequestStatus
@@ -46,13 +46,11 @@ class EngineStats:
 
 class LLMEngine:
     def __init__(self, config: EngineConfig):
-        from transformers import AutoTokenizer
-
         self.config = config
         self.model_path = resolve_model_path(config.model)
         self.model_config = ModelConfig.from_dir(self.model_path)
         self.device = resolve_device(config.device)
-        self.tokenizer = AutoTokenizer.from_pretrained(self.model_path)
+        self.tokenizer = load_tokenizer(self.model_path)
         self.max_model_len = config.max_model_len or self.model_config.max_position_embeddings
         if self.max_model_len > self.model_config.max_position_embeddings:
             raise ValueError(f"max_model_len is {self.max_model_len}, above the model's "

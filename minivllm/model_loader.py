@@ -31,6 +31,16 @@ def resolve_model_path(model: str | None) -> Path:
     return path
 
 
+def load_tokenizer(path: Path):
+    """The checkpoint's own tokenizer. With a tokenizer.json we skip AutoTokenizer, whose config probing
+    imports most of transformers (seconds); the fast tokenizer class reads the same files."""
+    from transformers import AutoTokenizer, PreTrainedTokenizerFast
+
+    if (path / "tokenizer.json").exists():
+        return PreTrainedTokenizerFast.from_pretrained(path)
+    return AutoTokenizer.from_pretrained(path)
+
+
 def resolve_device(device: str) -> torch.device:
     if device == "auto":
         return torch.device("cuda" if torch.cuda.is_available() else "cpu")
