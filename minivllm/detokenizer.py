@@ -1,4 +1,4 @@
-"""Incremental detokenization and stop strings.
+r"""Incremental detokenization and stop strings.
 
 Owns: turning a request's output token ids into text as they arrive. Decoding one token at a time is
 wrong for byte-level BPE (a character can span tokens) and for tokenizers that merge spaces, so we

@@ -1,4 +1,4 @@
-"""Request: one prompt's life inside the engine.
+r"""Request: one prompt's life inside the engine.
 
 Owns: the token ids (prompt + generated), how many of them have KV in the cache (`num_computed_tokens`),
 the lifecycle status, and timing. The block manager mutates `block_table` (and `num_computed_tokens`

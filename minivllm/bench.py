@@ -1,0 +1,320 @@
+"""Benchmarks: `python -m minivllm.bench [offline] [--compare hf] [--json PATH]`.
+
+Owns: building a seeded synthetic workload, timing minivllm on it, and (with `--compare hf`) timing
+Hugging Face transformers' `generate` on the very same requests, side by side in one process.
+It only uses the public API (`LLM.generate`, `RequestOutput.metrics`); it never reaches into the engine.
+
+The offline workload is nano-vllm's: N requests of random token ids, prompt lengths U[a, b], output
+lengths U[c, d], `ignore_eos=True` so every request produces exactly the tokens it asked for, greedy
+decoding so both engines do the same work. Throughput counts only the tokens requests asked for:
+HF's static batches run every row to the longest request of the batch, and those extra tokens are waste.
+
+    minivllm (continuous batching):  a request leaves the moment it is done; a waiting one takes its place.
+    HF (static batches of B):        [r0 r1 ... rB-1] all run max(out_len) steps, then the next batch.
+
+Later modes (`serve`, `kernels`) become more choices of the positional `mode` argument.
+"""
+
+from __future__ import annotations
+
+import argparse
+import gc
+import json
+import random
+import sys
+import time
+from dataclasses import asdict, dataclass
+
+from minivllm.llm import LLM
+from minivllm.sampling_params import SamplingParams
+
+# Random prompt ids are drawn from [TOKEN_ID_LOW, min(TOKEN_ID_HIGH, vocab_size)): SmolLM2's special
+# tokens sit at the bottom of its vocabulary, and the top is left alone for checkpoints with added tokens.
+TOKEN_ID_LOW = 100
+TOKEN_ID_HIGH = 49_000
+
+
+# ---------------------------------------------------------------------------------------------- workload
+@dataclass(frozen=True)
+class Workload:
+    """The requests both engines run: prompt_token_ids[i] asks for exactly output_lens[i] tokens."""
+    prompt_token_ids: list[list[int]]
+    output_lens: list[int]
+    seed: int
+
+    @classmethod
+    def random(cls, num_requests: int, input_len: tuple[int, int], output_len: tuple[int, int],
+               vocab_size: int, seed: int = 0) -> "Workload":
+        rng = random.Random(seed)
+        low, high = TOKEN_ID_LOW, min(TOKEN_ID_HIGH, vocab_size)
+        if high <= low:                                   # a toy vocabulary: use all of it
+            low = 0
+        prompts, outs = [], []
+        for _ in range(num_requests):
+            n = rng.randint(*input_len)                    # randint is inclusive at both ends: U[a, b]
+            prompts.append([rng.randrange(low, high) for _ in range(n)])
+            outs.append(rng.randint(*output_len))
+        return cls(prompts, outs, seed)
+
+    @property
+    def num_requests(self) -> int:
+        return len(self.prompt_token_ids)
+
+    @property
+    def num_prompt_tokens(self) -> int:
+        return sum(len(p) for p in self.prompt_token_ids)
+
+    @property
+    def num_output_tokens(self) -> int:
+        return sum(self.output_lens)
+
+
+# ---------------------------------------------------------------------------------------------- results
+@dataclass
+class ThroughputResult:
+    """One engine's run over a workload. `output_tokens_per_request[i]` counts useful tokens only."""
+    engine: str
+    wall_s: float
+    output_tokens_per_request: list[int]
+
+    @property
+    def num_output_tokens(self) -> int:
+        return sum(self.output_tokens_per_request)
+
+    @property
+    def output_tokens_per_s(self) -> float:
+        return self.num_output_tokens / self.wall_s
+
+
+@dataclass
+class LatencyResult:
+    """Per-request latencies from RequestOutput.metrics, in seconds.
+
+    TTFT counts from arrival, so it includes the time a request waited in the queue (all requests of
+    an offline run arrive at once). TPOT is the mean gap between a request's later tokens.
+    """
+    ttft_p50: float
+    ttft_p99: float
+    tpot_p50: float
+    tpot_p99: float
+
+
+def percentile(values: list[float], q: float) -> float:
+    """The q-th percentile (0..100) with linear interpolation between ranks, as numpy's default."""
+    if not values:
+        return float("nan")
+    xs = sorted(values)
+    pos = (len(xs) - 1) * q / 100
+    lo = int(pos)
+    hi = min(lo + 1, len(xs) - 1)
+    return xs[lo] + (xs[hi] - xs[lo]) * (pos - lo)
+
+
+# ---------------------------------------------------------------------------------------------- minivllm
+def greedy_params(max_tokens: int) -> SamplingParams:
+    return SamplingParams(max_tokens=max_tokens, ignore_eos=True, temperature=0)
+
+
+def warmup_minivllm(llm: LLM) -> None:
+    """One tiny untimed generate: first calls pay for lazy imports, allocator growth and kernel choice."""
+    prompts = [{"prompt_token_ids": list(range(TOKEN_ID_LOW, TOKEN_ID_LOW + n))} for n in (8, 12)]
+    llm.generate(prompts, greedy_params(4), use_tqdm=False)
+
+
+def bench_minivllm(llm: LLM, workload: Workload) -> tuple[ThroughputResult, LatencyResult]:
+    """Submit every request at once and time `generate` until the last one finishes."""
+    prompts = [{"prompt_token_ids": ids} for ids in workload.prompt_token_ids]
+    params = [greedy_params(n) for n in workload.output_lens]
+    start = time.perf_counter()
+    outputs = llm.generate(prompts, params, use_tqdm=False)
+    wall = time.perf_counter() - start
+
+    counts = [len(o.outputs[0].token_ids) for o in outputs]
+    ttfts, tpots = [], []
+    for o, n in zip(outputs, counts):
+        m = o.metrics
+        ttfts.append(m.first_token_time - m.arrival_time)
+        if n > 1:
+            tpots.append((m.last_token_time - m.first_token_time) / (n - 1))
+    latency = LatencyResult(percentile(ttfts, 50), percentile(ttfts, 99),
+                            percentile(tpots, 50), percentile(tpots, 99))
+    return ThroughputResult("minivllm", wall, counts), latency
+
+
+# ---------------------------------------------------------------------------------------------- HF
+def load_hf_model(model_dir):
+    import torch
+    from transformers import AutoModelForCausalLM
+
+    model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32)
+    model.eval()
+    return model
+
+
+def hf_generate_batch(model, prompts: list[list[int]], max_new_tokens: int) -> list[int]:
+    """Greedy `generate` on one left-padded static batch, every row forced to run max_new_tokens steps.
+
+    Returns how many new tokens each row got (all of them equal max_new_tokens).
+    """
+    import torch
+
+    cfg = model.generation_config
+    eos = cfg.eos_token_id if cfg.eos_token_id is not None else model.config.eos_token_id
+    eos = eos[0] if isinstance(eos, list) else eos
+    pad = cfg.pad_token_id if cfg.pad_token_id is not None else eos
+    width = max(len(p) for p in prompts)
+    # Left padding: the last column is every row's last prompt token, so new tokens line up.
+    input_ids = torch.tensor([[pad] * (width - len(p)) + p for p in prompts])          # (batch, width)
+    attention_mask = torch.tensor([[0] * (width - len(p)) + [1] * len(p) for p in prompts])
+    with torch.inference_mode():
+        out = model.generate(input_ids=input_ids, attention_mask=attention_mask, do_sample=False,
+                             max_new_tokens=max_new_tokens, min_new_tokens=max_new_tokens,
+                             pad_token_id=pad)                                    # (batch, width + new)
+    return [out.shape[1] - width] * len(prompts)
+
+
+def bench_hf(model, workload: Workload, batch_size: int) -> ThroughputResult:
+    """Static batches in request order; each runs to its longest request, only asked-for tokens count."""
+    counts = []
+    start = time.perf_counter()
+    for b in range(0, workload.num_requests, batch_size):
+        prompts = workload.prompt_token_ids[b:b + batch_size]
+        asked = workload.output_lens[b:b + batch_size]
+        got = hf_generate_batch(model, prompts, max(asked))
+        counts += [min(g, a) for g, a in zip(got, asked)]
+    return ThroughputResult("hf", time.perf_counter() - start, counts)
+
+
+# ---------------------------------------------------------------------------------------------- CLI
+ENGINE_ARGS = {  # flag -> EngineConfig field; only flags given on the command line are passed on
+    "model": "model", "dtype": "dtype", "device": "device", "max_num_seqs": "max_num_seqs",
+    "max_num_batched_tokens": "max_num_batched_tokens", "num_kv_blocks": "num_kv_blocks",
+    "block_size": "block_size", "attention_backend": "attention_backend",
+}
+
+
+def positive_int(text: str) -> int:
+    value = int(text)
+    if value < 1:
+        raise argparse.ArgumentTypeError(f"{value} is not a positive int")
+    return value
+
+
+def build_parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(prog="python -m minivllm.bench",
+                                description="Benchmark minivllm (optionally against Hugging Face transformers).")
+    p.add_argument("mode", nargs="?", default="offline", choices=["offline"],
+                   help="offline: throughput and latency of one batch of synthetic requests (default)")
+    w = p.add_argument_group("workload")
+    w.add_argument("--num-requests", type=positive_int, default=32)
+    w.add_argument("--input-len-min", type=positive_int, default=32)
+    w.add_argument("--input-len-max", type=positive_int, default=256)
+    w.add_argument("--output-len-min", type=positive_int, default=32)
+    w.add_argument("--output-len-max", type=positive_int, default=256)
+    w.add_argument("--seed", type=int, default=0)
+    e = p.add_argument_group("engine (defaults: minivllm's own)")
+    e.add_argument("--model", help="a local HF checkpoint directory (default: the embedded SmolLM2-135M)")
+    e.add_argument("--dtype", choices=["auto", "float32", "float16", "bfloat16"])
+    e.add_argument("--device")
+    e.add_argument("--max-num-seqs", type=positive_int)
+    e.add_argument("--max-num-batched-tokens", type=positive_int)
+    e.add_argument("--num-kv-blocks", type=positive_int)
+    e.add_argument("--block-size", type=positive_int)
+    e.add_argument("--no-prefix-caching", action="store_true")
+    e.add_argument("--attention-backend", choices=["auto", "torch", "triton"])
+    c = p.add_argument_group("comparison and output")
+    c.add_argument("--compare", choices=["hf"], help="also run Hugging Face generate on the same requests")
+    c.add_argument("--hf-batch-size", type=positive_int, default=16)
+    c.add_argument("--json", metavar="PATH", help="write every number to PATH as JSON")
+    return p
+
+
+def parse_args(argv=None) -> argparse.Namespace:
+    parser = build_parser()
+    args = parser.parse_args(argv)
+    for name in ("input_len", "output_len"):
+        lo, hi = getattr(args, f"{name}_min"), getattr(args, f"{name}_max")
+        if lo > hi:
+            flag = name.replace("_", "-")
+            parser.error(f"--{flag}-min is {lo}, above --{flag}-max ({hi}).")
+    args.parser = parser
+    return args
+
+
+def engine_kwargs(args: argparse.Namespace) -> dict:
+    kwargs = {field: getattr(args, flag) for flag, field in ENGINE_ARGS.items() if getattr(args, flag) is not None}
+    if args.no_prefix_caching:
+        kwargs["enable_prefix_caching"] = False
+    return kwargs
+
+
+def print_report(workload: Workload, mv: ThroughputResult, latency: LatencyResult,
+                 hf: ThroughputResult | None) -> None:
+    ms = 1000
+    print(f"requests:             {workload.num_requests}")
+    print(f"prompt tokens:        {workload.num_prompt_tokens}")
+    print(f"output tokens:        {mv.num_output_tokens} (asked for {workload.num_output_tokens})")
+    print(f"minivllm wall time:   {mv.wall_s:.2f} s")
+    print(f"minivllm throughput:  {mv.output_tokens_per_s:.1f} output tokens/s")
+    print(f"TTFT p50 / p99:       {latency.ttft_p50 * ms:.0f} / {latency.ttft_p99 * ms:.0f} ms")
+    print(f"TPOT p50 / p99:       {latency.tpot_p50 * ms:.1f} / {latency.tpot_p99 * ms:.1f} ms")
+    if hf is not None:
+        print(f"HF wall time:         {hf.wall_s:.2f} s")
+        print(f"HF throughput:        {hf.output_tokens_per_s:.1f} useful output tokens/s")
+        print(f"minivllm / HF:        {mv.output_tokens_per_s / hf.output_tokens_per_s:.2f}x")
+
+
+def main(argv=None) -> int:
+    args = parse_args(argv)
+    try:
+        llm = LLM(**engine_kwargs(args))
+    except (ValueError, FileNotFoundError) as e:           # a bad engine option is a usage error too
+        args.parser.error(str(e))
+    engine = llm.llm_engine
+    model_dir = engine.model_path
+    workload = Workload.random(args.num_requests, (args.input_len_min, args.input_len_max),
+                               (args.output_len_min, args.output_len_max),
+                               engine.model_config.vocab_size, args.seed)
+
+    warmup_minivllm(llm)
+    before = llm.get_stats()
+    mv, latency = bench_minivllm(llm, workload)
+    after = llm.get_stats()
+    engine_config = asdict(engine.config)
+
+    hf = None
+    if args.compare == "hf":
+        del llm, engine                                    # free minivllm's weights and KV cache first
+        gc.collect()
+        model = load_hf_model(model_dir)
+        hf_generate_batch(model, [[TOKEN_ID_LOW] * 8], 2)   # untimed warmup, like minivllm's
+        hf = bench_hf(model, workload, args.hf_batch_size)
+        del model
+        gc.collect()
+
+    print_report(workload, mv, latency, hf)
+    if args.json:
+        def run(r: ThroughputResult) -> dict:
+            return {"wall_s": r.wall_s, "output_tokens": r.num_output_tokens,
+                    "output_tokens_per_s": r.output_tokens_per_s,
+                    "output_tokens_per_request": r.output_tokens_per_request}
+        report = {
+            "mode": args.mode,
+            "workload": {"num_requests": workload.num_requests, "seed": workload.seed,
+                         "num_prompt_tokens": workload.num_prompt_tokens,
+                         "num_output_tokens": workload.num_output_tokens,
+                         "prompt_lens": [len(p) for p in workload.prompt_token_ids],
+                         "output_lens": workload.output_lens},
+            "engine_config": engine_config,
+            "minivllm": {**run(mv), **asdict(latency), "num_steps": after.num_steps - before.num_steps,
+                         "num_preemptions": after.num_preemptions - before.num_preemptions},
+            "hf": None if hf is None else {**run(hf), "batch_size": args.hf_batch_size},
+            "ratio_minivllm_over_hf": None if hf is None else mv.output_tokens_per_s / hf.output_tokens_per_s,
+        }
+        with open(args.json, "w") as f:
+            json.dump(report, f, indent=2, default=str)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
