@@ -10,6 +10,7 @@ waiting ones join at the start of the next.
 
 from __future__ import annotations
 
+import dataclasses
 import itertools
 import time
 from dataclasses import dataclass
@@ -18,7 +19,7 @@ from minivllm.block_manager import BlockManager
 from minivllm.config import EngineConfig
 from minivllm.detokenizer import DetokState, detokenize_incrementally, find_stop_string
 from minivllm.model import ModelConfig
-from minivllm.model_loader import load_tokenizer, resolve_device, resolve_model_path
+from minivllm.model_loader import check_checkpoint_files, load_tokenizer, resolve_device, resolve_model_path
 from minivllm.model_runner import ModelRunner
 from minivllm.outputs import CompletionOutput, RequestOutput
 from minivllm.request import Request, RequestStatus
@@ -49,6 +50,7 @@ class LLMEngine:
         self.config = config
         self.model_path = resolve_model_path(config.model)
         self.model_config = ModelConfig.from_dir(self.model_path)
+        check_checkpoint_files(self.model_path)
         self.device = resolve_device(config.device)
         self.tokenizer = load_tokenizer(self.model_path)
         self.max_model_len = config.max_model_len or self.model_config.max_position_embeddings
@@ -201,7 +203,7 @@ class LLMEngine:
         completion = CompletionOutput(0, req.output_text[:visible], list(req.output_token_ids),
                                       req.status.finish_reason if finished else None, req.stop_reason)
         return RequestOutput(req.request_id, req.prompt, req.prompt_token_ids, [completion], finished,
-                             req.metrics, req.num_cached_tokens, delta_text, delta_ids)
+                             dataclasses.replace(req.metrics), req.num_cached_tokens, delta_text, delta_ids)
 
     # ------------------------------------------------------------------ introspection
     def get_stats(self) -> EngineStats:

@@ -31,6 +31,16 @@ def resolve_model_path(model: str | None) -> Path:
     return path
 
 
+def check_checkpoint_files(path: Path) -> None:
+    """Fail early, naming what is missing, before anything slow is loaded."""
+    if not any(path.glob("*.safetensors")):
+        raise FileNotFoundError(f"{path} has no *.safetensors files; minivllm reads safetensors weights only "
+                                "(convert .bin checkpoints with transformers' save_pretrained).")
+    if not any((path / f).exists() for f in ("tokenizer.json", "tokenizer.model", "vocab.json")):
+        raise FileNotFoundError(f"{path} has no tokenizer files (tokenizer.json, tokenizer.model or "
+                                "vocab.json); copy them from the model's original repository.")
+
+
 def load_tokenizer(path: Path):
     """The checkpoint's own tokenizer. With a tokenizer.json we skip AutoTokenizer, whose config probing
     imports most of transformers (seconds); the fast tokenizer class reads the same files."""
@@ -44,11 +54,14 @@ def load_tokenizer(path: Path):
 def resolve_device(device: str) -> torch.device:
     if device == "auto":
         return torch.device("cuda" if torch.cuda.is_available() else "cpu")
-    dev = torch.device(device)
+    try:
+        dev = torch.device(device)
+    except RuntimeError:
+        dev = None
+    if dev is None or dev.type not in ("cpu", "cuda"):
+        raise ValueError(f"device is {device!r}; minivllm runs on 'auto', 'cpu' or 'cuda' (or 'cuda:N').")
     if dev.type == "cuda" and not torch.cuda.is_available():
         raise ValueError(f"device is {device!r} but torch sees no CUDA GPU; use device='cpu' or 'auto'.")
-    if dev.type not in ("cpu", "cuda"):
-        raise ValueError(f"device is {device!r}; minivllm runs on 'cpu' or 'cuda'.")
     return dev
 
 
@@ -75,10 +88,8 @@ def resolve_dtype(dtype: str | torch.dtype, cfg: ModelConfig, device: torch.devi
 
 def load_model(path: Path, cfg: ModelConfig, dtype: torch.dtype, device: torch.device,
                tp: TPGroup = TPGroup()) -> LlamaForCausalLM:
+    check_checkpoint_files(path)
     files = sorted(path.glob("*.safetensors"))
-    if not files:
-        raise FileNotFoundError(f"{path} has no *.safetensors files; minivllm reads safetensors weights only "
-                                "(convert .bin checkpoints with transformers' save_pretrained).")
     with torch.device(device):
         model = LlamaForCausalLM(cfg, tp)
     for p in model.parameters():          # weights in `dtype`; the rotary tables stay fp32

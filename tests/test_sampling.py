@@ -1,0 +1,69 @@
+"""Sampling: seeded reproducibility, batch independence, and the sampler's distribution."""
+
+from __future__ import annotations
+
+import torch
+
+from minivllm import SamplingParams
+from minivllm.request import Request
+from minivllm.sampler import Sampler, apply_top_k_top_p
+
+
+def test_seeded_sampling_repeats_across_runs(llm):
+    sp = SamplingParams(temperature=1.0, top_p=0.9, seed=1234, max_tokens=16, ignore_eos=True)
+    a = llm.generate("Tell me a story about a cat", sp, use_tqdm=False)[0].outputs[0].token_ids
+    b = llm.generate("Tell me a story about a cat", sp, use_tqdm=False)[0].outputs[0].token_ids
+    assert a == b
+
+
+def test_seeded_sampling_ignores_batch_composition(llm):
+    sp = SamplingParams(temperature=1.0, seed=7, max_tokens=16, ignore_eos=True)
+    alone = llm.generate("My favourite food is", sp, use_tqdm=False)[0].outputs[0].token_ids
+    others = [SamplingParams(temperature=1.0, max_tokens=n, ignore_eos=True) for n in (5, 20, 11)]
+    outs = llm.generate(["Dogs are", "My favourite food is", "Rain falls", "Numbers: 1, 2,"],
+                        [others[0], sp, others[1], others[2]], use_tqdm=False)
+    assert outs[1].outputs[0].token_ids == alone
+    different_seed = llm.generate("My favourite food is", SamplingParams(temperature=1.0, seed=8, max_tokens=16,
+                                  ignore_eos=True), use_tqdm=False)[0].outputs[0].token_ids
+    assert different_seed != alone          # the seed matters
+
+
+def test_top_k_1_and_tiny_top_p_equal_greedy(llm):
+    prompt = "The three primary colors are"
+    greedy = llm.generate(prompt, SamplingParams(temperature=0, max_tokens=12, ignore_eos=True),
+                          use_tqdm=False)[0].outputs[0].token_ids
+    for sp in (SamplingParams(temperature=1.5, top_k=1, seed=3, max_tokens=12, ignore_eos=True),
+               SamplingParams(temperature=1.5, top_p=1e-6, seed=3, max_tokens=12, ignore_eos=True)):
+        assert llm.generate(prompt, sp, use_tqdm=False)[0].outputs[0].token_ids == greedy
+
+
+def _requests(n, **kw):
+    return [Request(str(i), None, [1], SamplingParams(**kw)) for i in range(n)]
+
+
+def test_sampler_draws_from_softmax_of_scaled_logits():
+    """Frequencies over 20,000 draws match softmax(logits / T) within 4 standard errors."""
+    logits = torch.tensor([[2.0, 1.0, 0.5, 0.0, -1.0]]).repeat(20_000, 1)
+    sampler = Sampler(seed=0)
+    tokens = torch.tensor(sampler(logits, _requests(20_000, temperature=0.7)))
+    freq = torch.bincount(tokens, minlength=5).float() / len(tokens)
+    expected = (logits[0] / 0.7).softmax(-1)
+    stderr = (expected * (1 - expected) / len(tokens)).sqrt()
+    assert torch.all((freq - expected).abs() < 4 * stderr + 1e-4), (freq, expected)
+
+
+def test_top_k_top_p_keep_the_right_sets():
+    logits = torch.log(torch.tensor([[0.5, 0.3, 0.15, 0.05], [0.5, 0.3, 0.15, 0.05]]))
+    out = apply_top_k_top_p(logits, top_k=[2, -1], top_p=[1.0, 0.79])
+    assert torch.isfinite(out[0]).tolist() == [True, True, False, False]      # top-2
+    assert torch.isfinite(out[1]).tolist() == [True, True, False, False]      # 0.5 + 0.3 reaches 0.79
+    out = apply_top_k_top_p(logits, top_k=[-1, -1], top_p=[0.81, 1.0])
+    assert torch.isfinite(out[0]).tolist() == [True, True, True, False]
+    assert torch.isfinite(out[1]).all()
+
+
+def test_sampler_mixes_greedy_and_random_rows():
+    logits = torch.randn(6, 50, generator=torch.Generator().manual_seed(0))
+    reqs = _requests(3, temperature=0) + _requests(3, temperature=1.0, seed=1)
+    out = Sampler(0)(logits, reqs)
+    assert out[:3] == logits[:3].argmax(-1).tolist()

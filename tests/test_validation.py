@@ -1,0 +1,95 @@
+"""Bad input raises ValueError naming the value and the limit, before anything runs."""
+
+from __future__ import annotations
+
+import pytest
+
+from minivllm import LLM, SamplingParams
+
+
+@pytest.mark.parametrize("kwargs, words", [
+    (dict(max_tokens=0), ["max_tokens is 0", ">= 1"]),
+    (dict(temperature=-0.5), ["temperature is -0.5", ">= 0"]),
+    (dict(top_p=0.0), ["top_p is 0.0", "(0, 1]"]),
+    (dict(top_p=1.5), ["top_p is 1.5", "(0, 1]"]),
+    (dict(top_k=-3), ["top_k is -3"]),
+    (dict(max_tokens=2.5), ["max_tokens is 2.5", "int"]),
+    (dict(n=2), ["n is 2"]),
+    (dict(stop=[""]), ["stop contains ''"]),
+])
+def test_bad_sampling_params_are_refused(kwargs, words):
+    with pytest.raises(ValueError) as e:
+        SamplingParams(**kwargs)
+    for w in words:
+        assert w in str(e.value)
+
+
+def test_unknown_sampling_keys_are_refused():
+    with pytest.raises(ValueError, match=r"unknown sampling parameter\(s\) \['temprature'\]"):
+        SamplingParams.from_dict({"temprature": 0.5})
+
+
+def test_unknown_engine_keys_are_refused():
+    with pytest.raises(ValueError, match=r"unknown engine argument\(s\) \['max_num_seq'\]"):
+        LLM(max_num_seq=4)
+
+
+def _assert_engine_idle(llm):
+    engine = llm.llm_engine
+    assert not engine.has_unfinished_requests()
+    assert engine.block_manager.num_free_blocks == engine.block_manager.num_blocks
+
+
+def test_empty_prompt_is_refused_before_anything_runs(llm):
+    steps = llm.llm_engine.num_steps
+    with pytest.raises(ValueError, match="prompt 1: prompt is empty"):
+        llm.generate(["fine", ""], SamplingParams(max_tokens=2), use_tqdm=False)
+    assert llm.llm_engine.num_steps == steps
+    _assert_engine_idle(llm)
+
+
+def test_prompt_over_max_model_len_names_both_numbers(llm):
+    limit = llm.llm_engine.max_model_len
+    with pytest.raises(ValueError) as e:
+        llm.generate({"prompt_token_ids": [42] * (limit + 5)}, use_tqdm=False)
+    assert f"prompt has {limit + 5} tokens" in str(e.value) and f"max_model_len is {limit}" in str(e.value)
+    _assert_engine_idle(llm)
+
+
+def test_request_larger_than_the_pool_names_both_numbers(llm):
+    pool = llm.llm_engine.block_manager.num_blocks
+    with pytest.raises(ValueError) as e:
+        llm.generate({"prompt_token_ids": [42] * 100}, SamplingParams(max_tokens=pool * 16), use_tqdm=False)
+    assert f"whole pool has {pool} blocks" in str(e.value)
+    _assert_engine_idle(llm)
+
+
+def test_bad_token_ids_and_prompt_shapes(llm):
+    with pytest.raises(ValueError, match=r"token ids must be ints in \[0, 49152\)"):
+        llm.generate({"prompt_token_ids": [1, 999999]}, use_tqdm=False)
+    with pytest.raises(ValueError, match="unknown key"):
+        llm.generate({"prompt_ids": [1, 2]}, use_tqdm=False)
+    with pytest.raises(ValueError, match="sampling_params has 2 entries for 3 prompts"):
+        llm.generate(["a", "b", "c"], [SamplingParams(), SamplingParams()], use_tqdm=False)
+    _assert_engine_idle(llm)
+
+
+def test_stop_strings_are_cut_and_stop_reason_set(llm):
+    base = llm.generate("Count: 1, 2, 3, 4,", SamplingParams(temperature=0, max_tokens=12, ignore_eos=True),
+                        use_tqdm=False)[0].outputs[0]
+    assert " 6" in base.text
+    out = llm.generate("Count: 1, 2, 3, 4,", SamplingParams(temperature=0, max_tokens=12, stop=[" 6"]),
+                       use_tqdm=False)[0].outputs[0]
+    assert out.finish_reason == "stop" and out.stop_reason == " 6"
+    assert out.text == base.text[:base.text.index(" 6")]
+
+
+def test_stop_token_ids_and_max_tokens(llm):
+    base = llm.generate("Count: 1, 2, 3, 4,", SamplingParams(temperature=0, max_tokens=8, ignore_eos=True),
+                        use_tqdm=False)[0].outputs[0]
+    stop_tok = base.token_ids[3]
+    out = llm.generate("Count: 1, 2, 3, 4,", SamplingParams(temperature=0, max_tokens=8,
+                       stop_token_ids=[stop_tok]), use_tqdm=False)[0].outputs[0]
+    assert out.token_ids == base.token_ids[:base.token_ids.index(stop_tok) + 1]
+    assert out.finish_reason == "stop" and out.stop_reason == stop_tok
+    assert base.finish_reason == "length" and len(base.token_ids) == 8
