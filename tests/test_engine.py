@@ -1,0 +1,66 @@
+"""The engine loop: continuous batching, aborts, and streaming deltas."""
+
+from __future__ import annotations
+
+from minivllm import SamplingParams
+
+
+def greedy(n):
+    return SamplingParams(temperature=0, max_tokens=n, ignore_eos=True)
+
+
+def run_alone(llm, prompt, n):
+    return llm.generate(prompt, greedy(n), use_tqdm=False)[0].outputs[0].token_ids
+
+
+def test_requests_join_and_leave_a_running_batch(llm):
+    engine = llm.llm_engine
+    a = engine.add_request("The sun rises in the", greedy(12))
+    for _ in range(4):
+        engine.step()
+    b = engine.add_request("Water boils at", greedy(4))         # joins while a is decoding
+    engine.step()
+    assert {r.request_id for r in engine.scheduler.running} == {a.request_id, b.request_id}
+    finished = {}
+    while engine.has_unfinished_requests():
+        for out in engine.step():
+            if out.finished:
+                finished[out.request_id] = out
+                if out.request_id == b.request_id:              # b left first; a keeps running
+                    assert [r.request_id for r in engine.scheduler.running] == [a.request_id]
+    assert finished[a.request_id].outputs[0].token_ids == run_alone(llm, "The sun rises in the", 12)
+    assert finished[b.request_id].outputs[0].token_ids == run_alone(llm, "Water boils at", 4)
+
+
+def test_abort_frees_every_block_at_any_point(llm):
+    engine = llm.llm_engine
+    bm = engine.block_manager
+    waiting = engine.add_request("never scheduled " * 10, greedy(50))
+    assert engine.abort_request(waiting.request_id).outputs[0].finish_reason == "abort"
+    running = engine.add_request("Tell me about the ocean " * 10, greedy(50))
+    other = engine.add_request("Tell me about the desert", greedy(6))
+    engine.step()
+    engine.step()
+    assert running.block_table and bm.num_free_blocks < bm.num_blocks
+    out = engine.abort_request(running.request_id)
+    assert out.finished and out.outputs[0].finish_reason == "abort"
+    engine.check_integrity()
+    while engine.has_unfinished_requests():
+        engine.step()
+    assert other.num_output_tokens == 6
+    assert bm.num_free_blocks == bm.num_blocks
+    assert engine.abort_request(running.request_id) is None      # unknown or finished: ignored
+
+
+def test_stream_deltas_add_up_to_the_final_text(llm):
+    engine = llm.llm_engine
+    req = engine.add_request("Write a sentence about rivers:", SamplingParams(temperature=0, max_tokens=24,
+                                                                              stop=["sea"]))
+    text, ids, final = "", [], None
+    while engine.has_unfinished_requests():
+        for out in engine.step():
+            text += out.delta_text
+            ids += out.delta_token_ids
+            final = out
+    assert final.finished and text == final.outputs[0].text and ids == final.outputs[0].token_ids
+    assert req.request_id == final.request_id
