@@ -46,15 +46,21 @@ class Block:
 
 @dataclass
 class BlockEvents:
-    """What happened to blocks since the last `pop_events()`: the step trace reads this."""
+    """What happened to blocks since the last `pop_events()`: the step trace reads this.
+
+    swap_out / swap_in are (src, dst) block pairs the model runner must copy before the next forward:
+    device -> CPU pool for swap_out, CPU pool -> device for swap_in."""
     allocated: list[int] = field(default_factory=list)
     freed: list[int] = field(default_factory=list)
     evicted: list[int] = field(default_factory=list)
     prefix_hit_blocks: list[int] = field(default_factory=list)
+    swap_out: list[tuple[int, int]] = field(default_factory=list)
+    swap_in: list[tuple[int, int]] = field(default_factory=list)
 
 
 class BlockManager:
-    def __init__(self, num_blocks: int, block_size: int, enable_prefix_caching: bool = True):
+    def __init__(self, num_blocks: int, block_size: int, enable_prefix_caching: bool = True,
+                 num_cpu_blocks: int = 0):
         if num_blocks < 1 or block_size < 1:
             raise ValueError(f"num_blocks={num_blocks} and block_size={block_size} must both be >= 1.")
         self.num_blocks = num_blocks
@@ -69,6 +75,10 @@ class BlockManager:
         self.prefix_cache_hits = 0
         self.num_evictions = 0
         self.events = BlockEvents()
+        # The CPU swap pool (preemption_mode="swap"): plain free list, one owner per block, no sharing.
+        self.num_cpu_blocks = num_cpu_blocks
+        self.cpu_free: deque[int] = deque(range(num_cpu_blocks))
+        self.cpu_block_tables: dict[str, list[int]] = {}     # request_id -> its blocks in the CPU pool
 
     # ------------------------------------------------------------------ queries
     @property
@@ -187,6 +197,46 @@ class BlockManager:
         request.block_table = []
         request.num_computed_tokens = 0
 
+    # ------------------------------------------------------------------ swapping (preemption_mode="swap")
+    def can_swap_out(self, request: Request) -> bool:
+        return len(request.block_table) <= len(self.cpu_free)
+
+    def swap_out(self, request: Request) -> list[tuple[int, int]]:
+        """Copy the request's blocks to the CPU pool and release them here. Its num_computed_tokens stays:
+        the KV is not lost, only moved."""
+        cpu_table = [self.cpu_free.popleft() for _ in request.block_table]
+        pairs = list(zip(request.block_table, cpu_table))      # (device block, CPU block) to copy
+        self.events.swap_out += pairs
+        num_computed = request.num_computed_tokens
+        self.free(request)
+        request.num_computed_tokens = num_computed
+        self.cpu_block_tables[request.request_id] = cpu_table
+        return pairs
+
+    def can_swap_in(self, request: Request, num_new_tokens: int) -> bool:
+        total = request.num_computed_tokens + num_new_tokens
+        return self.blocks_needed(total) <= self.num_free_blocks
+
+    def swap_in(self, request: Request) -> list[tuple[int, int]]:
+        """Bring a swapped request's blocks back into fresh device blocks (they are re-hashed after the
+        next step, like any newly computed block)."""
+        cpu_table = self.cpu_block_tables.pop(request.request_id)
+        pairs = []                                               # (CPU block, device block) to copy
+        for cpu_block in cpu_table:
+            block_id = self._take_free_block()
+            self.blocks[block_id].ref_count = 1
+            request.block_table.append(block_id)
+            self.events.allocated.append(block_id)
+            pairs.append((cpu_block, block_id))
+        self.events.swap_in += pairs
+        self.cpu_free.extend(cpu_table)
+        return pairs
+
+    def free_swapped(self, request: Request) -> None:
+        """Drop a swapped request's CPU blocks (it was aborted while swapped out)."""
+        self.cpu_free.extend(self.cpu_block_tables.pop(request.request_id, []))
+        request.num_computed_tokens = 0
+
     def reset_prefix_cache(self) -> None:
         """Forget every cached-free block (the KV stays, but nobody can hit it any more)."""
         while self.cached_free:
@@ -228,6 +278,10 @@ class BlockManager:
             assert b not in self.clean_free, f"block {b} is in the hash map and clean-free"
         for b in self.cached_free:
             assert self.hash_to_block.get(self.blocks[b].block_hash) == b, f"cached-free block {b} not in map"
+        cpu_held = [b for table in self.cpu_block_tables.values() for b in table]
+        assert len(cpu_held) == len(set(cpu_held)) and not set(cpu_held) & set(self.cpu_free), (
+            "a CPU block is owned twice, or owned and free")
+        assert len(cpu_held) + len(self.cpu_free) == self.num_cpu_blocks, "CPU pool: free + in use != total"
         # A request's hashed blocks hold exactly its tokens.
         for req in requests:
             for i, b in enumerate(req.block_table):

@@ -22,7 +22,8 @@ class EngineConfig:
     max_num_batched_tokens: int = 8192      # token budget of one step (chunked prefill splits longer prompts)
     max_model_len: int | None = None        # None: the model's max_position_embeddings
     enable_prefix_caching: bool = True
-    preemption_mode: str = "recompute"
+    preemption_mode: str = "recompute"      # recompute | swap
+    swap_space: float = 1.0                 # GiB of CPU memory for swapped-out KV (preemption_mode="swap")
     tensor_parallel_size: int = 1
     attention_backend: str = "auto"         # auto | torch | triton
     seed: int = 0                           # for requests without their own seed

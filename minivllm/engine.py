@@ -13,6 +13,7 @@ from __future__ import annotations
 import dataclasses
 import itertools
 import time
+from collections.abc import Callable
 from dataclasses import dataclass
 
 from minivllm.block_manager import BlockManager
@@ -24,7 +25,8 @@ from minivllm.model_runner import ModelRunner
 from minivllm.outputs import CompletionOutput, RequestOutput
 from minivllm.request import Request, RequestStatus
 from minivllm.sampling_params import SamplingParams
-from minivllm.scheduler import Scheduler, SchedulerOutput
+from minivllm.scheduler import Scheduler
+from minivllm.trace import StepTrace, build_step_trace
 
 PromptType = str | dict | list
 
@@ -59,7 +61,7 @@ class LLMEngine:
                              f"max_position_embeddings of {self.model_config.max_position_embeddings}.")
         self.model_runner = ModelRunner(config, self.model_path, self.model_config, self.device)
         self.block_manager = BlockManager(self.model_runner.num_kv_blocks, config.block_size,
-                                          config.enable_prefix_caching)
+                                          config.enable_prefix_caching, self.model_runner.num_cpu_blocks)
         self.scheduler = Scheduler(self.block_manager, config.max_num_seqs, config.max_num_batched_tokens,
                                    config.preemption_mode)
         eos = set(self.model_config.eos_token_id)
@@ -71,6 +73,7 @@ class LLMEngine:
         self.num_steps = 0
         self.num_prompt_tokens_computed = 0
         self.num_generated_tokens = 0
+        self.trace_listeners: list[Callable[[StepTrace], None]] = []
 
     # ------------------------------------------------------------------ requests in
     def tokenize(self, prompt: PromptType) -> tuple[str | None, list[int]]:
@@ -143,6 +146,7 @@ class LLMEngine:
     # ------------------------------------------------------------------ the step
     def step(self) -> list[RequestOutput]:
         """One engine iteration. Returns an output for every request that got a token or finished."""
+        start = time.perf_counter()
         sched = self.scheduler.schedule()
         if sched.is_empty:
             return []
@@ -155,11 +159,25 @@ class LLMEngine:
         self.num_steps += 1
         self.num_prompt_tokens_computed += sched.num_prefill_tokens
         outputs = [self._process_token(req, tok) for req, tok in zip(sampling_reqs, tokens)]
-        self._after_step(sched)
+        events = self.block_manager.pop_events()
+        if self.trace_listeners:
+            finished = [r for r in sampling_reqs if r.is_finished]
+            trace = build_step_trace(self.num_steps, time.perf_counter() - start, sched, events,
+                                     self.scheduler.running + self.scheduler.waiting, finished,
+                                     self.block_manager, self.scheduler.num_preemptions)
+            for listener in self.trace_listeners:
+                listener(trace)
         return outputs
 
-    def _after_step(self, sched: SchedulerOutput) -> None:
-        """Hook for the step trace (see trace.py)."""
+    def add_trace_listener(self, listener: Callable[[StepTrace], None]) -> None:
+        """Call `listener(StepTrace)` after every step (see trace.py). Costs nothing while there are none."""
+        self.trace_listeners.append(listener)
+
+    def record_traces(self) -> list[StepTrace]:
+        """A list that every following step appends its StepTrace to."""
+        traces: list[StepTrace] = []
+        self.add_trace_listener(traces.append)
+        return traces
 
     def _process_token(self, req: Request, token: int) -> RequestOutput:
         now = time.time()

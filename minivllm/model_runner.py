@@ -44,6 +44,12 @@ class ModelRunner:
         self.kv_cache = torch.zeros(2, model_cfg.num_hidden_layers, self.num_kv_blocks, self.block_size,
                                     self.num_kv_heads, model_cfg.head_dim, dtype=self.dtype, device=device)
         self.kv_caches = [(self.kv_cache[0, i], self.kv_cache[1, i]) for i in range(model_cfg.num_hidden_layers)]
+        # The CPU pool that preemption_mode="swap" copies whole blocks to and from (same layout).
+        self.num_cpu_blocks = (int(config.swap_space * 1024 ** 3 // self.bytes_per_block)
+                               if config.preemption_mode == "swap" else 0)
+        self.cpu_kv_cache = torch.zeros((2, model_cfg.num_hidden_layers, self.num_cpu_blocks)
+                                        + tuple(self.kv_cache.shape[3:]), dtype=self.dtype,
+                                        pin_memory=device.type == "cuda" and self.num_cpu_blocks > 0)
 
     @property
     def bytes_per_block(self) -> int:
@@ -101,9 +107,22 @@ class ModelRunner:
         return t(input_ids, torch.int64), t(positions, torch.int64), meta, sample_rows, sampling_requests
 
     # ------------------------------------------------------------------ the step
+    def swap_blocks(self, out: SchedulerOutput) -> None:
+        """Copy whole blocks (every layer, K and V) between the device cache and the CPU pool.
+        Swap-outs go first: a block freed by a swap-out may be handed to another request this step."""
+        if out.blocks_to_swap_out:
+            src, dst = (list(x) for x in zip(*out.blocks_to_swap_out))
+            self.cpu_kv_cache[:, :, dst] = self.kv_cache[:, :, src].cpu()
+        if out.blocks_to_swap_in:
+            src, dst = (list(x) for x in zip(*out.blocks_to_swap_in))
+            self.kv_cache[:, :, dst] = self.cpu_kv_cache[:, :, src].to(self.device)
+
     @torch.inference_mode()
     def execute_model(self, out: SchedulerOutput) -> tuple[list[Request], list[int]]:
         """Run one step. Returns the requests that sampled a token and their tokens, in batch order."""
+        self.swap_blocks(out)
+        if not out.scheduled:
+            return [], []
         input_ids, positions, meta, sample_rows, sampling_requests = self.prepare_inputs(out)
         hidden = self.model(input_ids, positions, self.kv_caches, meta, self.backend)   # (num_tokens, hidden)
         if not sampling_requests:

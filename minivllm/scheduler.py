@@ -14,6 +14,13 @@ Order within a step:
      running request (possibly itself);
   2. waiting requests by (priority, arrival), while the token budget, max_num_seqs and the free blocks
      allow; skipped in a step that preempted (the pool is full, admitting more would thrash).
+     Preempted requests re-enter this queue by their original arrival, so they come back first.
+
+Preemption modes (vLLM's names):
+    recompute  drop the KV; the request re-runs its prompt + outputs as one prefill when it returns
+               (its full blocks stay in the prefix cache, so it often hits them)
+    swap       copy its blocks to a CPU pool; copy them back when it returns (falls back to recompute
+               when the CPU pool is full)
 """
 
 from __future__ import annotations
@@ -31,10 +38,14 @@ class SchedulerOutput:
     """One step's plan: plain data the model runner, the trace and the tests read."""
     scheduled: list[Request]                 # batch order
     num_scheduled_tokens: dict[str, int]     # request_id -> tokens to compute this step
+    kinds: dict[str, str] = field(default_factory=dict)      # request_id -> "prefill" | "decode"
     num_prefill_tokens: int = 0
     num_decode_tokens: int = 0
     preempted: list[Request] = field(default_factory=list)
     newly_admitted: list[str] = field(default_factory=list)   # request ids moved waiting -> running
+    # KV copies the model runner does before the forward, as (src block, dst block):
+    blocks_to_swap_out: list[tuple[int, int]] = field(default_factory=list)   # device -> CPU pool
+    blocks_to_swap_in: list[tuple[int, int]] = field(default_factory=list)    # CPU pool -> device
 
     @property
     def total_num_tokens(self) -> int:
@@ -42,14 +53,15 @@ class SchedulerOutput:
 
     @property
     def is_empty(self) -> bool:
-        return not self.scheduled
+        """Nothing to run and nothing to copy."""
+        return not (self.scheduled or self.blocks_to_swap_out or self.blocks_to_swap_in)
 
 
 class Scheduler:
     def __init__(self, block_manager: BlockManager, max_num_seqs: int, max_num_batched_tokens: int,
                  preemption_mode: str = "recompute"):
-        if preemption_mode != "recompute":
-            raise ValueError(f"preemption_mode is {preemption_mode!r}; this scheduler supports 'recompute'.")
+        if preemption_mode not in ("recompute", "swap"):
+            raise ValueError(f"preemption_mode is {preemption_mode!r}; choose 'recompute' or 'swap'.")
         self.block_manager = block_manager
         self.max_num_seqs = max_num_seqs
         self.max_num_batched_tokens = max_num_batched_tokens
@@ -57,6 +69,7 @@ class Scheduler:
         self.waiting: list[Request] = []     # sorted by (priority, arrival_time, admission order)
         self.running: list[Request] = []
         self.num_preemptions = 0
+        self._swap_out: list[tuple[int, int]] = []     # filled by _preempt during schedule()
         self._order = itertools.count()
         self._keys: dict[str, tuple] = {}
 
@@ -76,6 +89,8 @@ class Scheduler:
         budget = self.max_num_batched_tokens
         scheduled: dict[Request, int] = {}
         preempted: list[Request] = []
+        self._swap_out: list[tuple[int, int]] = []
+        swap_in: list[tuple[int, int]] = []
 
         # 1. Running requests: decodes (1 token left to compute) before prefill chunks.
         for req in sorted(self.running, key=lambda r: r.num_tokens - r.num_computed_tokens > 1):
@@ -100,11 +115,18 @@ class Scheduler:
         admitted: list[str] = []
         while self.waiting and budget > 0 and len(self.running) < self.max_num_seqs and not preempted:
             req = self.waiting[0]
-            computed = self.block_manager.get_computed_blocks(req)
-            n = min(req.num_tokens - req.num_computed_tokens - len(computed) * self.block_manager.block_size,
-                    budget)
-            if not self.block_manager.allocate_slots(req, n, computed):
-                break                                            # no room: it waits, in order
+            if req.status is RequestStatus.SWAPPED:              # its KV is in the CPU pool: bring it back
+                n = min(req.num_tokens - req.num_computed_tokens, budget)
+                if not self.block_manager.can_swap_in(req, n):
+                    break
+                swap_in += self.block_manager.swap_in(req)
+                assert self.block_manager.allocate_slots(req, n)
+            else:
+                computed = self.block_manager.get_computed_blocks(req)
+                n = min(req.num_tokens - req.num_computed_tokens - len(computed) * self.block_manager.block_size,
+                        budget)
+                if not self.block_manager.allocate_slots(req, n, computed):
+                    break                                        # no room: it waits, in order
             self.waiting.pop(0)
             if req.status is RequestStatus.WAITING:              # first admission: record prefix hits
                 req.num_cached_tokens = len(computed) * self.block_manager.block_size
@@ -116,9 +138,13 @@ class Scheduler:
 
         out = SchedulerOutput(scheduled=list(scheduled),
                               num_scheduled_tokens={r.request_id: n for r, n in scheduled.items()},
-                              preempted=preempted, newly_admitted=admitted)
+                              preempted=preempted, newly_admitted=admitted,
+                              blocks_to_swap_out=self._swap_out, blocks_to_swap_in=swap_in)
         for req, n in scheduled.items():
-            is_decode = req.num_computed_tokens + n == req.num_tokens and n == 1 and req.num_output_tokens > 0
+            # A decode computes the one token sampled last step; anything else is (a chunk of) a prefill,
+            # including a preempted request recomputing its prompt and outputs.
+            is_decode = n == 1 and req.num_output_tokens > 0 and req.num_computed_tokens == req.num_tokens - 1
+            out.kinds[req.request_id] = "decode" if is_decode else "prefill"
             if is_decode:
                 out.num_decode_tokens += n
             else:
@@ -126,13 +152,14 @@ class Scheduler:
         return out
 
     def _preempt(self, req: Request) -> None:
-        """Recompute mode: drop the request's KV and send it back to the waiting queue.
-
-        Its full blocks stay in the prefix cache (cached-free), so when it comes back it may hit them.
-        """
+        """Send a running request back to the waiting queue, its KV swapped out or dropped."""
         self.running.remove(req)
-        self.block_manager.free(req)          # also resets num_computed_tokens to 0
-        req.status = RequestStatus.PREEMPTED
+        if self.preemption_mode == "swap" and self.block_manager.can_swap_out(req):
+            self._swap_out += self.block_manager.swap_out(req)
+            req.status = RequestStatus.SWAPPED
+        else:
+            self.block_manager.free(req)      # also resets num_computed_tokens to 0
+            req.status = RequestStatus.PREEMPTED
         req.num_preemptions += 1
         self.num_preemptions += 1
         self._push_waiting(req)
@@ -151,6 +178,8 @@ class Scheduler:
             self.running.remove(req)
         elif req in self.waiting:
             self.waiting.remove(req)
+        if req.status is RequestStatus.SWAPPED:
+            self.block_manager.free_swapped(req)
         self.block_manager.free(req)
         req.status = status
         self._keys.pop(req.request_id, None)
