@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import pytest
+
 from minivllm import SamplingParams
 
 
@@ -64,3 +66,21 @@ def test_stream_deltas_add_up_to_the_final_text(llm):
             final = out
     assert final.finished and text == final.outputs[0].text and ids == final.outputs[0].token_ids
     assert req.request_id == final.request_id
+
+
+def test_a_request_that_can_never_fit_fails_alone(model_dir):
+    from minivllm import LLM
+
+    llm = LLM(str(model_dir), device="cpu", dtype="float32", num_kv_blocks=8, max_model_len=200)
+    engine = llm.llm_engine
+    ok = [engine.add_request(p, greedy(6)) for p in ("The sky is", "Grass is")]
+    with pytest.raises(ValueError) as too_long:
+        engine.add_request({"prompt_token_ids": [42] * 220}, greedy(4))
+    assert "prompt has 220 tokens" in str(too_long.value) and "max_model_len is 200" in str(too_long.value)
+    with pytest.raises(ValueError) as too_big:                   # 100 + 60 tokens: 159 need KV, 10 blocks
+        engine.add_request({"prompt_token_ids": [42] * 100}, greedy(60))
+    assert "needs 10 KV blocks" in str(too_big.value) and "whole pool has 8 blocks" in str(too_big.value)
+    while engine.has_unfinished_requests():
+        engine.step()
+    assert all(r.num_output_tokens == 6 for r in ok)
+    assert engine.block_manager.num_free_blocks == 8
