@@ -54,6 +54,7 @@ def paged_decode_attention(query: torch.Tensor, key_cache: torch.Tensor, value_c
     valid = pos[None, :] < seq_lens.to(query.device)[:, None]  # (num_seqs, max_len)
     scores = scores.masked_fill(~valid[:, None, None, :], float("-inf"))
     probs = scores.softmax(dim=-1)
+    v = v.masked_fill(~valid[:, :, None, None], 0.0)          # never-written slots may hold NaN/inf
     out = torch.einsum("bhgt,bthd->bhgd", probs, v)            # (num_seqs, kv_heads, group, head_dim)
     return out.reshape(num_seqs, num_heads, head_dim).to(query.dtype)
 

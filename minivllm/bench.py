@@ -20,6 +20,7 @@ from __future__ import annotations
 import argparse
 import gc
 import json
+import os
 import random
 import sys
 import time
@@ -264,8 +265,17 @@ def print_report(workload: Workload, mv: ThroughputResult, latency: LatencyResul
         print(f"minivllm / HF:        {mv.output_tokens_per_s / hf.output_tokens_per_s:.2f}x")
 
 
+def host_info() -> dict:
+    """What else the machine was doing: on a shared 2-core box a busy neighbour halves every number."""
+    import torch
+
+    return {"cpu_count": os.cpu_count(), "torch_threads": torch.get_num_threads(),
+            "loadavg_1min": os.getloadavg()[0]}
+
+
 def main(argv=None) -> int:
     args = parse_args(argv)
+    host_before = host_info()
     try:
         llm = LLM(**engine_kwargs(args))
     except (ValueError, FileNotFoundError) as e:           # a bad engine option is a usage error too
@@ -292,7 +302,10 @@ def main(argv=None) -> int:
         del model
         gc.collect()
 
+    host_after = host_info()
     print_report(workload, mv, latency, hf)
+    print(f"load average (1 min): {host_before['loadavg_1min']:.2f} at start, {host_after['loadavg_1min']:.2f} "
+          f"at end, on {host_before['cpu_count']} CPUs")
     if args.json:
         def run(r: ThroughputResult) -> dict:
             return {"wall_s": r.wall_s, "output_tokens": r.num_output_tokens,
@@ -306,6 +319,7 @@ def main(argv=None) -> int:
                          "prompt_lens": [len(p) for p in workload.prompt_token_ids],
                          "output_lens": workload.output_lens},
             "engine_config": engine_config,
+            "host": {"start": host_before, "end": host_after},
             "minivllm": {**run(mv), **asdict(latency), "num_steps": after.num_steps - before.num_steps,
                          "num_preemptions": after.num_preemptions - before.num_preemptions},
             "hf": None if hf is None else {**run(hf), "batch_size": args.hf_batch_size},

@@ -40,14 +40,15 @@ class ModelRunner:
         self.block_size = config.block_size
         self.num_kv_heads = model_cfg.num_key_value_heads // tp.size     # this rank's share
         self.num_kv_blocks = config.num_kv_blocks or self._auto_num_blocks()
-        # One tensor for the whole cache: (2, num_layers, num_blocks, block_size, kv_heads, head_dim)
-        self.kv_cache = torch.zeros(2, model_cfg.num_hidden_layers, self.num_kv_blocks, self.block_size,
+        # One tensor for the whole cache: (2, num_layers, num_blocks, block_size, kv_heads, head_dim).
+        # Left uninitialized (zeroing a GiB costs seconds): every kernel masks slots past seq_len.
+        self.kv_cache = torch.empty(2, model_cfg.num_hidden_layers, self.num_kv_blocks, self.block_size,
                                     self.num_kv_heads, model_cfg.head_dim, dtype=self.dtype, device=device)
         self.kv_caches = [(self.kv_cache[0, i], self.kv_cache[1, i]) for i in range(model_cfg.num_hidden_layers)]
         # The CPU pool that preemption_mode="swap" copies whole blocks to and from (same layout).
         self.num_cpu_blocks = (int(config.swap_space * 1024 ** 3 // self.bytes_per_block)
                                if config.preemption_mode == "swap" else 0)
-        self.cpu_kv_cache = torch.zeros((2, model_cfg.num_hidden_layers, self.num_cpu_blocks)
+        self.cpu_kv_cache = torch.empty((2, model_cfg.num_hidden_layers, self.num_cpu_blocks)
                                         + tuple(self.kv_cache.shape[3:]), dtype=self.dtype,
                                         pin_memory=device.type == "cuda" and self.num_cpu_blocks > 0)
 
