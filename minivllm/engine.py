@@ -42,6 +42,7 @@ class EngineStats:
     prefix_cache_hits: int           # tokens
     prefix_cache_queries: int        # tokens
     num_preemptions: int
+    num_swapped: int                 # requests whose KV is in the CPU pool right now
     num_steps: int
     num_prompt_tokens_computed: int  # prefill tokens that ran through the model (recomputes included)
     num_generated_tokens: int
@@ -50,6 +51,9 @@ class EngineStats:
 class LLMEngine:
     def __init__(self, config: EngineConfig):
         self.config = config
+        if config.tensor_parallel_size != 1:
+            raise ValueError(f"tensor_parallel_size is {config.tensor_parallel_size}; this build runs on one "
+                             "device only (tensor_parallel_size=1). Tensor parallelism is not implemented yet.")
         self.model_path = resolve_model_path(config.model)
         self.model_config = ModelConfig.from_dir(self.model_path)
         check_checkpoint_files(self.model_path)
@@ -231,6 +235,7 @@ class LLMEngine:
             num_kv_blocks=bm.num_blocks, num_free_blocks=bm.num_free_blocks, kv_usage=bm.usage,
             prefix_cache_hit_rate=bm.prefix_cache_hit_rate, prefix_cache_hits=bm.prefix_cache_hits,
             prefix_cache_queries=bm.prefix_cache_queries, num_preemptions=self.scheduler.num_preemptions,
+            num_swapped=len(bm.cpu_block_tables),
             num_steps=self.num_steps, num_prompt_tokens_computed=self.num_prompt_tokens_computed,
             num_generated_tokens=self.num_generated_tokens)
 

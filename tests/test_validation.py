@@ -93,3 +93,8 @@ def test_stop_token_ids_and_max_tokens(llm):
     assert out.token_ids == base.token_ids[:base.token_ids.index(stop_tok) + 1]
     assert out.finish_reason == "stop" and out.stop_reason == stop_tok
     assert base.finish_reason == "length" and len(base.token_ids) == 8
+
+
+def test_tensor_parallelism_is_refused_until_implemented(model_dir):
+    with pytest.raises(ValueError, match="tensor_parallel_size is 3"):
+        LLM(str(model_dir), device="cpu", tensor_parallel_size=3)
