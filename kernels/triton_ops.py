@@ -1,0 +1,390 @@
+"""Triton kernels for paged attention and the KV store, with their Python wrappers.
+
+Each kernel follows the same arc: the math in plain PyTorch (`reference.py`, also the test oracle) -> the
+kernel here -> its wrapper here (same signature as the reference) -> `tests/test_kernels.py` (kernel vs
+reference on awkward shapes, on CPU under TRITON_INTERPRET=1) -> `python -m minivllm.bench kernels` (GPU).
+
+    store_kv_cache           key/value (num_tokens, num_kv_heads, head_dim) -> their cache slots.
+                             A few tokens per program; slot -1 (padding) writes nothing.
+    paged_decode_attention   one query token per sequence against its seq_len cached tokens.
+                             One program per (sequence, KV head, split): it holds the whole group of query
+                             heads sharing that KV head (GQA), so each KV tile is read once per group.
+                             With num_splits > 1 (flash-decoding) each program covers a slice of the context
+                             and writes a partial (max, sum, acc); `_merge_splits_kernel` combines them.
+    paged_prefill_attention  causal attention for a flat batch; sequence i's q_len_i new tokens are its last
+                             q_len_i positions, so prefix-cached context and chunked prefill need nothing extra.
+                             One program per (query tile, query head, sequence).
+
+Layouts (as in kernels/__init__.py; the last dimension of every tensor must be contiguous):
+    key_cache, value_cache   (num_blocks, block_size, num_kv_heads, head_dim), same strides
+    block_tables             (num_seqs, max_blocks_per_seq) int32: token t of sequence i lives in
+                             cache[block_tables[i, t // block_size], t % block_size]
+    seq_lens                 (num_seqs,) int32, KV length including the new tokens
+    cu_seqlens_q             (num_seqs + 1,) int32, query row offsets
+
+Precision: softmax statistics and accumulators are fp32; scores use exp2 with scale * log2(e) folded in.
+Dots take the cache's dtype (fp16/bf16 tensor cores on a GPU, fp32 accumulation); fp32 dots are exact
+("ieee", not tf32). bf16 is wrong in Triton's CPU interpreter, so there bf16 loads are upcast to fp32 first.
+
+Tile sizes are chosen by a rule, not @triton.autotune (which needs a GPU). head_dim need not be a power of
+two: tiles are padded to one and masked. Slots past seq_len are never read (the cache is uninitialized).
+"""
+
+from __future__ import annotations
+
+import functools
+import os
+
+import torch
+import triton
+import triton.language as tl
+
+LOG2E = 1.4426950408889634        # exp(x) == exp2(x * log2(e))
+MIN_TOKENS_PER_SPLIT = 256          # a split-KV slice shorter than this costs more in merging than it saves
+MAX_SPLITS = 32
+
+
+def _interpreting() -> bool:
+    return os.environ.get("TRITON_INTERPRET") == "1"
+
+
+def _pow2(n: int, at_least: int = 1) -> int:
+    return max(at_least, triton.next_power_of_2(n))
+
+
+def _check_cache(key_cache: torch.Tensor, value_cache: torch.Tensor) -> None:
+    if key_cache.shape != value_cache.shape or key_cache.stride() != value_cache.stride():
+        raise ValueError(f"key_cache {tuple(key_cache.shape)} / {key_cache.stride()} and value_cache "
+                         f"{tuple(value_cache.shape)} / {value_cache.stride()} must share one layout.")
+    if key_cache.stride(-1) != 1:
+        raise ValueError(f"the caches' head_dim must be contiguous (stride {key_cache.stride(-1)}).")
+
+
+def _upcast(dtype: torch.dtype) -> bool:
+    """Load as fp32 before any math: only needed for bf16 under the CPU interpreter (FACTS.md)."""
+    return dtype == torch.bfloat16 and _interpreting()
+
+
+# ---------------------------------------------------------------------------------------------- KV store
+
+@triton.jit
+def _store_kv_cache_kernel(
+    key_ptr, value_ptr, key_cache_ptr, value_cache_ptr, slot_mapping_ptr,
+    stride_k_tok, stride_k_head, stride_v_tok, stride_v_head,
+    stride_c_block, stride_c_slot, stride_c_head,
+    num_tokens, num_kv_heads, head_dim,
+    BLOCK_SIZE: tl.constexpr, BLOCK_T: tl.constexpr, HEADS_P2: tl.constexpr, HEAD_DIM_P2: tl.constexpr,
+):
+    t = tl.program_id(0) * BLOCK_T + tl.arange(0, BLOCK_T)                  # this program's tokens
+    slot = tl.load(slot_mapping_ptr + t, mask=t < num_tokens, other=-1).to(tl.int64)
+    block = slot // BLOCK_SIZE
+    offset = slot % BLOCK_SIZE
+    h = tl.arange(0, HEADS_P2)
+    d = tl.arange(0, HEAD_DIM_P2)
+    t3, h3, d3 = t[:, None, None], h[None, :, None], d[None, None, :]        # (BLOCK_T, HEADS_P2, HEAD_DIM_P2)
+    mask = (slot >= 0)[:, None, None] & (h3 < num_kv_heads) & (d3 < head_dim)   # slot -1: padding, skipped
+    k = tl.load(key_ptr + t3 * stride_k_tok + h3 * stride_k_head + d3, mask=mask)
+    v = tl.load(value_ptr + t3 * stride_v_tok + h3 * stride_v_head + d3, mask=mask)
+    dst = (block[:, None, None] * stride_c_block + offset[:, None, None] * stride_c_slot
+           + h3 * stride_c_head + d3)
+    tl.store(key_cache_ptr + dst, k.to(key_cache_ptr.dtype.element_ty), mask=mask)
+    tl.store(value_cache_ptr + dst, v.to(value_cache_ptr.dtype.element_ty), mask=mask)
+
+
+def store_kv_cache(key: torch.Tensor, value: torch.Tensor, key_cache: torch.Tensor,
+                   value_cache: torch.Tensor, slot_mapping: torch.Tensor) -> None:
+    """Write each new token's K and V into its cache slot; slots of -1 are padding and skipped.
+
+    key, value (num_tokens, num_kv_heads, head_dim), any token/head strides; caches are written in place.
+    """
+    num_tokens, num_kv_heads, head_dim = key.shape
+    _check_cache(key_cache, value_cache)
+    if key.stride(-1) != 1 or value.stride(-1) != 1:
+        raise ValueError("key and value must be contiguous along head_dim.")
+    if key_cache.shape[2:] != (num_kv_heads, head_dim):
+        raise ValueError(f"key has {num_kv_heads} heads of {head_dim}; the cache holds "
+                         f"{tuple(key_cache.shape[2:])}.")
+    if num_tokens == 0:
+        return
+    heads_p2, head_dim_p2 = _pow2(num_kv_heads), _pow2(head_dim)
+    block_t = min(_pow2(num_tokens), max(1, 4096 // (heads_p2 * head_dim_p2)))   # ~4096 elements a program
+    _store_kv_cache_kernel[(triton.cdiv(num_tokens, block_t),)](
+        key, value, key_cache, value_cache, slot_mapping.contiguous(),
+        key.stride(0), key.stride(1), value.stride(0), value.stride(1),
+        key_cache.stride(0), key_cache.stride(1), key_cache.stride(2),
+        num_tokens, num_kv_heads, head_dim,
+        BLOCK_SIZE=key_cache.shape[1], BLOCK_T=block_t, HEADS_P2=heads_p2, HEAD_DIM_P2=head_dim_p2,
+    )
+
+
+# ---------------------------------------------------------------------------------------------- decode
+
+@triton.jit
+def _paged_decode_kernel(
+    out_ptr, part_m_ptr, part_l_ptr, part_acc_ptr,
+    q_ptr, key_cache_ptr, value_cache_ptr, block_tables_ptr, seq_lens_ptr,
+    scale_log2e,
+    stride_q_seq, stride_q_head, stride_o_seq, stride_o_head,
+    stride_c_block, stride_c_slot, stride_c_head, stride_bt_seq,
+    num_heads, group_size, head_dim,
+    BLOCK_SIZE: tl.constexpr, GROUP_P2: tl.constexpr, HEAD_DIM_P2: tl.constexpr,
+    BLOCK_N: tl.constexpr, NUM_SPLITS: tl.constexpr, UPCAST: tl.constexpr,
+):
+    seq = tl.program_id(0)
+    kv_head = tl.program_id(1)
+    split = tl.program_id(2)
+    seq_len = tl.load(seq_lens_ptr + seq)
+    # This program's slice of the context, whole BLOCK_N tiles; a split past seq_len is empty.
+    tokens_per_split = tl.cdiv(tl.cdiv(seq_len, NUM_SPLITS), BLOCK_N) * BLOCK_N
+    start = split * tokens_per_split
+    end = tl.minimum(start + tokens_per_split, seq_len)
+
+    g = tl.arange(0, GROUP_P2)                       # query heads of this KV head, padded
+    d = tl.arange(0, HEAD_DIM_P2)
+    head = kv_head * group_size + g
+    g_mask = g < group_size
+    d_mask = d < head_dim
+    q = tl.load(q_ptr + seq.to(tl.int64) * stride_q_seq + head[:, None] * stride_q_head + d[None, :],
+                mask=g_mask[:, None] & d_mask[None, :], other=0.0)           # (GROUP_P2, HEAD_DIM_P2)
+    if UPCAST:
+        q = q.to(tl.float32)
+
+    m_i = tl.full([GROUP_P2], float("-inf"), tl.float32)                    # running max (log2 units)
+    l_i = tl.zeros([GROUP_P2], tl.float32)                                  # running sum of exp2
+    acc = tl.zeros([GROUP_P2, HEAD_DIM_P2], tl.float32)                     # running sum of p * v
+    block_table = block_tables_ptr + seq.to(tl.int64) * stride_bt_seq
+    for tile_start in range(start, end, BLOCK_N):
+        tok = tile_start + tl.arange(0, BLOCK_N)
+        t_mask = tok < end
+        block = tl.load(block_table + tok // BLOCK_SIZE, mask=t_mask, other=0).to(tl.int64)
+        kv_off = (block[:, None] * stride_c_block + (tok % BLOCK_SIZE)[:, None] * stride_c_slot
+                  + kv_head * stride_c_head + d[None, :])                    # (BLOCK_N, HEAD_DIM_P2)
+        kv_mask = t_mask[:, None] & d_mask[None, :]
+        k = tl.load(key_cache_ptr + kv_off, mask=kv_mask, other=0.0)
+        v = tl.load(value_cache_ptr + kv_off, mask=kv_mask, other=0.0)    # masked: unwritten slots may be NaN
+        if UPCAST:
+            k = k.to(tl.float32)
+            v = v.to(tl.float32)
+        s = tl.dot(q, tl.trans(k), input_precision="ieee") * scale_log2e    # (GROUP_P2, BLOCK_N)
+        s = tl.where(t_mask[None, :], s, float("-inf"))
+        m_new = tl.maximum(m_i, tl.max(s, axis=1))
+        alpha = tl.exp2(m_i - m_new)                                         # rescales the old sums
+        p = tl.exp2(s - m_new[:, None])
+        l_i = l_i * alpha + tl.sum(p, axis=1)
+        acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v, input_precision="ieee")
+        m_i = m_new
+
+    if NUM_SPLITS == 1:
+        out = acc / tl.where(l_i == 0.0, 1.0, l_i)[:, None]
+        tl.store(out_ptr + seq.to(tl.int64) * stride_o_seq + head[:, None] * stride_o_head + d[None, :],
+                 out.to(out_ptr.dtype.element_ty), mask=g_mask[:, None] & d_mask[None, :])
+    else:
+        # Partials (num_seqs, num_heads, NUM_SPLITS[, head_dim]), contiguous; acc is not yet divided by l.
+        row = (seq.to(tl.int64) * num_heads + head) * NUM_SPLITS + split    # (GROUP_P2,)
+        tl.store(part_m_ptr + row, m_i, mask=g_mask)
+        tl.store(part_l_ptr + row, l_i, mask=g_mask)
+        tl.store(part_acc_ptr + row[:, None] * head_dim + d[None, :], acc,
+                 mask=g_mask[:, None] & d_mask[None, :])
+
+
+@triton.jit
+def _merge_splits_kernel(
+    out_ptr, part_m_ptr, part_l_ptr, part_acc_ptr,
+    stride_o_seq, stride_o_head, num_heads, head_dim,
+    NUM_SPLITS: tl.constexpr, SPLITS_P2: tl.constexpr, HEAD_DIM_P2: tl.constexpr,
+):
+    """out = sum_s 2^(m_s - M) acc_s / sum_s 2^(m_s - M) l_s, M = max_s m_s: the softmax over the whole context."""
+    seq = tl.program_id(0)
+    head = tl.program_id(1)
+    s = tl.arange(0, SPLITS_P2)
+    d = tl.arange(0, HEAD_DIM_P2)
+    s_mask = s < NUM_SPLITS
+    d_mask = d < head_dim
+    row = (seq.to(tl.int64) * num_heads + head) * NUM_SPLITS + s             # (SPLITS_P2,)
+    m = tl.load(part_m_ptr + row, mask=s_mask, other=float("-inf"))
+    l = tl.load(part_l_ptr + row, mask=s_mask, other=0.0)
+    acc = tl.load(part_acc_ptr + row[:, None] * head_dim + d[None, :],
+                  mask=s_mask[:, None] & d_mask[None, :], other=0.0)         # (SPLITS_P2, HEAD_DIM_P2)
+    m_max = tl.max(m, axis=0)
+    w = tl.where(m == float("-inf"), 0.0, tl.exp2(m - m_max))               # an empty split weighs nothing
+    l_total = tl.sum(w * l, axis=0)
+    out = tl.sum(w[:, None] * acc, axis=0) / tl.where(l_total == 0.0, 1.0, l_total)
+    tl.store(out_ptr + seq.to(tl.int64) * stride_o_seq + head * stride_o_head + d,
+             out.to(out_ptr.dtype.element_ty), mask=d_mask)
+
+
+@functools.lru_cache(maxsize=None)
+def _num_sms(device: torch.device) -> int:
+    if device.type == "cuda":
+        return torch.cuda.get_device_properties(device).multi_processor_count
+    return 132       # off a GPU (the interpreter), choose as an H100 would
+
+
+def choose_num_splits(num_seqs: int, num_kv_heads: int, max_context: int, device: torch.device) -> int:
+    """Split the context only when (sequence, KV head) programs alone leave the GPU's SMs idle.
+
+    Aim for about two programs per SM, with slices of at least MIN_TOKENS_PER_SPLIT tokens.
+    """
+    programs = num_seqs * num_kv_heads
+    want = triton.cdiv(2 * _num_sms(device), programs)
+    most = triton.cdiv(max_context, MIN_TOKENS_PER_SPLIT)
+    return max(1, min(want, most, MAX_SPLITS))
+
+
+def paged_decode_attention(query: torch.Tensor, key_cache: torch.Tensor, value_cache: torch.Tensor,
+                           block_tables: torch.Tensor, seq_lens: torch.Tensor, scale: float,
+                           num_splits: int | None = None) -> torch.Tensor:
+    """One query token per sequence attends to all of its seq_len cached tokens.
+
+    query (num_seqs, num_heads, head_dim) -> (num_seqs, num_heads, head_dim)
+    num_splits: slices of the context per (sequence, KV head); None picks one with `choose_num_splits`
+    from block_tables' width (an upper bound on the context that needs no device sync).
+    """
+    num_seqs, num_heads, head_dim = query.shape
+    _check_cache(key_cache, value_cache)
+    block_size, num_kv_heads = key_cache.shape[1], key_cache.shape[2]
+    if num_heads % num_kv_heads:
+        raise ValueError(f"{num_heads} query heads do not divide into {num_kv_heads} KV heads.")
+    if key_cache.shape[3] != head_dim or query.stride(-1) != 1:
+        raise ValueError(f"query head_dim {head_dim} (stride {query.stride(-1)}) must match the cache's "
+                         f"{key_cache.shape[3]} and be contiguous.")
+    group_size = num_heads // num_kv_heads
+    out = torch.empty((num_seqs, num_heads, head_dim), dtype=query.dtype, device=query.device)
+    if num_seqs == 0:
+        return out
+    block_tables = block_tables.contiguous()
+    seq_lens = seq_lens.contiguous()
+    if num_splits is None:
+        num_splits = choose_num_splits(num_seqs, num_kv_heads, block_tables.shape[1] * block_size,
+                                       query.device)
+    head_dim_p2 = _pow2(head_dim, 16)                # tl.dot needs every dimension >= 16
+    block_n = 64 if head_dim_p2 <= 128 else 32
+    if num_splits > 1:
+        part_m = torch.empty((num_seqs, num_heads, num_splits), dtype=torch.float32, device=query.device)
+        part_l = torch.empty_like(part_m)
+        part_acc = torch.empty((num_seqs, num_heads, num_splits, head_dim), dtype=torch.float32,
+                               device=query.device)
+    else:
+        part_m = part_l = part_acc = out             # unused
+    _paged_decode_kernel[(num_seqs, num_kv_heads, num_splits)](
+        out, part_m, part_l, part_acc,
+        query, key_cache, value_cache, block_tables, seq_lens,
+        scale * LOG2E,
+        query.stride(0), query.stride(1), out.stride(0), out.stride(1),
+        key_cache.stride(0), key_cache.stride(1), key_cache.stride(2), block_tables.stride(0),
+        num_heads, group_size, head_dim,
+        BLOCK_SIZE=block_size, GROUP_P2=_pow2(group_size, 16), HEAD_DIM_P2=head_dim_p2,
+        BLOCK_N=block_n, NUM_SPLITS=num_splits, UPCAST=_upcast(key_cache.dtype), num_warps=4,
+    )
+    if num_splits > 1:
+        _merge_splits_kernel[(num_seqs, num_heads)](
+            out, part_m, part_l, part_acc,
+            out.stride(0), out.stride(1), num_heads, head_dim,
+            NUM_SPLITS=num_splits, SPLITS_P2=_pow2(num_splits), HEAD_DIM_P2=head_dim_p2, num_warps=4,
+        )
+    return out
+
+
+# ---------------------------------------------------------------------------------------------- prefill
+
+@triton.jit
+def _paged_prefill_kernel(
+    out_ptr, q_ptr, key_cache_ptr, value_cache_ptr, block_tables_ptr, cu_seqlens_q_ptr, seq_lens_ptr,
+    scale_log2e,
+    stride_q_tok, stride_q_head, stride_o_tok, stride_o_head,
+    stride_c_block, stride_c_slot, stride_c_head, stride_bt_seq,
+    group_size, head_dim,
+    BLOCK_SIZE: tl.constexpr, HEAD_DIM_P2: tl.constexpr,
+    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, UPCAST: tl.constexpr,
+):
+    tile = tl.program_id(0)
+    head = tl.program_id(1)
+    seq = tl.program_id(2)
+    q_start = tl.load(cu_seqlens_q_ptr + seq).to(tl.int64)
+    q_len = (tl.load(cu_seqlens_q_ptr + seq + 1) - q_start).to(tl.int32)
+    if tile * BLOCK_M >= q_len:                      # this sequence has fewer query tiles than the longest
+        return
+    seq_len = tl.load(seq_lens_ptr + seq)
+    context = seq_len - q_len                        # tokens cached before this step's new ones
+    kv_head = head // group_size
+
+    r = tile * BLOCK_M + tl.arange(0, BLOCK_M)      # query rows of this tile, within the sequence
+    d = tl.arange(0, HEAD_DIM_P2)
+    r_mask = r < q_len
+    d_mask = d < head_dim
+    pos = context + r                                # each row's position: it sees keys 0 .. pos
+    q_off = (q_start + r)[:, None] * stride_q_tok + head * stride_q_head + d[None, :]
+    q = tl.load(q_ptr + q_off, mask=r_mask[:, None] & d_mask[None, :], other=0.0)  # (BLOCK_M, HEAD_DIM_P2)
+    if UPCAST:
+        q = q.to(tl.float32)
+
+    m_i = tl.full([BLOCK_M], float("-inf"), tl.float32)
+    l_i = tl.zeros([BLOCK_M], tl.float32)
+    acc = tl.zeros([BLOCK_M, HEAD_DIM_P2], tl.float32)
+    kv_end = tl.minimum(seq_len, context + (tile + 1) * BLOCK_M)    # the tile's last row sees up to here
+    block_table = block_tables_ptr + seq.to(tl.int64) * stride_bt_seq
+    for tile_start in range(0, kv_end, BLOCK_N):
+        tok = tile_start + tl.arange(0, BLOCK_N)
+        t_mask = tok < kv_end
+        block = tl.load(block_table + tok // BLOCK_SIZE, mask=t_mask, other=0).to(tl.int64)
+        kv_off = (block[:, None] * stride_c_block + (tok % BLOCK_SIZE)[:, None] * stride_c_slot
+                  + kv_head * stride_c_head + d[None, :])                    # (BLOCK_N, HEAD_DIM_P2)
+        kv_mask = t_mask[:, None] & d_mask[None, :]
+        k = tl.load(key_cache_ptr + kv_off, mask=kv_mask, other=0.0)
+        v = tl.load(value_cache_ptr + kv_off, mask=kv_mask, other=0.0)
+        if UPCAST:
+            k = k.to(tl.float32)
+            v = v.to(tl.float32)
+        s = tl.dot(q, tl.trans(k), input_precision="ieee") * scale_log2e    # (BLOCK_M, BLOCK_N)
+        causal = t_mask[None, :] & (tok[None, :] <= pos[:, None])
+        s = tl.where(causal, s, float("-inf"))      # every row sees key 0, so each row's max is finite
+        m_new = tl.maximum(m_i, tl.max(s, axis=1))
+        alpha = tl.exp2(m_i - m_new)
+        p = tl.exp2(s - m_new[:, None])
+        l_i = l_i * alpha + tl.sum(p, axis=1)
+        acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v, input_precision="ieee")
+        m_i = m_new
+
+    out = acc / tl.where(l_i == 0.0, 1.0, l_i)[:, None]
+    o_off = (q_start + r)[:, None] * stride_o_tok + head * stride_o_head + d[None, :]
+    tl.store(out_ptr + o_off, out.to(out_ptr.dtype.element_ty), mask=r_mask[:, None] & d_mask[None, :])
+
+
+def paged_prefill_attention(query: torch.Tensor, key_cache: torch.Tensor, value_cache: torch.Tensor,
+                            block_tables: torch.Tensor, cu_seqlens_q: torch.Tensor, seq_lens: torch.Tensor,
+                            scale: float, max_q_len: int | None = None) -> torch.Tensor:
+    """Causal attention for a flat batch of sequences, each with q_len new tokens at the end of its KV.
+
+    query (num_tokens, num_heads, head_dim) -> (num_tokens, num_heads, head_dim)
+    The new tokens' K/V must already be in the cache (store_kv_cache first). max_q_len, the longest q_len,
+    sizes the grid; pass it from the host to avoid a device sync.
+    """
+    num_tokens, num_heads, head_dim = query.shape
+    _check_cache(key_cache, value_cache)
+    block_size, num_kv_heads = key_cache.shape[1], key_cache.shape[2]
+    if num_heads % num_kv_heads:
+        raise ValueError(f"{num_heads} query heads do not divide into {num_kv_heads} KV heads.")
+    if key_cache.shape[3] != head_dim or query.stride(-1) != 1:
+        raise ValueError(f"query head_dim {head_dim} (stride {query.stride(-1)}) must match the cache's "
+                         f"{key_cache.shape[3]} and be contiguous.")
+    num_seqs = cu_seqlens_q.shape[0] - 1
+    out = torch.empty((num_tokens, num_heads, head_dim), dtype=query.dtype, device=query.device)
+    if num_tokens == 0 or num_seqs == 0:
+        return out
+    if max_q_len is None:
+        max_q_len = int((cu_seqlens_q[1:] - cu_seqlens_q[:-1]).max())     # a device sync
+    head_dim_p2 = _pow2(head_dim, 16)
+    block_m = min(64, _pow2(max_q_len, 16))          # a short chunk does not pay for a 64-row tile
+    block_n = 64 if head_dim_p2 <= 128 else 32
+    block_tables = block_tables.contiguous()
+    grid = (triton.cdiv(max_q_len, block_m), num_heads, num_seqs)
+    _paged_prefill_kernel[grid](
+        out, query, key_cache, value_cache, block_tables, cu_seqlens_q.contiguous(), seq_lens.contiguous(),
+        scale * LOG2E,
+        query.stride(0), query.stride(1), out.stride(0), out.stride(1),
+        key_cache.stride(0), key_cache.stride(1), key_cache.stride(2), block_tables.stride(0),
+        num_heads // num_kv_heads, head_dim,
+        BLOCK_SIZE=block_size, HEAD_DIM_P2=head_dim_p2, BLOCK_M=block_m, BLOCK_N=block_n,
+        UPCAST=_upcast(key_cache.dtype), num_warps=4,
+    )
+    return out
