@@ -1,0 +1,394 @@
+# ---
+# jupyter:
+#   jupytext:
+#     formats: ipynb,py:percent
+#     text_representation:
+#       extension: .py
+#       format_name: percent
+#       format_version: '1.3'
+#       jupytext_version: 1.19.6
+#   kernelspec:
+#     display_name: Python 3 (ipykernel)
+#     language: python
+#     name: python3
+# ---
+
+# %% [markdown]
+# # Lesson 02: the scheduler, continuous batching and chunked prefill
+#
+# Every engine step starts with one question: *which requests run now, and how many tokens each?*
+# `minivllm/scheduler.py` answers it. This lesson drives the engine one step at a time, records what the
+# scheduler decided, and draws it.
+#
+# The whole scheduler rests on one rule (vLLM v1's "unified" scheduler). Each scheduled request gets
+#
+# ```
+# num_new_tokens = num_tokens - num_computed_tokens        capped by what is left of the step's token budget
+# ```
+#
+# - For a request that was just admitted, that is its whole prompt: a **prefill**.
+# - If the budget is short, it is only a piece of the prompt, and the rest comes next step: **chunked prefill**.
+# - For a request that is generating, it is exactly 1 (the token sampled last step): a **decode**.
+#
+# There is no separate prefill phase; one flat batch mixes prefills and decodes. Within a step the order is:
+#
+# 1. running requests, decodes first, then unfinished prefill chunks;
+# 2. waiting requests by `(priority, arrival)`, while the token budget (`max_num_batched_tokens`),
+#    `max_num_seqs` and the free KV blocks allow.
+#
+# Finished requests leave at the end of any step and waiting ones join at the start of the next:
+# **continuous batching**, as opposed to a static batch that waits for its slowest member.
+
+# %%
+import warnings
+
+warnings.filterwarnings("ignore", message="IProgress not found")   # tqdm's notice when ipywidgets is absent
+
+import matplotlib.pyplot as plt
+import torch
+from matplotlib.patches import Patch
+from matplotlib.ticker import MaxNLocator
+
+from minivllm import LLM, SamplingParams
+
+torch.manual_seed(0)
+torch.set_num_threads(1)   # one thread: faster on a busy 2-core CPU, and the same float sums everywhere
+
+# %% [markdown]
+# ## 1. An engine with a small token budget
+#
+# `max_num_batched_tokens=64`: no step may run more than 64 tokens through the model. That is tiny (vLLM's
+# default is several thousand), so that a 300-token prompt visibly takes several steps. The KV pool is large
+# enough that nobody runs out of blocks (running out is lesson 03). We also switch the prefix cache off:
+# every prompt token is then computed, and the token counts below add up without lesson 01's discounts.
+
+# %%
+BUDGET = 64
+llm = LLM(num_kv_blocks=128, max_num_seqs=8, max_num_batched_tokens=BUDGET, enable_prefix_caching=False, seed=0)
+engine = llm.llm_engine
+tokenizer = llm.get_tokenizer()
+print("token budget per step:", engine.scheduler.max_num_batched_tokens)
+print("max requests per step:", engine.scheduler.max_num_seqs)
+
+# %% [markdown]
+# Four chat prompts of very different lengths: a summary of a long passage, of its first half, and two short
+# questions. The fourth, `late`, will arrive while the others are already running.
+
+# %%
+PASSAGE = (
+    "The lighthouse on the northern cape was built in 1871, after three ships were lost on the same reef in a "
+    "single winter. Its first keeper, a retired sailor named Elias Brandt, kept a log of every storm, every "
+    "passing ship and every repair. The lamp burned whale oil at first, then kerosene, and each change of fuel "
+    "meant new wicks and weeks of soot on the lens. The lens itself came from Paris in forty wooden crates, and "
+    "it took a whole summer to assemble its brass frame and glass prisms. In clear weather the light could be "
+    "seen twenty miles out to sea. In fog it was useless, so a bell was hung beside the tower and rung by hand "
+    "every thirty seconds, sometimes for two days without a break. Brandt's daughter, Marta, took over the light "
+    "when he died in 1903. She kept the same log in the same careful hand, and she was the first to note that the "
+    "sandbar at the eastern end of the reef grew a little every year. In 1921 the lighthouse was electrified and "
+    "the bell was replaced by a horn. Today the tower is a museum, and visitors climb its one hundred and twelve "
+    "steps to read the two logs under glass.")
+SENTENCES = PASSAGE.split(". ")
+
+
+def chat_prompt(text):
+    """The chat template applied to one user message, as a string the engine can take."""
+    return tokenizer.apply_chat_template([{"role": "user", "content": text}], tokenize=False,
+                                         add_generation_prompt=True)
+
+
+def summarize(sentences):
+    return chat_prompt("Summarize this passage in one sentence.\n\n" + ". ".join(sentences) + ".")
+
+
+PROMPTS = {
+    "short": chat_prompt("What is the capital of France?"),
+    "long": summarize(SENTENCES),
+    "medium": summarize(SENTENCES[:5]),
+    "late": chat_prompt("Name three primary colors."),
+}
+params = SamplingParams(temperature=0, max_tokens=16)
+for rid, prompt in PROMPTS.items():
+    print(f"{rid:7} {len(tokenizer.encode(prompt, add_special_tokens=False)):3d} prompt tokens")
+
+# %% [markdown]
+# ## 2. Step by step
+#
+# `engine.record_traces()` returns a list that every following step appends a `StepTrace` to: plain data
+# copied out of the engine (see `minivllm/trace.py`). We add three requests, then step until everything is
+# done, adding `late` after step 4.
+
+# %%
+traces = engine.record_traces()
+for rid in ("short", "long", "medium"):
+    engine.add_request(PROMPTS[rid], params, request_id=rid)
+
+outputs = {}
+while engine.has_unfinished_requests():
+    if engine.num_steps == 4:                              # 4 steps done: a new request arrives
+        engine.add_request(PROMPTS["late"], params, request_id="late")
+    for out in engine.step():
+        if out.finished:
+            outputs[out.request_id] = out
+
+print(len(traces), "steps")
+for rid, out in outputs.items():
+    print(f"{rid:7} {out.outputs[0].text!r}")
+
+# %% [markdown]
+# What did each step run? A `StepTrace` carries the step's totals (`num_prefill_tokens`,
+# `num_decode_tokens`) and one `RequestTrace` per live request, with its `kind` ("prefill", "decode", or ""
+# when it was not scheduled) and `num_scheduled_tokens`:
+
+# %%
+def describe(t):
+    parts = [f"{r.request_id} {r.kind} {r.num_scheduled_tokens}" for r in t.requests if r.kind]
+    waiting = [r.request_id for r in t.requests if not r.kind]
+    return (f"step {t.step:2d}: {t.num_prefill_tokens:2d} prefill + {t.num_decode_tokens} decode = "
+            f"{t.num_prefill_tokens + t.num_decode_tokens:2d} | " + ", ".join(parts)
+            + (f" | waiting: {', '.join(waiting)}" if waiting else ""))
+
+
+for t in traces:
+    print(describe(t))
+
+# %% [markdown]
+# Read the first steps closely:
+#
+# - **Step 1.** `short` (37 tokens) fits whole; the remaining 27 tokens of budget go to the first chunk of
+#   `long`. `medium` does not get a single token: the budget is spent, so it keeps waiting.
+# - **Steps 2-5.** `short` decodes (1 token, scheduled first: decodes go before prefill chunks), and `long`
+#   takes the other 63 tokens of each step.
+# - A chunk that stops short of the end of its prompt samples nothing: the model runner computes logits only
+#   for requests whose scheduled tokens reach their last token. `long` gets its first output token in step 6,
+#   with its last chunk.
+# - **Steps 5-8.** `late` arrived after step 4 and waits behind `medium` (the waiting queue is ordered by
+#   arrival). `medium` is admitted in step 6 with what `long`'s last chunk left over; then, as a running
+#   request, its chunks come before any waiting request, so `late` gets in only in step 9.
+#
+# ### The picture: what each step computed
+#
+# Each bar is one step, split into prefill tokens and decode tokens; the dashed line is the budget.
+
+# %%
+PREFILL, DECODE, WAIT = "tab:orange", "tab:blue", "#e3e3e3"
+
+
+def draw_steps(ax, traces, budget=None, title=""):
+    steps = [t.step for t in traces]
+    dec = [t.num_decode_tokens for t in traces]
+    pre = [t.num_prefill_tokens for t in traces]
+    ax.bar(steps, dec, color=DECODE, label="decode tokens")
+    ax.bar(steps, pre, bottom=dec, color=PREFILL, label="prefill tokens")
+    if budget:
+        ax.axhline(budget, color="black", ls="--", lw=1, label=f"max_num_batched_tokens = {budget}")
+    ax.set_xlabel("engine step")
+    ax.set_ylabel("tokens computed")
+    ax.xaxis.set_major_locator(MaxNLocator(integer=True))
+    ax.set_title(title)
+
+
+# %%
+# NBVAL_IGNORE_OUTPUT
+fig, ax = plt.subplots(figsize=(10, 3))
+draw_steps(ax, traces, BUDGET, "Tokens per step: prefill chunks fill the budget, decodes ride along")
+ax.legend(loc="upper right", fontsize=8)
+plt.show()
+
+# %% [markdown]
+# While prompts are being prefilled the steps are full; once every prompt is in, only decodes remain, one
+# token per running request, and the steps are nearly empty. That imbalance is why chunked prefill exists:
+# a long prompt never gets a step to itself, so the decodes of everybody else keep going while it is read in
+# (instead of stalling for one huge step), and every step stays within a bounded size and time.
+
+# %%
+assert all(t.num_prefill_tokens + t.num_decode_tokens <= BUDGET for t in traces)     # the budget is never exceeded
+assert sum(t.num_prefill_tokens for t in traces) == sum(
+    len(tokenizer.encode(p, add_special_tokens=False)) for p in PROMPTS.values())    # every prompt token, once
+assert sum(t.num_decode_tokens for t in traces) == sum(len(o.outputs[0].token_ids) - 1 for o in outputs.values())
+
+# %% [markdown]
+# The last check: every output token but the last costs one decode. The first output token comes from the
+# prefill's last forward pass, and the last output token is sampled but never fed back.
+#
+# ### The picture: who ran in which step
+#
+# One lane per request: orange while its prompt is being prefilled (the number is the chunk size), blue for
+# a decode, grey while it waits. The lane starts when the request arrives and stops when it finishes.
+
+# %%
+def draw_lanes(ax, traces, order=None, labels=None, title=""):
+    rows = order or list(dict.fromkeys(r.request_id for t in traces for r in t.requests))
+    labels = labels or {}
+    for t in traces:
+        for r in t.requests:
+            y = len(rows) - 1 - rows.index(r.request_id)
+            color = {"prefill": PREFILL, "decode": DECODE}.get(r.kind, WAIT)
+            ax.barh(y, 0.9, left=t.step - 0.45, height=0.7, color=color)
+            if r.kind == "prefill":
+                ax.text(t.step, y, str(r.num_scheduled_tokens), ha="center", va="center", fontsize=7)
+    ax.set_yticks(range(len(rows)), [labels.get(rid, rid) for rid in reversed(rows)])
+    ax.set_xlabel("engine step")
+    ax.xaxis.set_major_locator(MaxNLocator(integer=True))
+    ax.set_title(title)
+    ax.legend(handles=[Patch(color=PREFILL, label="prefill (chunk size)"), Patch(color=DECODE, label="decode"),
+                       Patch(color=WAIT, label="waiting")], loc="upper right", fontsize=8)
+
+
+# %%
+# NBVAL_IGNORE_OUTPUT
+fig, ax = plt.subplots(figsize=(10, 2.6))
+draw_lanes(ax, traces, order=["short", "long", "medium", "late"], title="Which request ran what, step by step")
+plt.show()
+
+# %% [markdown]
+# Things to notice:
+#
+# - `long`'s prompt is cut into chunks; the chunks are whatever budget is left after the decodes.
+# - `short` decodes in every step from step 2 on, even while `long` and `medium` are prefilling: one batch
+#   mixes both kinds.
+# - `late` joins a batch that is already running (**continuous batching**): no one waits for the batch to
+#   drain, and a finished request's place is taken the very next step.
+
+# %%
+by_step = {t.step: t.by_id for t in traces}
+first_step = {rid: min(s for s, reqs in by_step.items() if rid in reqs and reqs[rid].kind) for rid in PROMPTS}
+chunks = {rid: sum(1 for t in traces if t.by_id.get(rid) and t.by_id[rid].kind == "prefill") for rid in PROMPTS}
+print("first scheduled in step:", first_step)
+print("prefill chunks:         ", chunks)
+print("steps mixing prefill and decode:", [t.step for t in traces if t.num_prefill_tokens and t.num_decode_tokens])
+
+# %%
+assert first_step["late"] > 4                              # it arrived after step 4 ...
+assert any(r.kind == "decode" for r in by_step[first_step["late"]].values())   # ... and joined a running batch
+assert chunks["long"] > 1 and chunks["short"] == 1         # the long prompt was split, the short one was not
+
+# %% [markdown]
+# ## 3. Priorities
+#
+# `engine.add_request(..., priority=p)` (and `LLM.generate(..., priority=[...])`) orders the waiting queue:
+# **lower runs first**, vLLM's convention; ties go by arrival. Three background jobs arrive with priority 1,
+# then an urgent question with priority 0. The waiting queue is sorted at once:
+
+# %%
+start = len(traces)                                        # the same trace list keeps filling up
+jobs = {"job-1": SENTENCES[0:2], "job-2": SENTENCES[2:4], "job-3": SENTENCES[5:7]}
+for rid, sentences in jobs.items():
+    engine.add_request(summarize(sentences), params, request_id=rid, priority=1)
+engine.add_request(chat_prompt("What is the capital of France?"), params, request_id="urgent", priority=0)
+print("waiting queue, first to last:", [(r.request_id, r.priority) for r in engine.scheduler.waiting])
+
+priority_outputs = {}
+while engine.has_unfinished_requests():
+    for out in engine.step():
+        if out.finished:
+            priority_outputs[out.request_id] = out
+prio_traces = traces[start:]
+for t in prio_traces[:4]:
+    print(describe(t))
+
+# %%
+# NBVAL_IGNORE_OUTPUT
+fig, ax = plt.subplots(figsize=(10, 2.6))
+draw_lanes(ax, prio_traces, order=["urgent", "job-1", "job-2", "job-3"],
+           labels={"urgent": "urgent (priority 0)", "job-1": "job-1 (priority 1)", "job-2": "job-2 (priority 1)",
+                   "job-3": "job-3 (priority 1)"},
+           title="The priority-0 request is admitted first, although it arrived last")
+plt.show()
+
+# %% [markdown]
+# `urgent` arrived last but was admitted first and answered first. Priority only orders the *waiting* queue
+# (and, in lesson 03, chooses whom to preempt when blocks run out): a running request is not interrupted
+# because a more important one arrives.
+
+# %%
+urgent_first = min(t.step for t in prio_traces if t.by_id.get("urgent") and t.by_id["urgent"].kind)
+assert prio_traces[0].by_id["urgent"].kind == "prefill" and urgent_first == prio_traces[0].step
+assert [r.request_id for r in engine.scheduler.waiting] == []
+assert "Paris" in priority_outputs["urgent"].outputs[0].text
+
+# %% [markdown]
+# ## 4. The budget changes the schedule, never the answer
+#
+# Chunking a prompt changes how its tokens are grouped into forward passes, not what is computed: each chunk
+# attends to the KV of all earlier chunks in the cache, exactly as if the prompt had run in one piece. So
+# greedy outputs must be the same token for token, whatever the budget. We run the four prompts of section 1
+# together with budgets of 16, 64 and 8192 tokens (8192 is the default: every prompt in one piece).
+
+# %%
+results, budget_traces = {}, {}
+for budget in (16, 64, 8192):
+    llm_b = LLM(num_kv_blocks=128, max_num_seqs=8, max_num_batched_tokens=budget, enable_prefix_caching=False,
+                seed=0)
+    budget_traces[budget] = llm_b.llm_engine.record_traces()
+    outs = llm_b.generate(list(PROMPTS.values()), params, use_tqdm=False)
+    results[budget] = [o.outputs[0].token_ids for o in outs]
+    del llm_b
+
+for budget, tr in budget_traces.items():
+    largest = max(t.num_prefill_tokens + t.num_decode_tokens for t in tr)
+    print(f"budget {budget:5d}: {len(tr):2d} steps, largest step {largest:3d} tokens, "
+          f"same tokens as budget 64: {results[budget] == results[64]}")
+step_by_step = [outputs[rid].outputs[0].token_ids for rid in PROMPTS]
+print("same as the step-by-step run of section 2:", results[64] == step_by_step)
+
+# %%
+# NBVAL_IGNORE_OUTPUT
+fig, axes = plt.subplots(1, 3, figsize=(12, 3.2))
+for ax, (budget, tr) in zip(axes, budget_traces.items()):
+    draw_steps(ax, tr, budget if budget < 8192 else None, f"budget {budget}: {len(tr)} steps")
+handles, names = axes[0].get_legend_handles_labels()
+fig.legend(handles, ["max_num_batched_tokens", "decode tokens", "prefill tokens"], loc="lower center", ncol=3,
+           fontsize=8, frameon=False)
+plt.tight_layout(rect=(0, 0.08, 1, 1))
+plt.show()
+
+# %% [markdown]
+# The same work, three shapes. With a budget of 8192 the first step reads all four prompts at once (more
+# than 500 tokens) and everything after it is a decode; with 16 the prompts trickle in over dozens of steps.
+# A server picks the budget to bound the time of one step, which bounds how long every running request waits
+# for its next token.
+
+# %%
+assert results[16] == results[64] == results[8192] == step_by_step
+assert max(t.num_prefill_tokens + t.num_decode_tokens for t in budget_traces[16]) <= 16
+assert len(budget_traces[8192]) < len(budget_traces[64]) < len(budget_traces[16])
+
+# %% [markdown]
+# ## Check yourself
+#
+# Run this cell. On the lesson's engine it replays the claims: the budget holds in every step, a long prompt is
+# split into chunks that add up to its length, the lower priority number is admitted first, and the answers
+# do not depend on any of it.
+
+# %%
+def self_check(llm):
+    engine = llm.llm_engine
+    budget = engine.scheduler.max_num_batched_tokens
+    tr = engine.record_traces()
+    engine.add_request(PROMPTS["long"], params, request_id="check-long", priority=1)
+    engine.add_request(PROMPTS["short"], params, request_id="check-short", priority=0)
+    assert engine.scheduler.waiting[0].request_id == "check-short", "priority 0 goes first"
+    done = {}
+    while engine.has_unfinished_requests():
+        for out in engine.step():
+            if out.finished:
+                done[out.request_id] = out.outputs[0].token_ids
+    assert all(t.num_prefill_tokens + t.num_decode_tokens <= budget for t in tr)
+    long_chunks = [t.by_id["check-long"].num_scheduled_tokens for t in tr
+                   if "check-long" in t.by_id and t.by_id["check-long"].kind == "prefill"]
+    assert len(long_chunks) > 1 and sum(long_chunks) == len(tokenizer.encode(PROMPTS["long"], add_special_tokens=False))
+    assert tr[0].by_id["check-short"].num_scheduled_tokens == tr[0].by_id["check-short"].num_prompt_tokens
+    assert done["check-long"] == results[8192][1] and done["check-short"] == results[8192][0]
+    assert engine.block_manager.num_free_blocks == engine.block_manager.num_blocks
+    engine.check_integrity()
+    return "all checks passed"
+
+
+self_check(llm)
+
+# %% [markdown]
+# ## Where next
+#
+# Everything here had plenty of KV blocks. Lesson 03 shrinks the pool until a running request needs a block
+# and none is free: the scheduler then **preempts** someone, either dropping its KV (recompute) or copying
+# it to CPU memory (swap).
