@@ -493,7 +493,9 @@ second = llm.chat(conversations(SECOND), params, use_tqdm=False)
 for out in second:
     print(f"{len(out.prompt_token_ids)} prompt tokens, {out.num_cached_tokens:2d} cached  "
           f"{out.outputs[0].text!r}")
-print(llm.get_stats())
+stats = llm.get_stats()
+print(f"prefix cache over both batches: {stats.prefix_cache_hits} of {stats.prefix_cache_queries} prompt tokens "
+      f"looked up were hits, prefix_cache_hit_rate = {stats.prefix_cache_hit_rate:.3f}")
 
 # %% [markdown]
 # Every request of the second batch found the 3 system-prompt blocks (48 tokens) and computed only the rest.
@@ -554,6 +556,7 @@ assert all(same)
 assert all(o.num_cached_tokens == 0 for o in first)
 assert [o.num_cached_tokens for o in second] == [64, 48, 64, 48]
 assert off_stats.num_prompt_tokens_computed - on_stats.num_prompt_tokens_computed == 224
+assert on_stats.prefix_cache_hits == 224 and off_stats.prefix_cache_hits == 0
 engine.check_integrity()
 
 # %% [markdown]
