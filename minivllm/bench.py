@@ -227,6 +227,9 @@ def build_parser() -> argparse.ArgumentParser:
     c.add_argument("--compare", choices=["hf"], help="also run Hugging Face generate on the same requests")
     c.add_argument("--hf-batch-size", type=positive_int, default=16)
     c.add_argument("--json", metavar="PATH", help="write every number to PATH as JSON")
+    c.add_argument("--threads", type=positive_int,
+                   help="torch CPU threads for both engines (default: torch's, one per core). On a shared "
+                        "machine 1 is steadier: busy cores stall every parallel op of a 2-thread run")
     return p
 
 
@@ -266,22 +269,30 @@ def print_report(workload: Workload, mv: ThroughputResult, latency: LatencyResul
 
 
 def host_info() -> dict:
-    """What else the machine was doing: on a shared 2-core box a busy neighbour halves every number."""
+    """How busy the machine was: on a shared 2-core box a neighbour's job stalls a 2-thread torch run."""
     import torch
 
     return {"cpu_count": os.cpu_count(), "torch_threads": torch.get_num_threads(),
             "loadavg_1min": os.getloadavg()[0]}
 
 
+def throughput_json(r: ThroughputResult) -> dict:
+    return {"wall_s": r.wall_s, "output_tokens": r.num_output_tokens, "output_tokens_per_s": r.output_tokens_per_s,
+            "output_tokens_per_request": r.output_tokens_per_request}
+
+
 def main(argv=None) -> int:
     args = parse_args(argv)
-    host_before = host_info()
+    if args.threads is not None:
+        import torch
+        torch.set_num_threads(args.threads)
+    host_start = host_info()
     try:
         llm = LLM(**engine_kwargs(args))
     except (ValueError, FileNotFoundError) as e:           # a bad engine option is a usage error too
         args.parser.error(str(e))
     engine = llm.llm_engine
-    model_dir = engine.model_path
+    model_dir, engine_config = engine.model_path, asdict(engine.config)
     workload = Workload.random(args.num_requests, (args.input_len_min, args.input_len_max),
                                (args.output_len_min, args.output_len_max),
                                engine.model_config.vocab_size, args.seed)
@@ -290,7 +301,6 @@ def main(argv=None) -> int:
     before = llm.get_stats()
     mv, latency = bench_minivllm(llm, workload)
     after = llm.get_stats()
-    engine_config = asdict(engine.config)
 
     hf = None
     if args.compare == "hf":
@@ -301,16 +311,12 @@ def main(argv=None) -> int:
         hf = bench_hf(model, workload, args.hf_batch_size)
         del model
         gc.collect()
+    host_end = host_info()
 
-    host_after = host_info()
     print_report(workload, mv, latency, hf)
-    print(f"load average (1 min): {host_before['loadavg_1min']:.2f} at start, {host_after['loadavg_1min']:.2f} "
-          f"at end, on {host_before['cpu_count']} CPUs")
+    print(f"load average (1 min): {host_start['loadavg_1min']:.2f} at start, {host_end['loadavg_1min']:.2f} "
+          f"at end, on {host_start['cpu_count']} CPUs, {host_start['torch_threads']} torch threads")
     if args.json:
-        def run(r: ThroughputResult) -> dict:
-            return {"wall_s": r.wall_s, "output_tokens": r.num_output_tokens,
-                    "output_tokens_per_s": r.output_tokens_per_s,
-                    "output_tokens_per_request": r.output_tokens_per_request}
         report = {
             "mode": args.mode,
             "workload": {"num_requests": workload.num_requests, "seed": workload.seed,
@@ -319,10 +325,11 @@ def main(argv=None) -> int:
                          "prompt_lens": [len(p) for p in workload.prompt_token_ids],
                          "output_lens": workload.output_lens},
             "engine_config": engine_config,
-            "host": {"start": host_before, "end": host_after},
-            "minivllm": {**run(mv), **asdict(latency), "num_steps": after.num_steps - before.num_steps,
+            "host": {"start": host_start, "end": host_end},
+            "minivllm": {**throughput_json(mv), **asdict(latency),
+                         "num_steps": after.num_steps - before.num_steps,
                          "num_preemptions": after.num_preemptions - before.num_preemptions},
-            "hf": None if hf is None else {**run(hf), "batch_size": args.hf_batch_size},
+            "hf": None if hf is None else {**throughput_json(hf), "batch_size": args.hf_batch_size},
             "ratio_minivllm_over_hf": None if hf is None else mv.output_tokens_per_s / hf.output_tokens_per_s,
         }
         with open(args.json, "w") as f:
