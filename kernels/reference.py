@@ -18,10 +18,12 @@ def store_kv_cache(key: torch.Tensor, value: torch.Tensor, key_cache: torch.Tens
                    value_cache: torch.Tensor, slot_mapping: torch.Tensor) -> None:
     """Write each new token's K and V into its cache slot; slots of -1 are padding and skipped."""
     num_blocks, block_size, num_kv_heads, head_dim = key_cache.shape
-    keep = slot_mapping >= 0
-    slots = slot_mapping[keep]
-    key_cache.view(-1, num_kv_heads, head_dim)[slots] = key[keep].to(key_cache.dtype)
-    value_cache.view(-1, num_kv_heads, head_dim)[slots] = value[keep].to(value_cache.dtype)
+    slots = slot_mapping
+    if bool((slot_mapping < 0).any()):
+        keep = slot_mapping >= 0
+        slots, key, value = slot_mapping[keep], key[keep], value[keep]
+    key_cache.view(-1, num_kv_heads, head_dim).index_copy_(0, slots, key.to(key_cache.dtype))
+    value_cache.view(-1, num_kv_heads, head_dim).index_copy_(0, slots, value.to(value_cache.dtype))
 
 
 def gather_kv(cache: torch.Tensor, block_table: torch.Tensor, seq_len: int) -> torch.Tensor:
@@ -39,24 +41,24 @@ def paged_decode_attention(query: torch.Tensor, key_cache: torch.Tensor, value_c
 
     query (num_seqs, num_heads, head_dim) -> (num_seqs, num_heads, head_dim)
     Vectorized over the batch: gather every sequence's blocks up to the longest, mask the tail.
+    Slots past a sequence's end hold stale but finite values (the cache starts zeroed), and the mask
+    gives them zero weight.
     """
     num_seqs, num_heads, head_dim = query.shape
     block_size, num_kv_heads = key_cache.shape[1], key_cache.shape[2]
-    group = num_heads // num_kv_heads                         # query heads sharing one KV head (GQA)
     max_len = max(seq_lens_cpu) if seq_lens_cpu is not None else int(seq_lens.max())
     max_blocks = -(-max_len // block_size)
+    padded_len = max_blocks * block_size
     tables = block_tables[:, :max_blocks].long()
-    k = key_cache[tables].flatten(1, 2)[:, :max_len].float()   # (num_seqs, max_len, kv_heads, head_dim)
-    v = value_cache[tables].flatten(1, 2)[:, :max_len].float()
-    q = query.float().view(num_seqs, num_kv_heads, group, head_dim)
-    scores = torch.einsum("bhgd,bthd->bhgt", q, k) * scale     # (num_seqs, kv_heads, group, max_len)
-    pos = torch.arange(max_len, device=query.device)
-    valid = pos[None, :] < seq_lens.to(query.device)[:, None]  # (num_seqs, max_len)
-    scores = scores.masked_fill(~valid[:, None, None, :], float("-inf"))
-    probs = scores.softmax(dim=-1)
-    v = v.masked_fill(~valid[:, :, None, None], 0.0)          # never-written slots may hold NaN/inf
-    out = torch.einsum("bhgt,bthd->bhgd", probs, v)            # (num_seqs, kv_heads, group, head_dim)
-    return out.reshape(num_seqs, num_heads, head_dim).to(query.dtype)
+    k = key_cache[tables].view(num_seqs, padded_len, num_kv_heads, head_dim).transpose(1, 2)
+    v = value_cache[tables].view(num_seqs, padded_len, num_kv_heads, head_dim).transpose(1, 2)
+    # k, v: (num_seqs, kv_heads, padded_len, head_dim); each KV head serves num_heads / kv_heads queries (GQA)
+    pos = torch.arange(padded_len, device=query.device)
+    valid = pos[None, :] < seq_lens.to(query.device)[:, None]              # (num_seqs, padded_len)
+    q = query.view(num_seqs, num_heads, 1, head_dim)
+    out = F.scaled_dot_product_attention(q.float(), k.float(), v.float(), attn_mask=valid[:, None, None, :],
+                                         scale=scale, enable_gqa=num_heads != num_kv_heads)
+    return out.view(num_seqs, num_heads, head_dim).to(query.dtype)           # (num_seqs, heads, head_dim)
 
 
 def paged_prefill_attention(query: torch.Tensor, key_cache: torch.Tensor, value_cache: torch.Tensor,
@@ -81,13 +83,11 @@ def paged_prefill_attention(query: torch.Tensor, key_cache: torch.Tensor, value_
         q = query[start:start + q_len].float().transpose(0, 1)               # (num_heads, q_len, head_dim)
         k = gather_kv(key_cache, block_tables[i], seq_len).float().transpose(0, 1)    # (kv_heads, seq_len, d)
         v = gather_kv(value_cache, block_tables[i], seq_len).float().transpose(0, 1)
-        if num_kv_heads != num_heads:
-            k = k.repeat_interleave(num_heads // num_kv_heads, dim=0)      # (num_heads, seq_len, head_dim)
-            v = v.repeat_interleave(num_heads // num_kv_heads, dim=0)
         # Query row r is at position seq_len - q_len + r and sees keys 0 .. that position.
         q_pos = torch.arange(seq_len - q_len, seq_len, device=query.device)
         mask = torch.arange(seq_len, device=query.device)[None, :] <= q_pos[:, None]  # (q_len, seq_len)
-        o = F.scaled_dot_product_attention(q, k, v, attn_mask=mask, scale=scale)     # (num_heads, q_len, d)
+        o = F.scaled_dot_product_attention(q, k, v, attn_mask=mask, scale=scale,       # (num_heads, q_len, d)
+                                           enable_gqa=num_heads != num_kv_heads)
         out[start:start + q_len] = o.transpose(0, 1).to(query.dtype)
         start += q_len
     return out

@@ -12,10 +12,15 @@ A block is in exactly one of three places:
                    evicted least-recently-freed first when fresh blocks run out
     clean-free     ref_count == 0, holds nothing worth keeping
 
-Prefix caching hashes every *full, computed* block, chained from its parent:
+Prefix caching hashes every *full* block, chained from its parent:
     hash(block i) = hash((hash(block i-1), token ids of block i))
 so equal hashes mean equal whole prefixes. A hit also compares token ids, so a hash collision
 can never hand a request someone else's KV.
+
+A block is hashed when it is allocated for a step that fills it (as in vLLM v1), so a request admitted
+later in the same step can already share it: in every layer the KV of the whole flat batch is stored
+before any attention reads it. If the step never runs that block's tokens (its owner was preempted
+first), `free` drops the hash again: a cached block always holds computed KV once a step is over.
 """
 
 from __future__ import annotations
@@ -150,6 +155,7 @@ class BlockManager:
             self.blocks[block_id].ref_count = 1
             request.block_table.append(block_id)
             self.events.allocated.append(block_id)
+        self._cache_full_blocks(request, total)
         return True
 
     def _take_free_block(self) -> int:
@@ -163,11 +169,11 @@ class BlockManager:
         self.events.evicted.append(block_id)
         return block_id
 
-    def cache_full_blocks(self, request: Request) -> None:
-        """Hash the request's full blocks whose KV is now computed (called after each model step)."""
+    def _cache_full_blocks(self, request: Request, num_tokens: int) -> None:
+        """Hash the request's blocks that the first `num_tokens` tokens fill completely."""
         if not self.enable_prefix_caching:
             return
-        num_full = min(request.num_computed_tokens // self.block_size, len(request.block_table))
+        num_full = min(num_tokens // self.block_size, len(request.block_table))
         parent = ROOT_HASH
         for i in range(num_full):
             block = self.blocks[request.block_table[i]]
@@ -183,10 +189,17 @@ class BlockManager:
     # ------------------------------------------------------------------ freeing
     def free(self, request: Request) -> None:
         """Drop the request's hold on its blocks. Tail blocks are freed first, so they are evicted first."""
-        for block_id in reversed(request.block_table):
+        num_computed_blocks = request.num_computed_tokens // self.block_size
+        for i in reversed(range(len(request.block_table))):
+            block_id = request.block_table[i]
             block = self.blocks[block_id]
             block.ref_count -= 1
             assert block.ref_count >= 0, f"block {block_id} ref count went negative"
+            if i >= num_computed_blocks and block.ref_count == 0 and block.block_hash is not None:
+                # hashed for a step that never ran its tokens: its KV was never written
+                if self.hash_to_block.get(block.block_hash) == block_id:
+                    del self.hash_to_block[block.block_hash]
+                block.block_hash, block.token_ids = None, ()
             if block.ref_count == 0:
                 self.events.freed.append(block_id)
                 if block.block_hash is not None and self.hash_to_block.get(block.block_hash) == block_id:

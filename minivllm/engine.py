@@ -13,7 +13,8 @@ from __future__ import annotations
 import dataclasses
 import itertools
 import time
-from collections.abc import Callable
+import contextlib
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 
 from minivllm.block_manager import BlockManager
@@ -177,11 +178,18 @@ class LLMEngine:
         """Call `listener(StepTrace)` after every step (see trace.py). Costs nothing while there are none."""
         self.trace_listeners.append(listener)
 
-    def record_traces(self) -> list[StepTrace]:
-        """A list that every following step appends its StepTrace to."""
+    def remove_trace_listener(self, listener: Callable[[StepTrace], None]) -> None:
+        self.trace_listeners.remove(listener)
+
+    @contextlib.contextmanager
+    def record_traces(self) -> Iterator[list[StepTrace]]:
+        """`with engine.record_traces() as traces:` every step inside the block appends its StepTrace."""
         traces: list[StepTrace] = []
         self.add_trace_listener(traces.append)
-        return traces
+        try:
+            yield traces
+        finally:
+            self.remove_trace_listener(traces.append)
 
     def _process_token(self, req: Request, token: int) -> RequestOutput:
         now = time.time()

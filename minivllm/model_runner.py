@@ -41,8 +41,9 @@ class ModelRunner:
         self.num_kv_heads = model_cfg.num_key_value_heads // tp.size     # this rank's share
         self.num_kv_blocks = config.num_kv_blocks or self._auto_num_blocks()
         # One tensor for the whole cache: (2, num_layers, num_blocks, block_size, kv_heads, head_dim).
-        # Left uninitialized (zeroing a GiB costs seconds): every kernel masks slots past seq_len.
-        self.kv_cache = torch.empty(2, model_cfg.num_hidden_layers, self.num_kv_blocks, self.block_size,
+        # Zeroed once, so a slot that was never written holds 0, not NaN: masked slots get zero weight,
+        # and 0 * NaN would still poison a matmul.
+        self.kv_cache = torch.zeros(2, model_cfg.num_hidden_layers, self.num_kv_blocks, self.block_size,
                                     self.num_kv_heads, model_cfg.head_dim, dtype=self.dtype, device=device)
         self.kv_caches = [(self.kv_cache[0, i], self.kv_cache[1, i]) for i in range(model_cfg.num_hidden_layers)]
         # The CPU pool that preemption_mode="swap" copies whole blocks to and from (same layout).

@@ -120,7 +120,8 @@ class Scheduler:
                 if not self.block_manager.can_swap_in(req, n):
                     break
                 swap_in += self.block_manager.swap_in(req)
-                assert self.block_manager.allocate_slots(req, n)
+                allocated = self.block_manager.allocate_slots(req, n)
+                assert allocated, "can_swap_in promised room for the new tokens"
             else:
                 computed = self.block_manager.get_computed_blocks(req)
                 n = min(req.num_tokens - req.num_computed_tokens - len(computed) * self.block_manager.block_size,
@@ -165,10 +166,9 @@ class Scheduler:
         self._push_waiting(req)
 
     def update_from_output(self, out: SchedulerOutput) -> None:
-        """After the model ran: the scheduled tokens now have KV; cache the blocks they filled."""
+        """After the model ran: the scheduled tokens now have KV."""
         for req in out.scheduled:
             req.num_computed_tokens += out.num_scheduled_tokens[req.request_id]
-            self.block_manager.cache_full_blocks(req)
 
     # ------------------------------------------------------------------ leaving
     def finish_request(self, req: Request, status: RequestStatus) -> None:

@@ -2,7 +2,8 @@
 
 Owns: copying what happened in a step out of the engine's live objects, so a listener can keep,
 render or assert on it without ever touching engine state. Built only when someone listens:
-`engine.add_trace_listener(fn)` (or `traces = engine.record_traces()` for a list that fills up).
+`engine.add_trace_listener(fn)` / `remove_trace_listener(fn)`, or `with engine.record_traces() as traces:`
+for a list that fills up while the block runs.
 """
 
 from __future__ import annotations
@@ -26,6 +27,7 @@ class RequestTrace:
     num_scheduled_tokens: int      # computed in this step (0 if not scheduled)
     kind: str                      # "prefill", "decode", or "" when not scheduled
     block_table: tuple[int, ...]
+    num_preemptions: int           # a "prefill" after a preemption is a recompute
 
 
 @dataclass(frozen=True)
@@ -70,7 +72,7 @@ def build_step_trace(step: int, duration_s: float, sched: SchedulerOutput, event
         return RequestTrace(r.request_id, r.status.value, r.priority, r.num_prompt_tokens, r.num_output_tokens,
                             r.num_computed_tokens, r.num_cached_tokens,
                             sched.num_scheduled_tokens.get(r.request_id, 0), sched.kinds.get(r.request_id, ""),
-                            tuple(r.block_table))
+                            tuple(r.block_table), r.num_preemptions)
 
     running = [r for r in live if r.status.value == "running"]
     log = []

@@ -102,9 +102,7 @@ TestEngineModel.settings = settings(max_examples=300, stateful_step_count=50, de
 def test_prefix_hit_never_covers_the_whole_prompt():
     bm = BlockManager(8, 4)
     a = Request("a", None, list(range(8)), SamplingParams())
-    assert bm.allocate_slots(a, 8)
-    a.num_computed_tokens = 8
-    bm.cache_full_blocks(a)
+    assert bm.allocate_slots(a, 8)                       # the step fills both blocks: hashed now
     b = Request("b", None, list(range(8)), SamplingParams())
     assert len(bm.get_computed_blocks(b)) == 1           # 2 full blocks cached, only 1 reused
     c = Request("c", None, list(range(9)), SamplingParams())
@@ -118,8 +116,6 @@ def test_hash_collision_cannot_hand_out_wrong_kv(monkeypatch):
     bm = BlockManager(8, 4)
     a = Request("a", None, [1, 2, 3, 4, 5], SamplingParams())
     assert bm.allocate_slots(a, 5)
-    a.num_computed_tokens = 5
-    bm.cache_full_blocks(a)
     b = Request("b", None, [9, 9, 9, 9, 5], SamplingParams())
     assert bm.get_computed_blocks(b) == []               # same hash, other tokens: no hit
 
@@ -127,11 +123,24 @@ def test_hash_collision_cannot_hand_out_wrong_kv(monkeypatch):
 def test_evicts_least_recently_freed_and_tail_blocks_first():
     bm = BlockManager(4, 2)
     a = Request("a", None, [1, 2, 3, 4, 5], SamplingParams())
-    assert bm.allocate_slots(a, 5)
-    a.num_computed_tokens = 5
-    bm.cache_full_blocks(a)                              # blocks 0, 1 hashed; block 2 partial
+    assert bm.allocate_slots(a, 5)                       # blocks 0, 1 hashed; block 2 partial
+    a.num_computed_tokens = 5                            # the step ran
     bm.free(a)
     assert list(bm.cached_free) == [1, 0] and list(bm.clean_free) == [3, 2]
     b = Request("b", None, [8, 8, 8, 8, 8, 8], SamplingParams())
     assert bm.allocate_slots(b, 6)                        # takes the clean blocks, then evicts block 1
     assert b.block_table == [3, 2, 1] and bm.num_evictions == 1 and list(bm.cached_free) == [0]
+
+
+def test_same_step_sharing_and_uncomputed_blocks_are_never_cached():
+    bm = BlockManager(8, 4)
+    a = Request("a", None, list(range(9)), SamplingParams())
+    assert bm.allocate_slots(a, 9)                       # hashed at allocation (KV written this step)
+    b = Request("b", None, list(range(9)), SamplingParams())
+    assert bm.allocate_slots(b, 1, bm.get_computed_blocks(b))     # admitted in the same step: shares 2
+    assert b.num_computed_tokens == 8 and b.block_table[:2] == a.block_table[:2]
+    bm.check_integrity([a, b])
+    bm.free(b)
+    bm.free(a)                                           # preempted before its step ran: nothing computed
+    assert not bm.hash_to_block and not bm.cached_free   # so none of it may be hit later
+    bm.check_integrity([])

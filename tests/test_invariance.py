@@ -40,9 +40,8 @@ def baseline(model_dir, prompt_ids):
 
 
 def run(llm, prompt_ids, params=None):
-    traces = llm.llm_engine.record_traces()
-    outs = llm.generate([{"prompt_token_ids": p} for p in prompt_ids], params or greedy(), use_tqdm=False)
-    llm.llm_engine.trace_listeners.clear()
+    with llm.llm_engine.record_traces() as traces:
+        outs = llm.generate([{"prompt_token_ids": p} for p in prompt_ids], params or greedy(), use_tqdm=False)
     engine = llm.llm_engine
     assert engine.block_manager.num_free_blocks == engine.block_manager.num_blocks      # nothing leaked
     engine.check_integrity()
