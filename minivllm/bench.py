@@ -122,12 +122,27 @@ def warmup_minivllm(llm: LLM) -> None:
     llm.generate(prompts, greedy_params(4), use_tqdm=False)
 
 
-def bench_minivllm(llm: LLM, workload: Workload) -> tuple[ThroughputResult, LatencyResult]:
-    """Submit every request at once and time `generate` until the last one finishes."""
+def bench_minivllm(llm: LLM, workload: Workload) -> tuple[ThroughputResult, LatencyResult, float]:
+    """Submit every request at once and time `generate` until the last one finishes.
+
+    Also returns the KV slot utilization: tokens with KV / block slots held, summed over every step
+    (only each request's last block is partly empty, so it should stay close to 1).
+    """
     prompts = [{"prompt_token_ids": ids} for ids in workload.prompt_token_ids]
     params = [greedy_params(n) for n in workload.output_lens]
+    usage = [0, 0]
+
+    def count_slots(trace):                       # cheap: two sums per step
+        usage[0] += trace.kv_tokens_stored
+        usage[1] += trace.kv_slots_allocated
+
+    engine = llm.llm_engine
+    engine.add_trace_listener(count_slots)
     start = time.perf_counter()
-    outputs = llm.generate(prompts, params, use_tqdm=False)
+    try:
+        outputs = llm.generate(prompts, params, use_tqdm=False)
+    finally:
+        engine.remove_trace_listener(count_slots)
     wall = time.perf_counter() - start
 
     counts = [len(o.outputs[0].token_ids) for o in outputs]
@@ -139,7 +154,45 @@ def bench_minivllm(llm: LLM, workload: Workload) -> tuple[ThroughputResult, Late
             tpots.append((m.last_token_time - m.first_token_time) / (n - 1))
     latency = LatencyResult(percentile(ttfts, 50), percentile(ttfts, 99),
                             percentile(tpots, 50), percentile(tpots, 99))
-    return ThroughputResult("minivllm", wall, counts), latency
+    return ThroughputResult("minivllm", wall, counts), latency, usage[0] / max(usage[1], 1)
+
+
+# ---------------------------------------------------------------------------------------------- prefix
+@dataclass
+class PrefixResult:
+    """The shared-prefix workload with prefix caching off and on, in one run."""
+    num_requests: int
+    shared_len: int
+    prefill_tokens_off: int             # prompt tokens run through the model, caching off
+    prefill_tokens_on: int              # ... caching on
+    shared_tokens_computed_on: int      # of the shared prefix, how many tokens caching on still computed
+    hit_rate_on: float
+    outputs_equal: bool
+
+    @property
+    def shared_reduction(self) -> float:
+        """1 - (shared-prefix tokens computed with caching) / (without): at least 0.9 is the goal."""
+        return 1 - self.shared_tokens_computed_on / (self.num_requests * self.shared_len)
+
+
+def bench_prefix(engine_kw: dict, num_requests: int, shared_len: int, seed: int) -> PrefixResult:
+    """N requests behind one shared system prompt (random ids) with unique tails of 16-64 tokens."""
+    rng = random.Random(seed)
+    shared = [rng.randrange(TOKEN_ID_LOW, TOKEN_ID_HIGH) for _ in range(shared_len)]
+    prompts = [{"prompt_token_ids": shared + [rng.randrange(TOKEN_ID_LOW, TOKEN_ID_HIGH)
+                                              for _ in range(rng.randint(16, 64))]} for _ in range(num_requests)]
+    results = {}
+    for caching in (False, True):
+        llm = LLM(**{**engine_kw, "enable_prefix_caching": caching})
+        outs = llm.generate(prompts, greedy_params(8), use_tqdm=False)
+        stats = llm.get_stats()
+        results[caching] = ([o.outputs[0].token_ids for o in outs], stats)
+        del llm
+        gc.collect()
+    (ids_off, off), (ids_on, on) = results[False], results[True]
+    unique = off.num_prompt_tokens_computed - num_requests * shared_len     # the tails, computed either way
+    return PrefixResult(num_requests, shared_len, off.num_prompt_tokens_computed, on.num_prompt_tokens_computed,
+                        on.num_prompt_tokens_computed - unique, on.prefix_cache_hit_rate, ids_off == ids_on)
 
 
 # ---------------------------------------------------------------------------------------------- HF
@@ -204,8 +257,10 @@ def positive_int(text: str) -> int:
 def build_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog="python -m minivllm.bench",
                                 description="Benchmark minivllm (optionally against Hugging Face transformers).")
-    p.add_argument("mode", nargs="?", default="offline", choices=["offline"],
-                   help="offline: throughput and latency of one batch of synthetic requests (default)")
+    p.add_argument("mode", nargs="?", default="offline", choices=["offline", "prefix"],
+                   help="offline: throughput and latency of one batch of synthetic requests (default); "
+                        "prefix: prefill tokens computed for requests behind one shared system prompt, "
+                        "prefix caching off vs on")
     w = p.add_argument_group("workload")
     w.add_argument("--num-requests", type=positive_int, default=32)
     w.add_argument("--input-len-min", type=positive_int, default=32)
@@ -213,6 +268,7 @@ def build_parser() -> argparse.ArgumentParser:
     w.add_argument("--output-len-min", type=positive_int, default=32)
     w.add_argument("--output-len-max", type=positive_int, default=256)
     w.add_argument("--seed", type=int, default=0)
+    w.add_argument("--shared-prefix-len", type=positive_int, default=200, help="prefix mode: shared tokens")
     e = p.add_argument_group("engine (defaults: minivllm's own)")
     e.add_argument("--model", help="a local HF checkpoint directory (default: the embedded SmolLM2-135M)")
     e.add_argument("--dtype", choices=["auto", "float32", "float16", "bfloat16"])
@@ -253,7 +309,7 @@ def engine_kwargs(args: argparse.Namespace) -> dict:
 
 
 def print_report(workload: Workload, mv: ThroughputResult, latency: LatencyResult,
-                 hf: ThroughputResult | None) -> None:
+                 hf: ThroughputResult | None, kv_utilization: float) -> None:
     ms = 1000
     print(f"requests:             {workload.num_requests}")
     print(f"prompt tokens:        {workload.num_prompt_tokens}")
@@ -262,6 +318,7 @@ def print_report(workload: Workload, mv: ThroughputResult, latency: LatencyResul
     print(f"minivllm throughput:  {mv.output_tokens_per_s:.1f} output tokens/s")
     print(f"TTFT p50 / p99:       {latency.ttft_p50 * ms:.0f} / {latency.ttft_p99 * ms:.0f} ms")
     print(f"TPOT p50 / p99:       {latency.tpot_p50 * ms:.1f} / {latency.tpot_p99 * ms:.1f} ms")
+    print(f"KV slot utilization:  {kv_utilization:.3f} (tokens with KV / block slots held, over all steps)")
     if hf is not None:
         print(f"HF wall time:         {hf.wall_s:.2f} s")
         print(f"HF throughput:        {hf.output_tokens_per_s:.1f} useful output tokens/s")
@@ -286,6 +343,8 @@ def main(argv=None) -> int:
     if args.threads is not None:
         import torch
         torch.set_num_threads(args.threads)
+    if args.mode == "prefix":
+        return main_prefix(args)
     host_start = host_info()
     try:
         llm = LLM(**engine_kwargs(args))
@@ -299,7 +358,7 @@ def main(argv=None) -> int:
 
     warmup_minivllm(llm)
     before = llm.get_stats()
-    mv, latency = bench_minivllm(llm, workload)
+    mv, latency, kv_utilization = bench_minivllm(llm, workload)
     after = llm.get_stats()
 
     hf = None
@@ -313,7 +372,7 @@ def main(argv=None) -> int:
         gc.collect()
     host_end = host_info()
 
-    print_report(workload, mv, latency, hf)
+    print_report(workload, mv, latency, hf, kv_utilization)
     print(f"load average (1 min): {host_start['loadavg_1min']:.2f} at start, {host_end['loadavg_1min']:.2f} "
           f"at end, on {host_start['cpu_count']} CPUs, {host_start['torch_threads']} torch threads")
     if args.json:
@@ -326,7 +385,7 @@ def main(argv=None) -> int:
                          "output_lens": workload.output_lens},
             "engine_config": engine_config,
             "host": {"start": host_start, "end": host_end},
-            "minivllm": {**throughput_json(mv), **asdict(latency),
+            "minivllm": {**throughput_json(mv), **asdict(latency), "kv_slot_utilization": kv_utilization,
                          "num_steps": after.num_steps - before.num_steps,
                          "num_preemptions": after.num_preemptions - before.num_preemptions},
             "hf": None if hf is None else {**throughput_json(hf), "batch_size": args.hf_batch_size},
@@ -334,6 +393,25 @@ def main(argv=None) -> int:
         }
         with open(args.json, "w") as f:
             json.dump(report, f, indent=2, default=str)
+    return 0
+
+
+def main_prefix(args: argparse.Namespace) -> int:
+    kw = engine_kwargs(args)
+    kw.pop("enable_prefix_caching", None)
+    try:
+        r = bench_prefix(kw, args.num_requests, args.shared_prefix_len, args.seed)
+    except (ValueError, FileNotFoundError) as e:
+        args.parser.error(str(e))
+    print(f"requests:                      {r.num_requests} behind one {r.shared_len}-token shared prefix")
+    print(f"prefill tokens, caching off:   {r.prefill_tokens_off}")
+    print(f"prefill tokens, caching on:    {r.prefill_tokens_on} (hit rate {r.hit_rate_on:.1%})")
+    print(f"shared-prefix tokens computed: {r.num_requests * r.shared_len} off, {r.shared_tokens_computed_on} on "
+          f"({r.shared_reduction:.1%} fewer)")
+    print(f"greedy outputs equal:          {r.outputs_equal}")
+    if args.json:
+        with open(args.json, "w") as f:
+            json.dump({"mode": "prefix", **asdict(r), "shared_reduction": r.shared_reduction}, f, indent=2)
     return 0
 
 

@@ -23,6 +23,17 @@ def test_bench_compare_hf_gives_every_request_its_tokens_in_both_engines(tmp_pat
         assert report[engine]["output_tokens_per_s"] > 0
     assert report["ratio_minivllm_over_hf"] > 0
     assert 0 < report["minivllm"]["ttft_p50"] <= report["minivllm"]["ttft_p99"]
+    # 3 requests of at most 24 tokens in 16-token blocks: utilization = tokens / (blocks * 16) per step
+    assert 0.3 < report["minivllm"]["kv_slot_utilization"] <= 1.0
+
+
+def test_prefix_mode_computes_the_shared_prefix_once(tmp_path):
+    out = tmp_path / "prefix.json"
+    assert bench.main(["prefix", "--num-requests", "4", "--shared-prefix-len", "64", "--json", str(out)]) == 0
+    r = json.loads(out.read_text())
+    assert r["outputs_equal"]
+    assert r["prefill_tokens_off"] - r["prefill_tokens_on"] == 3 * 64     # requests 2-4 hit all 4 shared blocks
+    assert r["shared_tokens_computed_on"] == 64 and r["shared_reduction"] == 0.75
 
 
 def test_same_seed_gives_the_same_workload_and_ids_avoid_special_tokens():
