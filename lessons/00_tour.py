@@ -289,7 +289,9 @@ for step in range(1, 7):
 #
 # Now the ref counts. `colors` and `haiku` have the same first block id: the first 16 tokens of both prompts
 # are the same system-prompt tokens, the French question of section 3 left that block in the prefix cache,
-# and both requests picked it up. One physical block, two block tables, `ref_count == 2`:
+# and both requests picked it up. (They would have shared it even without the French question: a block is
+# hashed as soon as it is allocated for a step that fills it, so a request admitted later in the same step can
+# already take it; lesson 01.) One physical block, two block tables, `ref_count == 2`:
 
 # %%
 bm = engine.block_manager
@@ -406,13 +408,19 @@ plt.show()
 # ## 6. The pool is whole again
 #
 # Every block went back: nothing is running, and every block is free. The ones holding full, hashed blocks
-# stay in the prefix cache (dark grey) until fresh blocks run out and they are evicted.
+# stay in the prefix cache (dark grey) until fresh blocks run out and they are evicted. `llm.get_stats()`
+# returns an `EngineStats` of counters over the engine's life; we print a few of them. The 64 prefix-cache
+# hits are the 32 tokens of section 3's repeated question plus block 0 for both `colors` and `haiku`.
 
 # %%
 print("running:", engine.scheduler.running, " waiting:", engine.scheduler.waiting)
 print(f"free blocks: {bm.num_free_blocks} of {bm.num_blocks} "
       f"({len(bm.cached_free)} of them prefix-cached)")
-print(llm.get_stats())
+stats = llm.get_stats()
+print(f"over the engine's life: {stats.num_steps} steps, {stats.num_prompt_tokens_computed} prompt tokens computed, "
+      f"{stats.num_generated_tokens} tokens generated")
+print(f"prefix cache: {stats.prefix_cache_hits} of {stats.prefix_cache_queries} prompt tokens looked up were hits "
+      f"({stats.prefix_cache_hit_rate:.0%}); preemptions: {stats.num_preemptions}")
 
 # %%
 # NBVAL_IGNORE_OUTPUT
@@ -421,6 +429,7 @@ draw_pool(engine, "KV block pool after the run")
 # %%
 assert engine.block_manager.num_free_blocks == engine.block_manager.num_blocks
 assert all(b.ref_count == 0 for b in engine.block_manager.blocks)
+assert stats.prefix_cache_hits == 32 + 16 + 16 and stats.num_preemptions == 0
 engine.check_integrity()
 
 # %% [markdown]

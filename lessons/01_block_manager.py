@@ -87,9 +87,9 @@ print(a)
 #
 # 1. the scheduler asks `allocate_slots(request, n)` for room for `n` more tokens after
 #    `num_computed_tokens`; the block manager adds blocks to the block table if the last one is full
-#    (all or nothing: it returns `False` and changes nothing if there are not enough free blocks);
+#    (all or nothing: it returns `False` and changes nothing if there are not enough free blocks), and gives
+#    every block that these `n` tokens fill completely its hash, right away (more in sections 3 and 4);
 # 2. the model writes the KV of those `n` tokens, and `num_computed_tokens` moves forward by `n`;
-#    then `cache_full_blocks(request)` gives every newly **full** block its hash (more in section 3);
 # 3. the sampler appends one new token. It has no KV yet: the next step computes it.
 #
 # The first step of a request computes its whole prompt (the **prefill**); every later step computes the
@@ -98,9 +98,8 @@ print(a)
 # %%
 def run_step(bm, req, num_new_tokens, sampled_token, computed_blocks=None):
     """What the scheduler, the model runner and the engine do to one request in one step."""
-    assert bm.allocate_slots(req, num_new_tokens, computed_blocks), "no free blocks"   # 1. room for the KV
-    req.num_computed_tokens += num_new_tokens      # 2. the model wrote the KV of these tokens ...
-    bm.cache_full_blocks(req)                      #    ... and full blocks are hashed
+    assert bm.allocate_slots(req, num_new_tokens, computed_blocks), "no free blocks"   # 1. room, blocks it fills hashed
+    req.num_computed_tokens += num_new_tokens      # 2. the model wrote the KV of these tokens
     req.append_output_token(sampled_token)         # 3. the sampled token (no KV yet)
 
 
@@ -178,9 +177,10 @@ def block_tokens(bm, requests):
     return out
 
 
-def draw(bm, requests, title):
+def draw(bm, requests, title, **kwargs):
     draw_pool(bm.num_blocks, {r.request_id: r.block_table for r in requests},
-              [b.ref_count for b in bm.blocks], set(bm.cached_free), title, tokens=block_tokens(bm, requests))
+              [b.ref_count for b in bm.blocks], set(bm.cached_free), title, tokens=block_tokens(bm, requests),
+              **kwargs)
 
 
 # %%
@@ -198,9 +198,9 @@ assert bm.num_free_blocks == 8
 # %% [markdown]
 # ## 3. Chained block hashes
 #
-# Once a block is full and its KV computed, `cache_full_blocks` gives it a hash and enters it in the hash map
-# (`hash_to_block`). The hash is **chained**: it covers the block's own tokens *and* the hash of the block
-# before it,
+# When `allocate_slots` makes room for the tokens that fill a block, it gives the block a hash and enters it in
+# the hash map (`hash_to_block`) at once, before the model has run (section 4 shows why that is useful and why
+# it is safe). The hash is **chained**: it covers the block's own tokens *and* the hash of the block before it,
 #
 # ```
 # hash(block 0) = hash_block_tokens(ROOT_HASH,      tokens of block 0)
@@ -217,8 +217,9 @@ for i, b in enumerate(a.block_table):
     print(f"block {b}: tokens {blk.token_ids!s:22} hash {blk.block_hash}")
 
 # %% [markdown]
-# Blocks 0 to 2 are full and hashed; block 3 is not full, so it has no hash yet and cannot be shared. We can
-# recompute the chain ourselves:
+# Blocks 0 to 2 are full and hashed: 0 and 1 by the prefill's `allocate_slots`, 2 by the first decode's, the
+# one that made room for token 301 in its last slot. Block 3 is not full, so it has no hash yet and cannot be
+# shared. We can recompute the chain ourselves:
 
 # %%
 h0 = hash_block_tokens(ROOT_HASH, (101, 102, 103, 104))
@@ -296,14 +297,86 @@ assert bm.get_computed_blocks(c_req) == [0]
 # (`num_cached_tokens`, the count that ends up in `RequestOutput`, is recorded by the scheduler when it
 # admits a request; we bypassed the scheduler here.)
 #
+# ### Sharing within one step
+#
+# B found A's blocks because A had run a step earlier. What if two requests with the same prefix arrive
+# together and are admitted in the same step? Within one `schedule()` call the scheduler admits waiting
+# requests one after the other, `get_computed_blocks` then `allocate_slots` for each. Since `allocate_slots`
+# hashes the blocks that this step's tokens will fill, the first request's blocks are already in the hash map
+# when the scheduler looks up the second, although no KV has been computed yet (vLLM v1 does the same).
+#
+# A fresh pool of 8 blocks. P and Q both start with the 8 system tokens and are admitted in the same step:
+
+# %%
+bm2 = BlockManager(num_blocks=8, block_size=4)
+p = Request("P", None, SYSTEM + [231, 232, 233], greedy)
+q = Request("Q", None, SYSTEM + [241, 242], greedy)
+
+# schedule(): admit P, then Q; the model has not run yet
+assert bm2.allocate_slots(p, p.num_tokens, bm2.get_computed_blocks(p))
+q_hits = bm2.get_computed_blocks(q)
+assert bm2.allocate_slots(q, q.num_tokens - len(q_hits) * bm2.block_size, q_hits)
+print("P:", p)
+print("Q:", q, "  prefix hits:", q_hits)
+print("hashed:", {b: bm2.blocks[b].block_hash is not None for b in range(4)})
+
+# %% [markdown]
+# Q's `num_computed_tokens` is already 8, yet blocks 0 and 1 hold no KV so far: P's prefill computes them in
+# this very step. That works because of how a step runs: P's 11 tokens and Q's 2 go through the model as one
+# flat batch, and in every layer the model runner first stores the keys and values of *all* the batch's
+# tokens in the cache and only then runs attention. When Q's two tokens attend to positions 0-7 in a layer,
+# P has just written them. Now the step runs:
+
+# %%
+for req, sampled in [(p, 331), (q, 341)]:      # one flat batch: P's 11 tokens and Q's 2
+    req.num_computed_tokens = req.num_tokens
+    req.append_output_token(sampled)
+bm2.check_integrity([p, q])
+print("P:", p)
+print("Q:", q)
+
+# %%
+# NBVAL_IGNORE_OUTPUT
+draw(bm2, [p, q], "P and Q, admitted in the same step, share blocks 0 and 1", cols=8)
+
+# %% [markdown]
+# ### A step that never runs
+#
+# Hashing ahead has one risk: a block can be hashed for a step that then never computes its tokens. The
+# scheduler may preempt a request it has already made room for in the same `schedule()` call (preemption is
+# lesson 03), and then its hashed blocks hold nothing. `free()` checks for this: a block at or past
+# `num_computed_tokens // block_size` never got its KV, so when its ref count reaches 0 its hash is dropped
+# and it goes clean-free, not cached-free. Once a step is over, every block in the hash map holds computed KV.
+#
+# R gets room for its 9-token prompt (blocks 4 and 5 are hashed), then is freed before any step computes it:
+
+# %%
+r = Request("R", None, [501, 502, 503, 504, 505, 506, 507, 508, 509], greedy)
+twin = Request("R2", None, list(r.prompt_token_ids), greedy)       # the same prompt, to probe the cache
+assert bm2.allocate_slots(r, r.num_tokens)
+print("R:", r, "  hashed:", [bm2.blocks[b].block_hash is not None for b in r.block_table])
+print("R's twin would hit:", bm2.get_computed_blocks(twin))
+bm2.free(r)                                    # preempted before its step ran: num_computed_tokens is 0
+print("after free(R): hashed:", [bm2.blocks[b].block_hash is not None for b in (4, 5, 6)],
+      " cached-free:", list(bm2.cached_free), " clean-free:", list(bm2.clean_free))
+print("R's twin would hit:", bm2.get_computed_blocks(twin))
+
+# %%
+assert q_hits == [0, 1] and q.block_table[:2] == p.block_table[:2] == [0, 1]
+assert bm2.blocks[0].ref_count == bm2.blocks[1].ref_count == 2
+assert not bm2.cached_free and bm2.get_computed_blocks(twin) == []
+assert all(bm2.blocks[b].block_hash is None for b in (4, 5, 6))
+bm2.check_integrity([p, q])
+
+# %% [markdown]
 # ## 5. Freeing: in use → cached-free or clean-free
 #
 # When A finishes, `free(A)` drops its hold on every block in its table. A block whose ref count reaches 0
 # leaves "in use":
 #
-# - if it is full and hashed (and it is the block the hash map points to) it becomes **cached-free**: free,
-#   but its KV stays and can be found again;
-# - otherwise (the partial last block) it becomes **clean-free**.
+# - if it is full, hashed and computed (and it is the block the hash map points to) it becomes
+#   **cached-free**: free, but its KV stays and can be found again;
+# - otherwise (the partial last block, or a block whose KV was never computed) it becomes **clean-free**.
 #
 # Blocks 0 and 1 are still held by B, so they only drop to ref count 1.
 
@@ -468,28 +541,36 @@ print(f"the 8 prompts have {min(map(len, all_ids))}-{max(map(len, all_ids))} tok
       f"{common}: {common // 16} full blocks of 16")
 
 # %% [markdown]
-# Send the first four conversations as one batch, recording a `StepTrace` per step:
+# Send the first four conversations as one batch. `engine.record_traces()` is a context manager: every step
+# run inside the `with` block appends its `StepTrace` to the list, and recording stops when the block ends.
 
 # %%
-traces = engine.record_traces()
-first = llm.chat(conversations(FIRST), params, use_tqdm=False)
+with engine.record_traces() as first_traces:
+    first = llm.chat(conversations(FIRST), params, use_tqdm=False)
 for out in first:
     print(f"{len(out.prompt_token_ids)} prompt tokens, {out.num_cached_tokens:2d} cached  "
           f"{out.outputs[0].text!r}")
 
 # %% [markdown]
-# No hits at all, although all four start with the same 48-token prefix. All four were admitted in the same
-# step, and a block is hashed only *after* the step that computes its KV (`cache_full_blocks` runs once the
-# model has run). When the scheduler looked up the second request, the first one's blocks were not in the map
-# yet. (vLLM v1 hashes blocks when it allocates them, so requests admitted in the same step already share;
-# minivllm keeps the simpler rule: only KV that exists can be hit.)
-#
-# But now those blocks are in the prefix cache. The second batch, four new questions with the same system
-# prompt:
+# The four requests arrived together and were admitted in the same step, yet only the first computed the
+# shared prefix: the others found its 3 system-prompt blocks (48 tokens) in the cache. The last one, "What is
+# greedy decoding?", found a fourth block as well: its tokens 48-63 (the end of the system prompt,
+# `<|im_end|>`, the user-turn markup and "What is") are the same as in "What is a KV cache?". That is section
+# 4's rule at work in the real engine. The first request's blocks were hashed when the scheduler allocated them, a moment before
+# it looked up the second request; in the forward pass that followed, every layer stored the KV of all four
+# prompts before any attention read it. The first step's trace:
 
 # %%
-first_hit_step = len(traces) + 1
-second = llm.chat(conversations(SECOND), params, use_tqdm=False)
+t1 = first_traces[0]
+print(f"step {t1.step}: {'; '.join(t1.events)}")
+print("ref counts of the hit blocks:", [t1.block_ref_counts[b] for b in sorted(set(t1.prefix_hit_blocks))])
+
+# %% [markdown]
+# Now the second batch, four new questions with the same system prompt, after the first batch has finished:
+
+# %%
+with engine.record_traces() as second_traces:
+    second = llm.chat(conversations(SECOND), params, use_tqdm=False)
 for out in second:
     print(f"{len(out.prompt_token_ids)} prompt tokens, {out.num_cached_tokens:2d} cached  "
           f"{out.outputs[0].text!r}")
@@ -498,18 +579,17 @@ print(f"prefix cache over both batches: {stats.prefix_cache_hits} of {stats.pref
       f"looked up were hits, prefix_cache_hit_rate = {stats.prefix_cache_hit_rate:.3f}")
 
 # %% [markdown]
-# Every request of the second batch found the 3 system-prompt blocks (48 tokens) and computed only the rest.
-# Two found a fourth block: "What is a block table?" and "What is an attention head?" begin their user turn
-# like "What is a KV cache?" from the first batch, and the 16 tokens after the system prompt
-# (`<|im_end|>`, the user-turn markup, "What is a") are the same. The cache knows nothing about system
-# prompts; any shared run of full blocks from the start of a prompt is a hit.
+# Every request of the second batch found the 3 system-prompt blocks (48 tokens), cached-free since the first
+# batch finished, and computed only the rest. Two found the fourth block too: "What is a block table?" and
+# "What is an attention head?" also begin their user turn with "What is". The cache knows nothing about system
+# prompts or user turns; any shared run of full blocks from the start of a prompt is a hit.
 # `prefix_cache_hit_rate` is vLLM's definition: cached prompt tokens over prompt tokens looked up, over the
 # engine's life (both batches here).
 #
 # The first step of the second batch, from its trace: which blocks were hits, and the pool right after:
 
 # %%
-t = traces[first_hit_step - 1]
+t = second_traces[0]
 print(f"step {t.step}: prefix hit on blocks {t.prefix_hit_blocks}")
 print("events:", t.events)
 print("ref counts of the hit blocks:", [t.block_ref_counts[b] for b in sorted(set(t.prefix_hit_blocks))])
@@ -523,10 +603,9 @@ draw_pool(t.num_kv_blocks, {r.request_id: list(r.block_table) for r in t.request
 
 # %% [markdown]
 # The three shared blocks carry all four colours and `ref 4`, block 3 two. The dark grey blocks are
-# cached-free leftovers of the first batch: the full blocks of its questions and answers. The copies of the
-# system prompt that the other three first-batch requests computed for themselves are not among them: only
-# the first block with a given hash enters the map, so the duplicates went back clean-free when their
-# requests finished.
+# cached-free leftovers of the first batch: the full blocks of its questions and answers. There is a single
+# copy of the system prompt in the whole pool: only the very first request computed it, and everyone since
+# has shared it.
 #
 # ### Same outputs, less work
 #
@@ -548,23 +627,26 @@ print(f"prefix cache hit rate: {off_stats.prefix_cache_hit_rate:.0%} without, "
       f"{on_stats.prefix_cache_hit_rate:.0%} with")
 
 # %% [markdown]
-# 48 + 64 + 48 + 64 = 224 prompt tokens were not computed. With a 1,000-token system prompt and thousands of
-# conversations, this is most of the prefill work of a chat server.
+# 0 + 48 + 48 + 64 = 160 prompt tokens of the first batch and 64 + 48 + 64 + 48 = 224 of the second were not
+# computed: 384 of 593. With a 1,000-token system prompt and thousands of conversations, this is most of the
+# prefill work of a chat server.
 
 # %%
 assert all(same)
-assert all(o.num_cached_tokens == 0 for o in first)
+assert [o.num_cached_tokens for o in first] == [0, 48, 48, 64]       # shared within the first step
+assert first_traces[0].step == 1 and sorted(set(first_traces[0].prefix_hit_blocks)) == [0, 1, 2, 3]
 assert [o.num_cached_tokens for o in second] == [64, 48, 64, 48]
-assert off_stats.num_prompt_tokens_computed - on_stats.num_prompt_tokens_computed == 224
-assert on_stats.prefix_cache_hits == 224 and off_stats.prefix_cache_hits == 0
+assert off_stats.num_prompt_tokens_computed - on_stats.num_prompt_tokens_computed == 160 + 224
+assert on_stats.prefix_cache_hits == 384 and off_stats.prefix_cache_hits == 0
 engine.check_integrity()
 
 # %% [markdown]
 # ## Check yourself
 #
-# Run this cell. It rebuilds the lesson's claims from scratch on a fresh block manager (sharing, chaining,
-# never the whole prompt, tail-first freeing, LRU eviction), then asks the engine once more: a repeated
-# conversation hits the cache and answers the same.
+# Run this cell. It rebuilds the lesson's claims from scratch on fresh block managers (sharing, chaining,
+# never the whole prompt, tail-first freeing, LRU eviction, hashing at allocation and un-hashing a block
+# whose step never ran), then asks the engine once more: a repeated conversation hits the cache and answers
+# the same.
 
 # %%
 def self_check(llm):
@@ -586,6 +668,14 @@ def self_check(llm):
     run_step(bm, z, z.num_tokens, 12)
     assert bm.pop_events().evicted == [1, 0]
     bm.free(z)
+    bm.check_integrity([])
+
+    bm = BlockManager(num_blocks=4, block_size=4)                       # hashed at allocation
+    u, v = Request("u", None, [1, 2, 3, 4, 5], greedy), Request("v", None, [1, 2, 3, 4, 6], greedy)
+    assert bm.allocate_slots(u, u.num_tokens)
+    assert bm.get_computed_blocks(v) == [0], "a block can be shared in the step that allocates it"
+    bm.free(u)                                                          # u's step never ran
+    assert bm.get_computed_blocks(v) == [] and not bm.cached_free, "a block without KV is not cached"
     bm.check_integrity([])
 
     sp = SamplingParams(temperature=0, max_tokens=8)

@@ -113,22 +113,22 @@ for rid, prompt in PROMPTS.items():
 # %% [markdown]
 # ## 2. Step by step
 #
-# `engine.record_traces()` returns a list that every following step appends a `StepTrace` to: plain data
-# copied out of the engine (see `minivllm/trace.py`). We add three requests, then step until everything is
-# done, adding `late` after step 4.
+# `with engine.record_traces() as traces:` gives a list that every step run inside the `with` block appends a
+# `StepTrace` to: plain data copied out of the engine (see `minivllm/trace.py`). Recording stops when the block
+# ends. We add three requests, then step until everything is done, adding `late` after step 4.
 
 # %%
-traces = engine.record_traces()
 for rid in ("short", "long", "medium"):
     engine.add_request(PROMPTS[rid], params, request_id=rid)
 
 outputs = {}
-while engine.has_unfinished_requests():
-    if engine.num_steps == 4:                              # 4 steps done: a new request arrives
-        engine.add_request(PROMPTS["late"], params, request_id="late")
-    for out in engine.step():
-        if out.finished:
-            outputs[out.request_id] = out
+with engine.record_traces() as traces:
+    while engine.has_unfinished_requests():
+        if engine.num_steps == 4:                          # 4 steps done: a new request arrives
+            engine.add_request(PROMPTS["late"], params, request_id="late")
+        for out in engine.step():
+            if out.finished:
+                outputs[out.request_id] = out
 
 print(len(traces), "steps")
 for rid, out in outputs.items():
@@ -270,7 +270,6 @@ assert chunks["long"] > 1 and chunks["short"] == 1         # the long prompt was
 # then an urgent question with priority 0. The waiting queue is sorted at once:
 
 # %%
-start = len(traces)                                        # the same trace list keeps filling up
 jobs = {"job-1": SENTENCES[0:2], "job-2": SENTENCES[2:4], "job-3": SENTENCES[5:7]}
 for rid, sentences in jobs.items():
     engine.add_request(summarize(sentences), params, request_id=rid, priority=1)
@@ -278,11 +277,11 @@ engine.add_request(chat_prompt("What is the capital of France?"), params, reques
 print("waiting queue, first to last:", [(r.request_id, r.priority) for r in engine.scheduler.waiting])
 
 priority_outputs = {}
-while engine.has_unfinished_requests():
-    for out in engine.step():
-        if out.finished:
-            priority_outputs[out.request_id] = out
-prio_traces = traces[start:]
+with engine.record_traces() as prio_traces:                # a new recording: steps of this run only
+    while engine.has_unfinished_requests():
+        for out in engine.step():
+            if out.finished:
+                priority_outputs[out.request_id] = out
 for t in prio_traces[:4]:
     print(describe(t))
 
@@ -319,8 +318,9 @@ results, budget_traces = {}, {}
 for budget in (16, 64, 8192):
     llm_b = LLM(num_kv_blocks=128, max_num_seqs=8, max_num_batched_tokens=budget, enable_prefix_caching=False,
                 seed=0)
-    budget_traces[budget] = llm_b.llm_engine.record_traces()
-    outs = llm_b.generate(list(PROMPTS.values()), params, use_tqdm=False)
+    with llm_b.llm_engine.record_traces() as tr:
+        outs = llm_b.generate(list(PROMPTS.values()), params, use_tqdm=False)
+    budget_traces[budget] = tr
     results[budget] = [o.outputs[0].token_ids for o in outs]
     del llm_b
 
@@ -364,15 +364,16 @@ assert len(budget_traces[8192]) < len(budget_traces[64]) < len(budget_traces[16]
 def self_check(llm):
     engine = llm.llm_engine
     budget = engine.scheduler.max_num_batched_tokens
-    tr = engine.record_traces()
     engine.add_request(PROMPTS["long"], params, request_id="check-long", priority=1)
     engine.add_request(PROMPTS["short"], params, request_id="check-short", priority=0)
     assert engine.scheduler.waiting[0].request_id == "check-short", "priority 0 goes first"
     done = {}
-    while engine.has_unfinished_requests():
-        for out in engine.step():
-            if out.finished:
-                done[out.request_id] = out.outputs[0].token_ids
+    with engine.record_traces() as tr:
+        while engine.has_unfinished_requests():
+            for out in engine.step():
+                if out.finished:
+                    done[out.request_id] = out.outputs[0].token_ids
+    assert not engine.trace_listeners, "the recording stopped with the with-block"
     assert all(t.num_prefill_tokens + t.num_decode_tokens <= budget for t in tr)
     long_chunks = [t.by_id["check-long"].num_scheduled_tokens for t in tr
                    if "check-long" in t.by_id and t.by_id["check-long"].kind == "prefill"]

@@ -74,14 +74,14 @@ def run(**engine_kwargs):
     """Add the four requests (A first), step until all finish; return the engine, outputs and step traces."""
     llm = LLM(seed=0, **engine_kwargs)
     engine = llm.llm_engine
-    traces = engine.record_traces()
     for rid, prompt in PROMPTS.items():
         engine.add_request(prompt, PARAMS, request_id=rid)
     outputs = {}
-    while engine.has_unfinished_requests():
-        for out in engine.step():
-            if out.finished:
-                outputs[out.request_id] = out.outputs[0].token_ids
+    with engine.record_traces() as traces:               # every step inside the block appends its StepTrace
+        while engine.has_unfinished_requests():
+            for out in engine.step():
+                if out.finished:
+                    outputs[out.request_id] = out.outputs[0].token_ids
     engine.check_integrity()
     return engine, outputs, traces
 
@@ -122,12 +122,21 @@ for t in rc_traces:
 #   it goes back to the waiting queue with status `preempted`.
 # - In step 36 the three survivors run out again, and now C is the latest arrival among the running: C goes.
 # - When A and B finish, their blocks come back and C and D are admitted again, in their original arrival
-#   order. Being recomputed, each re-runs **its prompt and all the tokens it had generated** as one prefill:
+#   order. Being recomputed, each re-runs **its prompt and all the tokens it had generated** as one prefill.
+#
+# The scheduler calls that a "prefill" like any other; the trace tells them apart with
+# `RequestTrace.num_preemptions`, how many times the request has been preempted so far. A prefill by a
+# request that has been preempted is a **recompute**, and we label it so:
 
 # %%
+def what_ran(r):
+    """What a RequestTrace computed in its step: "prefill", "decode", "" (nothing), or "recompute"."""
+    return "recompute" if r.kind == "prefill" and r.num_preemptions else r.kind
+
+
 def status_of(traces, rid):
-    """step -> (status, kind, tokens scheduled) for one request, from the step traces."""
-    return {t.step: (t.by_id[rid].status, t.by_id[rid].kind, t.by_id[rid].num_scheduled_tokens)
+    """step -> (status, what ran, tokens scheduled) for one request, from the step traces."""
+    return {t.step: (t.by_id[rid].status, what_ran(t.by_id[rid]), t.by_id[rid].num_scheduled_tokens)
             for t in traces if rid in t.by_id}
 
 
@@ -150,8 +159,8 @@ for rid in ("C", "D"):
 
 # %%
 REQUEST_COLORS = {"A": "tab:blue", "B": "tab:orange", "C": "tab:green", "D": "tab:red"}
-STATE_COLORS = {"prefill": "tab:orange", "decode": "tab:blue", "preempted": "tab:red", "swapped": "tab:purple",
-                "waiting": "#dddddd"}
+STATE_COLORS = {"prefill": "tab:orange", "recompute": "tab:brown", "decode": "tab:blue", "preempted": "tab:red",
+                "swapped": "tab:purple", "waiting": "#dddddd"}
 
 
 def draw_blocks(ax, traces, title, num_blocks=NUM_BLOCKS):
@@ -179,7 +188,7 @@ def draw_lanes(ax, traces):
     rows = list(PROMPTS)
     for t in traces:
         for r in t.requests:
-            state = r.kind or ("waiting" if r.status == "waiting" else r.status)
+            state = what_ran(r) or ("waiting" if r.status == "waiting" else r.status)
             if state in STATE_COLORS:
                 ax.barh(len(rows) - 1 - rows.index(r.request_id), 0.9, left=t.step - 0.45, height=0.7,
                         color=STATE_COLORS[state])
@@ -206,12 +215,13 @@ draw_runs({"recompute, 10 blocks": rc_traces})
 
 # %% [markdown]
 # The pool runs full from the moment the third blocks are needed. A preempted request holds nothing at all
-# while it waits (red lane), and when it returns its lane turns orange once more: a second prefill of
+# while it waits (red lane), and when it returns its lane shows a recompute (brown): a second prefill of
 # everything it had.
 
 # %%
 assert rc_out == reference                                         # the answers did not change
 assert [t.preempted for t in rc_traces if t.preempted] == [("D",), ("C",)]
+assert sorted(r.request_id for t in rc_traces for r in t.requests if what_ran(r) == "recompute") == ["C", "D"]
 assert all(t.num_kv_blocks - t.num_free_blocks <= NUM_BLOCKS for t in rc_traces)
 assert sum(r.num_scheduled_tokens for t in rc_traces for r in t.requests if r.kind == "prefill") == \
     rc_engine.get_stats().num_prompt_tokens_computed
@@ -262,7 +272,8 @@ draw_runs({"recompute, 10 blocks": rc_traces, "swap, 10 blocks": sw_traces})
 # %%
 assert sw_out == reference
 assert [t.preempted for t in sw_traces if t.preempted] == [("D",), ("C",)]
-assert all(r.status != "preempted" for t in sw_traces for r in t.requests)      # nobody was recomputed
+assert all(r.status != "preempted" for t in sw_traces for r in t.requests)      # nobody was recomputed ...
+assert not any(what_ran(r) == "recompute" for t in sw_traces for r in t.requests)   # ... and nothing re-ran
 assert sw_engine.block_manager.cpu_block_tables == {}                           # the CPU pool is empty again
 
 # %% [markdown]
@@ -304,20 +315,21 @@ plt.show()
 # %%
 for rid in PROMPTS:
     steps = status_of(rc_traces, rid)
-    chunks = [n for status, kind, n in steps.values() if kind == "prefill"]
+    prefills = [n for status, kind, n in steps.values() if kind == "prefill"]
+    recomputes = [n for status, kind, n in steps.values() if kind == "recompute"]
     prompt_len = len(tokenizer.encode(PROMPTS[rid], add_special_tokens=False))
-    print(f"{rid}: prefills of {chunks} tokens; prompt {prompt_len}, so {sum(chunks) - prompt_len} computed twice")
+    print(f"{rid}: prompt {prompt_len}, prefill {sum(prefills)}, recomputes {recomputes}: "
+          f"{sum(prefills) + sum(recomputes) - prompt_len} tokens computed twice")
 
 # %% [markdown]
-# Every mode computed each prompt once, and recompute added the second prefills of C and D: prompt plus
-# every token generated before the preemption. Swap computed nothing twice and copied 5 blocks out and 5
+# Every mode computed each prompt once, and recompute added the recomputes of C and D: prompt plus every
+# token generated before the preemption. Swap computed nothing twice and copied 5 blocks out and 5
 # back instead, at 720 KiB per block for this model in fp32. Which is cheaper depends on the hardware: a
 # prefill token costs a forward pass of the model, a block copy costs bandwidth.
 
 # %%
-second_prefills = sum(n for rid in ("C", "D") for status, kind, n in list(status_of(rc_traces, rid).values())[1:]
-                      if kind == "prefill")
-assert cost(rc_traces)[0] - cost(reference_traces)[0] == second_prefills > 0
+recomputed = sum(r.num_scheduled_tokens for t in rc_traces for r in t.requests if what_ran(r) == "recompute")
+assert cost(rc_traces)[0] - cost(reference_traces)[0] == recomputed > 0
 assert cost(sw_traces) == (cost(reference_traces)[0], 10)            # swap: no extra prefill, 5 blocks out, 5 in
 assert rc_out == sw_out == reference
 
@@ -326,7 +338,9 @@ assert rc_out == sw_out == reference
 #
 # The default engine has prefix caching on. Then a recomputed request's full blocks are not really lost: when
 # it is preempted they go to the cached-free list like any finished request's blocks (lesson 01), and if
-# nobody has evicted them by the time it returns, its "recompute" is mostly a prefix-cache hit.
+# nobody has evicted them by the time it returns, its "recompute" is mostly a prefix-cache hit. (Only blocks
+# whose KV exists: had the victim been given room earlier in the same step, `free` would drop the hash of
+# every block that step was to fill, since the step never computes it.)
 
 # %%
 rcp_engine, rcp_out, rcp_traces = run(num_kv_blocks=NUM_BLOCKS, preemption_mode="recompute")
@@ -356,7 +370,7 @@ print(f"prefill tokens computed: {cost(rcp_traces)[0]} (without the prefix cache
 # %%
 assert rcp_out == reference
 assert cost(reference_traces)[0] < cost(rcp_traces)[0] < cost(rc_traces)[0]
-assert status_of(rcp_traces, "C")[41][1:] == ("decode", 1) and status_of(rcp_traces, "D")[41][1:] == ("prefill", 33)
+assert status_of(rcp_traces, "C")[41][1:] == ("decode", 1) and status_of(rcp_traces, "D")[41][1:] == ("recompute", 33)
 
 # %% [markdown]
 # ## 6. A request that can never fit
@@ -416,12 +430,15 @@ def self_check():
         assert all(t.num_kv_blocks - t.num_free_blocks <= t.num_kv_blocks for t in traces)
         statuses = {r.status for t in traces for r in t.requests}
         prefill, copies = cost(traces)
+        recomputes = [r for t in traces for r in t.requests if what_ran(r) == "recompute"]
         if mode == "recompute":
             assert "preempted" in statuses and "swapped" not in statuses
             assert prefill > base_prefill and copies == 0, "recompute re-runs prefills and copies nothing"
+            assert recomputes and all(r.num_preemptions > 0 for r in recomputes)
         else:
             assert "swapped" in statuses and "preempted" not in statuses
             assert prefill == base_prefill and copies > 0, "swap copies blocks and re-runs nothing"
+            assert not recomputes
             assert sum(len(t.blocks_swapped_out) for t in traces) == sum(len(t.blocks_swapped_in) for t in traces)
         bm = engine.block_manager
         try:
