@@ -9,6 +9,10 @@ import torch
 
 os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
+if not torch.cuda.is_available():
+    # Without a GPU the Triton kernels run on Triton's CPU interpreter; @triton.jit reads this when it
+    # decorates, so it must be set before anything imports triton (notebook kernels inherit it too).
+    os.environ.setdefault("TRITON_INTERPRET", "1")
 
 # Six prompts of different lengths and styles, shared by the parity and invariance tests.
 PROMPTS = [
