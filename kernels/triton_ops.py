@@ -26,6 +26,10 @@ Precision: softmax statistics and accumulators are fp32; scores use exp2 with sc
 Dots take the cache's dtype (fp16/bf16 tensor cores on a GPU, fp32 accumulation); fp32 dots are exact
 ("ieee", not tf32). bf16 is wrong in Triton's CPU interpreter, so there bf16 loads are upcast to fp32 first.
 
+On a CPU the kernels run under Triton's interpreter: TRITON_INTERPRET=1 must be set before triton is first
+imported (@triton.jit, triton's own library included, reads it when decorating). The wrappers call no
+CUDA-only API, so the same code serves CPU tensors there and CUDA tensors on a GPU.
+
 Tile sizes are chosen by a rule, not @triton.autotune (which needs a GPU). head_dim need not be a power of
 two: tiles are padded to one and masked. Slots past seq_len are never read (the cache is uninitialized).
 """
