@@ -31,7 +31,7 @@ imported (@triton.jit, triton's own library included, reads it when decorating).
 CUDA-only API, so the same code serves CPU tensors there and CUDA tensors on a GPU.
 
 Tile sizes are chosen by a rule, not @triton.autotune (which needs a GPU). head_dim need not be a power of
-two: tiles are padded to one and masked. Slots past seq_len are never read (the cache is uninitialized).
+two: tiles are padded to one and masked. Slots past seq_len are never read: even NaN there is harmless.
 """
 
 from __future__ import annotations
@@ -197,7 +197,8 @@ def _merge_splits_kernel(
     stride_o_seq, stride_o_head, num_heads, head_dim,
     NUM_SPLITS: tl.constexpr, SPLITS_P2: tl.constexpr, HEAD_DIM_P2: tl.constexpr,
 ):
-    """out = sum_s 2^(m_s - M) acc_s / sum_s 2^(m_s - M) l_s, M = max_s m_s: the softmax over the whole context."""
+    """Softmax over the whole context from per-split partials (m_s in log2 units, acc_s not yet divided):
+    out = sum_s 2^(m_s - M) acc_s / sum_s 2^(m_s - M) l_s,  M = max_s m_s."""
     seq = tl.program_id(0)
     head = tl.program_id(1)
     s = tl.arange(0, SPLITS_P2)
