@@ -50,3 +50,32 @@ def test_bad_arguments_are_usage_errors(argv, capsys):
         bench.main(argv)
     assert exc.value.code == 2
     assert "usage:" in capsys.readouterr().err
+
+
+@pytest.mark.skipif(__import__("torch").cuda.is_available(), reason="checks the message a machine without CUDA gets")
+def test_kernels_mode_without_cuda_is_a_usage_error_that_names_cuda(capsys):
+    with pytest.raises(SystemExit) as exc:
+        bench.main(["kernels"])
+    assert exc.value.code == 2
+    err = capsys.readouterr().err
+    assert "usage:" in err and "the kernels benchmark needs a CUDA GPU" in err
+
+
+def test_kernel_decode_bytes_count_kv_once_plus_query_and_output():
+    # The shape in bf16: batch 64, context 2048, 32 query / 8 KV heads of 128.
+    kv = 2 * 64 * 2048 * 8 * 128 * 2           # K and V: 536_870_912 bytes
+    q_and_out = 2 * 64 * 32 * 128 * 2          # query read + output written: 1_048_576 bytes
+    assert kv + q_and_out == 537_919_488
+    assert bench.decode_bytes(64, 2048, 32, 8, 128, itemsize=2) == 537_919_488
+    assert bench.decode_bytes(1, 512, 32, 32, 128, itemsize=4) == 2 * 512 * 32 * 128 * 4 + 2 * 32 * 128 * 4
+
+
+def test_kernel_rows_report_bandwidth_and_mark_the_target_row():
+    row = bench.DecodeRow(batch=64, context=2048, num_heads=32, num_kv_heads=8, head_dim=128, block_size=16,
+                          dtype="bfloat16", num_splits=1, bytes_moved=537_919_488, triton_s=1e-3, torch_s=4e-3,
+                          copy_bandwidth_gbs=1000.0)
+    assert row.bandwidth_gbs == pytest.approx(537.919488)
+    assert row.fraction_of_copy == pytest.approx(0.537919488)
+    assert row.speedup_over_torch == pytest.approx(4.0) and row.is_target
+    assert not bench.DecodeRow(**{**row.__dict__, "num_kv_heads": 4}).is_target
+    assert bench.CopyResult(bytes_moved=2 * 10**9, time_s=0.5).bandwidth_gbs == pytest.approx(4.0)
