@@ -56,12 +56,12 @@ def test_prompt_over_max_model_len_names_both_numbers(llm):
     _assert_engine_idle(llm)
 
 
-def test_request_larger_than_the_pool_names_both_numbers(llm):
-    pool = llm.llm_engine.block_manager.num_blocks
+def test_request_larger_than_the_pool_names_both_numbers(model_dir):
+    small = LLM(str(model_dir), device="cpu", dtype="float32", num_kv_blocks=8)      # 128 token slots
     with pytest.raises(ValueError) as e:
-        llm.generate({"prompt_token_ids": [42] * 100}, SamplingParams(max_tokens=pool * 16), use_tqdm=False)
-    assert f"whole pool has {pool} blocks" in str(e.value)
-    _assert_engine_idle(llm)
+        small.generate({"prompt_token_ids": [42] * 100}, SamplingParams(max_tokens=64), use_tqdm=False)
+    assert "needs 11 KV blocks" in str(e.value) and "whole pool has 8 blocks" in str(e.value)
+    _assert_engine_idle(small)
 
 
 def test_bad_token_ids_and_prompt_shapes(llm):
