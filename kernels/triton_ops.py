@@ -236,6 +236,20 @@ def choose_num_splits(num_seqs: int, num_kv_heads: int, max_context: int, device
     return max(1, min(want, most, MAX_SPLITS))
 
 
+def _check_attention_inputs(query: torch.Tensor, key_cache: torch.Tensor,
+                            value_cache: torch.Tensor) -> tuple[int, int]:
+    """Shared checks of both attention wrappers; returns (block_size, num_kv_heads)."""
+    num_heads, head_dim = query.shape[1], query.shape[2]
+    _check_cache(key_cache, value_cache)
+    block_size, num_kv_heads = key_cache.shape[1], key_cache.shape[2]
+    if num_heads % num_kv_heads:
+        raise ValueError(f"{num_heads} query heads do not divide into {num_kv_heads} KV heads.")
+    if key_cache.shape[3] != head_dim or query.stride(-1) != 1:
+        raise ValueError(f"query head_dim {head_dim} (stride {query.stride(-1)}) must match the cache's "
+                         f"{key_cache.shape[3]} and be contiguous.")
+    return block_size, num_kv_heads
+
+
 def paged_decode_attention(query: torch.Tensor, key_cache: torch.Tensor, value_cache: torch.Tensor,
                            block_tables: torch.Tensor, seq_lens: torch.Tensor, scale: float,
                            num_splits: int | None = None) -> torch.Tensor:
@@ -246,13 +260,7 @@ def paged_decode_attention(query: torch.Tensor, key_cache: torch.Tensor, value_c
     from block_tables' width (an upper bound on the context that needs no device sync).
     """
     num_seqs, num_heads, head_dim = query.shape
-    _check_cache(key_cache, value_cache)
-    block_size, num_kv_heads = key_cache.shape[1], key_cache.shape[2]
-    if num_heads % num_kv_heads:
-        raise ValueError(f"{num_heads} query heads do not divide into {num_kv_heads} KV heads.")
-    if key_cache.shape[3] != head_dim or query.stride(-1) != 1:
-        raise ValueError(f"query head_dim {head_dim} (stride {query.stride(-1)}) must match the cache's "
-                         f"{key_cache.shape[3]} and be contiguous.")
+    block_size, num_kv_heads = _check_attention_inputs(query, key_cache, value_cache)
     group_size = num_heads // num_kv_heads
     out = torch.empty((num_seqs, num_heads, head_dim), dtype=query.dtype, device=query.device)
     if num_seqs == 0:
@@ -365,13 +373,7 @@ def paged_prefill_attention(query: torch.Tensor, key_cache: torch.Tensor, value_
     sizes the grid; pass it from the host to avoid a device sync.
     """
     num_tokens, num_heads, head_dim = query.shape
-    _check_cache(key_cache, value_cache)
-    block_size, num_kv_heads = key_cache.shape[1], key_cache.shape[2]
-    if num_heads % num_kv_heads:
-        raise ValueError(f"{num_heads} query heads do not divide into {num_kv_heads} KV heads.")
-    if key_cache.shape[3] != head_dim or query.stride(-1) != 1:
-        raise ValueError(f"query head_dim {head_dim} (stride {query.stride(-1)}) must match the cache's "
-                         f"{key_cache.shape[3]} and be contiguous.")
+    block_size, num_kv_heads = _check_attention_inputs(query, key_cache, value_cache)
     num_seqs = cu_seqlens_q.shape[0] - 1
     out = torch.empty((num_tokens, num_heads, head_dim), dtype=query.dtype, device=query.device)
     if num_tokens == 0 or num_seqs == 0:

@@ -48,10 +48,6 @@ class SchedulerOutput:
     blocks_to_swap_in: list[tuple[int, int]] = field(default_factory=list)    # CPU pool -> device
 
     @property
-    def total_num_tokens(self) -> int:
-        return self.num_prefill_tokens + self.num_decode_tokens
-
-    @property
     def is_empty(self) -> bool:
         """Nothing to run and nothing to copy."""
         return not (self.scheduled or self.blocks_to_swap_out or self.blocks_to_swap_in)
