@@ -24,7 +24,8 @@ class EngineConfig:
     enable_prefix_caching: bool = True
     preemption_mode: str = "recompute"      # recompute | swap
     swap_space: float = 1.0                 # GiB of CPU memory for swapped-out KV (preemption_mode="swap")
-    tensor_parallel_size: int = 1
+    tensor_parallel_size: int = 1           # ranks; each holds 1/tp of the heads, the MLP and the vocabulary
+    distributed_executor_backend: str = "auto"   # auto | uni | mp | external_launcher (see executor.py)
     attention_backend: str = "auto"         # auto | torch | triton
     seed: int = 0                           # for requests without their own seed
 
@@ -47,5 +48,9 @@ class EngineConfig:
             raise ValueError(f"num_kv_blocks is {self.num_kv_blocks!r}; it must be a positive int or None.")
         if self.max_model_len is not None and (not isinstance(self.max_model_len, int) or self.max_model_len < 2):
             raise ValueError(f"max_model_len is {self.max_model_len!r}; it must be an int >= 2 or None.")
+        backends = ("auto", "uni", "mp", "external_launcher")
+        if self.distributed_executor_backend not in backends:
+            raise ValueError(f"distributed_executor_backend is {self.distributed_executor_backend!r}; "
+                             f"choose one of {', '.join(backends)}.")
         if not 0 < self.gpu_memory_utilization <= 1:
             raise ValueError(f"gpu_memory_utilization is {self.gpu_memory_utilization}; it must be in (0, 1].")

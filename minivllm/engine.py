@@ -20,9 +20,10 @@ from dataclasses import dataclass
 from minivllm.block_manager import BlockManager
 from minivllm.config import EngineConfig
 from minivllm.detokenizer import DetokState, detokenize_incrementally, find_stop_string
+from minivllm.distributed import check_tp_size
+from minivllm.executor import make_executor
 from minivllm.model import ModelConfig
 from minivllm.model_loader import check_checkpoint_files, load_tokenizer, resolve_device, resolve_model_path
-from minivllm.model_runner import ModelRunner
 from minivllm.outputs import CompletionOutput, RequestOutput
 from minivllm.request import Request, RequestStatus
 from minivllm.sampling_params import SamplingParams
@@ -52,9 +53,6 @@ class EngineStats:
 class LLMEngine:
     def __init__(self, config: EngineConfig):
         self.config = config
-        if config.tensor_parallel_size != 1:
-            raise ValueError(f"tensor_parallel_size is {config.tensor_parallel_size}; this build runs on one "
-                             "device only (tensor_parallel_size=1). Tensor parallelism is not implemented yet.")
         self.model_path = resolve_model_path(config.model)
         self.model_config = ModelConfig.from_dir(self.model_path)
         check_checkpoint_files(self.model_path)
@@ -64,9 +62,12 @@ class LLMEngine:
         if self.max_model_len > self.model_config.max_position_embeddings:
             raise ValueError(f"max_model_len is {self.max_model_len}, above the model's "
                              f"max_position_embeddings of {self.model_config.max_position_embeddings}.")
-        self.model_runner = ModelRunner(config, self.model_path, self.model_config, self.device)
-        self.block_manager = BlockManager(self.model_runner.num_kv_blocks, config.block_size,
-                                          config.enable_prefix_caching, self.model_runner.num_cpu_blocks)
+        check_tp_size(self.model_config, config.tensor_parallel_size)
+        # Rank 0's ModelRunner lives here; the executor starts the other ranks, if any (executor.py).
+        self.executor = make_executor(config, self.model_path, self.model_config, self.device)
+        self.model_runner = self.executor.driver
+        self.block_manager = BlockManager(self.executor.num_kv_blocks, config.block_size,
+                                          config.enable_prefix_caching, self.executor.num_cpu_blocks)
         self.scheduler = Scheduler(self.block_manager, config.max_num_seqs, config.max_num_batched_tokens,
                                    config.preemption_mode)
         eos = set(self.model_config.eos_token_id)
@@ -159,7 +160,7 @@ class LLMEngine:
         for req in sched.scheduled:
             if req.metrics.first_scheduled_time is None:
                 req.metrics.first_scheduled_time = now
-        sampling_reqs, tokens = self.model_runner.execute_model(sched)
+        sampling_reqs, tokens = self.executor.execute_model(sched)
         self.scheduler.update_from_output(sched)
         self.num_steps += 1
         self.num_prompt_tokens_computed += sched.num_prefill_tokens
@@ -246,6 +247,11 @@ class LLMEngine:
             num_swapped=len(bm.cpu_block_tables),
             num_steps=self.num_steps, num_prompt_tokens_computed=self.num_prompt_tokens_computed,
             num_generated_tokens=self.num_generated_tokens)
+
+    def shutdown(self) -> None:
+        """Stop the tensor-parallel workers (if any) and leave the process group. Also happens on garbage
+        collection and at exit; safe to call twice. The engine cannot run steps afterwards."""
+        self.executor.shutdown()
 
     def check_integrity(self) -> None:
         self.block_manager.check_integrity(self.scheduler.running + self.scheduler.waiting)

@@ -3,6 +3,8 @@
     python -m minivllm.generate --chat --temperature 0 --max-tokens 16 "What is the capital of France?"
     python -m minivllm.generate --prompts-file prompts.txt --max-tokens 64
     python -m minivllm.generate --stream "Once upon a time"
+    python -m minivllm.generate --tensor-parallel-size 3 "Once upon a time"      (3 ranks, gloo on a CPU)
+    torchrun --nproc-per-node 3 -m minivllm.generate --tensor-parallel-size 3 "Once upon a time"
 
 Bad arguments print a usage error and exit with code 2, without a traceback.
 """
@@ -10,6 +12,7 @@ Bad arguments print a usage error and exit with code 2, without a traceback.
 from __future__ import annotations
 
 import argparse
+import os
 import sys
 import time
 
@@ -63,8 +66,12 @@ def main(argv: list[str] | None = None) -> int:
     except ValueError as e:
         parser.error(str(e))
 
+    from minivllm.distributed import launched_by_torchrun
     from minivllm.llm import LLM
 
+    is_rank0 = not launched_by_torchrun() or int(os.environ["RANK"]) == 0
+    if not is_rank0:
+        sys.stdout = open(os.devnull, "w")      # every torchrun rank runs this; rank 0 prints
     try:
         llm = LLM(model=args.model, dtype=args.dtype, device=args.device, block_size=args.block_size,
                   num_kv_blocks=args.num_kv_blocks, max_num_seqs=args.max_num_seqs,
@@ -86,6 +93,11 @@ def main(argv: list[str] | None = None) -> int:
             outputs = llm.generate(prompts, params, use_tqdm=len(prompts) > 1)
     except ValueError as e:
         parser.error(str(e))
+    except KeyboardInterrupt:
+        print("\n[minivllm] interrupted", file=sys.stderr)
+        return 130
+    finally:
+        llm.llm_engine.shutdown()        # stops tensor-parallel workers (they would also stop at exit)
     elapsed = time.time() - start
     if not args.stream:
         for i, out in enumerate(outputs):
@@ -94,8 +106,9 @@ def main(argv: list[str] | None = None) -> int:
             print(out.outputs[0].text)
     n_out = sum(len(o.outputs[0].token_ids) for o in outputs)
     n_in = sum(len(o.prompt_token_ids) for o in outputs)
-    print(f"\n[minivllm] {len(outputs)} request(s), {n_in} prompt + {n_out} output tokens in {elapsed:.2f} s "
-          f"({n_out / elapsed:.1f} output tokens/s)", file=sys.stderr)
+    if is_rank0:
+        print(f"\n[minivllm] {len(outputs)} request(s), {n_in} prompt + {n_out} output tokens in {elapsed:.2f} s "
+              f"({n_out / elapsed:.1f} output tokens/s)", file=sys.stderr)
     return 0
 
 

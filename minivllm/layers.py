@@ -40,9 +40,12 @@ class TPGroup:
         return torch.cat(parts, dim=-1)
 
 
-def _shard(t: torch.Tensor, dim: int, rank: int, size: int) -> torch.Tensor:
-    n = t.shape[dim] // size
-    return t.narrow(dim, rank * n, n)
+def _shard(loaded, dim: int, rank: int, size: int) -> torch.Tensor:
+    """This rank's 1/size of `loaded` along `dim`. `loaded` is a tensor or a lazy safetensors slice
+    (model_loader.py), so a rank reads only its own shard from disk."""
+    shape = loaded.shape if isinstance(loaded, torch.Tensor) else loaded.get_shape()
+    n = shape[dim] // size
+    return loaded[(slice(None),) * dim + (slice(rank * n, (rank + 1) * n),)]
 
 
 class ColumnParallelLinear(nn.Module):
@@ -97,7 +100,7 @@ class RowParallelLinear(nn.Module):
         self.bias = nn.Parameter(torch.empty(out_features), requires_grad=False) if bias else None
 
     def weight_loader(self, param, loaded, shard_id=None):
-        param.copy_(_shard(loaded, 1, self.tp.rank, self.tp.size) if param.dim() == 2 else loaded)
+        param.copy_(_shard(loaded, 1, self.tp.rank, self.tp.size) if param.dim() == 2 else loaded[:])
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         y = self.tp.all_reduce(F.linear(x, self.weight))     # partial sums from every rank

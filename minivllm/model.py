@@ -181,8 +181,10 @@ class LlamaForCausalLM(nn.Module):
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
         return self.lm_head(hidden).float()                                   # (rows, vocab_size) fp32
 
-    def load_param(self, name: str, tensor: torch.Tensor) -> bool:
-        """Load one checkpoint tensor by its Hugging Face name; False if the model has no such weight."""
+    def load_param(self, name: str, tensor) -> bool:
+        """Load one checkpoint tensor by its Hugging Face name; False if the model has no such weight.
+        `tensor` may be a lazy safetensors slice: sharded layers read only their rows or columns of it.
+        copy_ converts to the parameter's dtype and device."""
         name = name.removeprefix("model.")
         if name == "lm_head.weight" and self.cfg.tie_word_embeddings:
             return True
@@ -199,7 +201,7 @@ class LlamaForCausalLM(nn.Module):
         loader = getattr(module, "weight_loader", None)
         with torch.no_grad():
             if loader is not None:
-                loader(param, tensor.to(param.dtype), shard_id)
+                loader(param, tensor, shard_id)
             else:
-                param.copy_(tensor)
+                param.copy_(tensor[:])
         return True

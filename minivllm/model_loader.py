@@ -100,7 +100,7 @@ def load_model(path: Path, cfg: ModelConfig, dtype: torch.dtype, device: torch.d
             for name in st.keys():
                 if "rotary_emb" in name:
                     continue
-                if model.load_param(name, st.get_tensor(name).to(device)):
+                if model.load_param(name, st.get_slice(name)):      # lazy: read on indexing
                     loaded.add(name.removeprefix("model."))
     expected = {_checkpoint_name(n) for n, _ in model.named_parameters()}
     missing = sorted(expected - {_checkpoint_name(n) for n in loaded})

@@ -1,8 +1,9 @@
-"""ModelRunner: turns a SchedulerOutput into tensors, runs the model, and samples.
+"""ModelRunner: one rank's model and KV cache; turns a SchedulerOutput into a flat batch and runs it.
 
-Owns: the model's weights, the KV cache tensors, and the flat-batch inputs of each step. It reads
+Owns: this rank's weights, its share of the KV cache, and the flat-batch inputs of each step. It reads
 requests (their tokens, `num_computed_tokens`, block tables) but changes none of them; the scheduler
-and the engine do that with what it returns.
+and the engine do that with what it returns. Which ranks exist and how inputs reach them is the
+executor's business (executor.py).
 
 Flat batch for requests A (prefill, 3 new tokens, nothing cached) and B (decode at position 20):
     input_ids     [a0 a1 a2 b20]
@@ -13,6 +14,8 @@ Flat batch for requests A (prefill, 3 new tokens, nothing cached) and B (decode 
 """
 
 from __future__ import annotations
+
+from dataclasses import dataclass, field
 
 import torch
 
@@ -26,7 +29,28 @@ from minivllm.sampler import Sampler
 from minivllm.scheduler import SchedulerOutput
 
 
+@dataclass(frozen=True)
+class ModelInput:
+    """One step's inputs as plain lists. Rank 0 builds it from the SchedulerOutput; under tensor
+    parallelism it is pickled to every other rank, and each rank turns it into tensors on its device."""
+    input_ids: list[int]                       # (num_tokens,)
+    positions: list[int]                       # (num_tokens,)
+    slot_mapping: list[int]                    # (num_tokens,)
+    q_lens: list[int]                          # (num_seqs,) new tokens per request
+    seq_lens: list[int]                        # (num_seqs,) context after this step
+    block_tables: list[list[int]]              # (num_seqs, max_blocks), padded with 0
+    sample_rows: list[int]                     # rows of the flat batch whose logits are sampled
+    blocks_to_swap_out: list[tuple[int, int]] = field(default_factory=list)   # (device block, cpu block)
+    blocks_to_swap_in: list[tuple[int, int]] = field(default_factory=list)    # (cpu block, device block)
+
+
 class ModelRunner:
+    """One rank's model, KV cache share and step execution. Rank 0's runner also builds the inputs
+    (`prepare_inputs`) and samples; the others only run `execute_model` on what rank 0 sent them.
+
+    Lifecycle (as vLLM's workers): __init__ loads this rank's weights; `profile_num_blocks()` says how
+    many KV blocks fit here; `allocate_kv_cache(n)` with the smallest answer over all ranks."""
+
     def __init__(self, config: EngineConfig, model_path, model_cfg: ModelConfig, device: torch.device,
                  tp: TPGroup = TPGroup()):
         self.config = config
@@ -39,40 +63,50 @@ class ModelRunner:
         self.sampler = Sampler(config.seed)
         self.block_size = config.block_size
         self.num_kv_heads = model_cfg.num_key_value_heads // tp.size     # this rank's share
-        self.num_kv_blocks = config.num_kv_blocks or self._auto_num_blocks()
-        # One tensor for the whole cache: (2, num_layers, num_blocks, block_size, kv_heads, head_dim).
+        self.num_kv_blocks = 0                                           # set by allocate_kv_cache
+
+    def allocate_kv_cache(self, num_kv_blocks: int) -> None:
+        c = self.model_cfg
+        self.num_kv_blocks = num_kv_blocks
+        # One tensor for this rank's cache: (2, num_layers, num_blocks, block_size, kv_heads / tp, head_dim).
+        # Every rank has the same blocks (same block ids, same slots); only the KV heads differ.
         # Zeroed once, so a slot that was never written holds 0, not NaN: masked slots get zero weight,
         # and 0 * NaN would still poison a matmul.
-        self.kv_cache = torch.zeros(2, model_cfg.num_hidden_layers, self.num_kv_blocks, self.block_size,
-                                    self.num_kv_heads, model_cfg.head_dim, dtype=self.dtype, device=device)
-        self.kv_caches = [(self.kv_cache[0, i], self.kv_cache[1, i]) for i in range(model_cfg.num_hidden_layers)]
+        self.kv_cache = torch.zeros(2, c.num_hidden_layers, num_kv_blocks, self.block_size,
+                                    self.num_kv_heads, c.head_dim, dtype=self.dtype, device=self.device)
+        self.kv_caches = [(self.kv_cache[0, i], self.kv_cache[1, i]) for i in range(c.num_hidden_layers)]
         # The CPU pool that preemption_mode="swap" copies whole blocks to and from (same layout).
-        self.num_cpu_blocks = (int(config.swap_space * 1024 ** 3 // self.bytes_per_block)
-                               if config.preemption_mode == "swap" else 0)
-        self.cpu_kv_cache = torch.empty((2, model_cfg.num_hidden_layers, self.num_cpu_blocks)
+        self.num_cpu_blocks = (int(self.config.swap_space * 1024 ** 3 // self.bytes_per_block)
+                               if self.config.preemption_mode == "swap" else 0)
+        self.cpu_kv_cache = torch.empty((2, c.num_hidden_layers, self.num_cpu_blocks)
                                         + tuple(self.kv_cache.shape[3:]), dtype=self.dtype,
-                                        pin_memory=device.type == "cuda" and self.num_cpu_blocks > 0)
+                                        pin_memory=self.device.type == "cuda" and self.num_cpu_blocks > 0)
 
     @property
     def bytes_per_block(self) -> int:
+        """KV bytes of one block on this rank (its share of the KV heads, every layer, K and V)."""
         c = self.model_cfg
         return 2 * c.num_hidden_layers * self.block_size * self.num_kv_heads * c.head_dim * self.dtype.itemsize
 
-    def _auto_num_blocks(self) -> int:
+    def profile_num_blocks(self) -> int:
+        """How many KV blocks fit on this rank: config.num_kv_blocks if given, else from the memory budget."""
+        if self.config.num_kv_blocks:
+            return self.config.num_kv_blocks
         if self.device.type == "cuda":
             free, total = torch.cuda.mem_get_info(self.device)
             budget = free - total * (1 - self.config.gpu_memory_utilization)
             budget -= 2 * 1024 ** 3 // self.tp.size       # activations and logits of the largest step
         else:
-            budget = self.config.kv_cache_memory_gb * 1024 ** 3
+            budget = self.config.kv_cache_memory_gb * 1024 ** 3      # per rank
         num_blocks = int(budget // self.bytes_per_block)
         if num_blocks < 1:
             raise ValueError(f"no memory left for the KV cache (budget {budget / 2**20:.0f} MiB, one block "
                              f"needs {self.bytes_per_block / 2**20:.2f} MiB); pass num_kv_blocks explicitly.")
         return num_blocks
 
-    # ------------------------------------------------------------------ inputs
-    def prepare_inputs(self, out: SchedulerOutput):
+    # ------------------------------------------------------------------ inputs (rank 0)
+    def prepare_inputs(self, out: SchedulerOutput) -> tuple[ModelInput, list[Request]]:
+        """The flat batch of one step, and the requests that sample a token at its end (in row order)."""
         bs = self.block_size
         input_ids: list[int] = []
         positions: list[int] = []
@@ -93,41 +127,46 @@ class ModelRunner:
             if end == req.num_tokens:               # the whole sequence is now computed: sample its next token
                 sample_rows.append(len(input_ids) - 1)
                 sampling_requests.append(req)
-        max_blocks = max(len(r.block_table) for r in out.scheduled)
+        max_blocks = max((len(r.block_table) for r in out.scheduled), default=0)
         block_tables = [r.block_table + [0] * (max_blocks - len(r.block_table)) for r in out.scheduled]
-        cu = [0]
-        for q in q_lens:
-            cu.append(cu[-1] + q)
+        model_input = ModelInput(input_ids, positions, slot_mapping, q_lens, seq_lens, block_tables, sample_rows,
+                                 list(out.blocks_to_swap_out), list(out.blocks_to_swap_in))
+        return model_input, sampling_requests
 
+    def _to_tensors(self, mi: ModelInput):
         def t(x, dtype):
             return torch.tensor(x, dtype=dtype).to(self.device, non_blocking=True)
 
+        cu = [0]
+        for q in mi.q_lens:
+            cu.append(cu[-1] + q)
         meta = AttentionMetadata(
-            slot_mapping=t(slot_mapping, torch.int64), cu_seqlens_q=t(cu, torch.int32),
-            seq_lens=t(seq_lens, torch.int32), block_tables=t(block_tables, torch.int32),
-            max_q_len=max(q_lens), max_seq_len=max(seq_lens), q_lens_cpu=q_lens, seq_lens_cpu=seq_lens)
-        return t(input_ids, torch.int64), t(positions, torch.int64), meta, sample_rows, sampling_requests
+            slot_mapping=t(mi.slot_mapping, torch.int64), cu_seqlens_q=t(cu, torch.int32),
+            seq_lens=t(mi.seq_lens, torch.int32), block_tables=t(mi.block_tables, torch.int32),
+            max_q_len=max(mi.q_lens), max_seq_len=max(mi.seq_lens), q_lens_cpu=mi.q_lens, seq_lens_cpu=mi.seq_lens)
+        return t(mi.input_ids, torch.int64), t(mi.positions, torch.int64), meta
 
-    # ------------------------------------------------------------------ the step
-    def swap_blocks(self, out: SchedulerOutput) -> None:
+    # ------------------------------------------------------------------ the step (every rank)
+    def swap_blocks(self, mi: ModelInput) -> None:
         """Copy whole blocks (every layer, K and V) between the device cache and the CPU pool.
         Swap-outs go first: a block freed by a swap-out may be handed to another request this step."""
-        if out.blocks_to_swap_out:
-            src, dst = (list(x) for x in zip(*out.blocks_to_swap_out))
+        if mi.blocks_to_swap_out:
+            src, dst = (list(x) for x in zip(*mi.blocks_to_swap_out))
             self.cpu_kv_cache[:, :, dst] = self.kv_cache[:, :, src].cpu()
-        if out.blocks_to_swap_in:
-            src, dst = (list(x) for x in zip(*out.blocks_to_swap_in))
+        if mi.blocks_to_swap_in:
+            src, dst = (list(x) for x in zip(*mi.blocks_to_swap_in))
             self.kv_cache[:, :, dst] = self.cpu_kv_cache[:, :, src].to(self.device)
 
     @torch.inference_mode()
-    def execute_model(self, out: SchedulerOutput) -> tuple[list[Request], list[int]]:
-        """Run one step. Returns the requests that sampled a token and their tokens, in batch order."""
-        self.swap_blocks(out)
-        if not out.scheduled:
-            return [], []
-        input_ids, positions, meta, sample_rows, sampling_requests = self.prepare_inputs(out)
+    def execute_model(self, mi: ModelInput) -> torch.Tensor | None:
+        """Run one step on this rank. Returns the logits of the sampled rows, (num_sampling, vocab) fp32,
+        or None when no request samples. Under TP every rank must call this with the same ModelInput:
+        the layers' all-reduces and the logits' all-gather pair up across ranks."""
+        self.swap_blocks(mi)
+        if not mi.q_lens:
+            return None
+        input_ids, positions, meta = self._to_tensors(mi)
         hidden = self.model(input_ids, positions, self.kv_caches, meta, self.backend)   # (num_tokens, hidden)
-        if not sampling_requests:
-            return [], []
-        logits = self.model.compute_logits(hidden[sample_rows])                     # (num_sampling, vocab)
-        return sampling_requests, self.sampler(logits, sampling_requests)
+        if not mi.sample_rows:
+            return None
+        return self.model.compute_logits(hidden[mi.sample_rows])                   # (num_sampling, vocab)

@@ -1,0 +1,455 @@
+"""AsyncLLMEngine: one LLMEngine shared by many concurrent clients (vLLM's AsyncLLMEngine / AsyncLLM).
+
+Owns: the one thread that calls the engine, the command queue through which every other thread reaches
+it, one output stream per request, pause / single-step controls, and a snapshot of the latest step,
+stats and latency histograms for the dashboard and /metrics. It never decides what runs: that is the
+engine's scheduler. It never lets an exception out of the engine thread: whatever goes wrong ends the
+requests concerned with an error and the loop goes on.
+
+LLMEngine is not thread-safe, so nothing but the engine thread ever calls it:
+
+    asyncio loop (HTTP handlers, the Gradio UI)        engine thread
+    add_request() ── command ──> command queue ──────> engine.add_request(...)
+    stream <── RequestOutput ── loop.call_soon_threadsafe <── engine.step() outputs
+    client gone: stream closed ── command ─────────────> engine.abort_request(id)
+    dashboard timer <── snapshot() <── lock ──────────── a StepTrace per step, stats after every change
+
+A command is a function of the engine, run between two steps; its result (or exception) comes back
+through a concurrent.futures.Future. The loop runs commands, then one step, and sleeps in the queue when
+there is nothing to step (no requests, or paused).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import bisect
+import collections
+import concurrent.futures
+import logging
+import threading
+import time
+from collections.abc import AsyncIterator, Callable
+from dataclasses import dataclass, field
+from typing import Any
+
+from minivllm.config import EngineConfig
+from minivllm.engine import EngineStats, LLMEngine, PromptType
+from minivllm.outputs import RequestOutput
+from minivllm.sampling_params import SamplingParams
+from minivllm.trace import StepTrace
+
+logger = logging.getLogger(__name__)
+
+# Histogram bucket upper bounds in seconds (a subset of vLLM's), wide enough for a CPU and a GPU.
+TTFT_BUCKETS = (0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 0.75, 1.0, 2.5, 5.0, 10.0, 20.0, 40.0, 80.0)
+ITL_BUCKETS = (0.005, 0.01, 0.025, 0.05, 0.075, 0.1, 0.15, 0.2, 0.3, 0.5, 0.75, 1.0, 2.5, 5.0)
+E2E_BUCKETS = (0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 20.0, 40.0, 80.0, 160.0)
+
+
+class RequestError(RuntimeError):
+    """The engine could not finish a request (a failed step, a shutdown). Bad input raises ValueError."""
+
+
+@dataclass
+class Histogram:
+    """Prometheus-style: `counts[i]` observations <= buckets[i] (not cumulative), the last one for +Inf."""
+    buckets: tuple[float, ...]
+    counts: list[int] = field(default_factory=list)
+    sum: float = 0.0
+    count: int = 0
+
+    def __post_init__(self) -> None:
+        if not self.counts:
+            self.counts = [0] * (len(self.buckets) + 1)
+
+    def observe(self, value: float) -> None:
+        self.counts[bisect.bisect_left(self.buckets, value)] += 1
+        self.sum += value
+        self.count += 1
+
+    def copy(self) -> Histogram:
+        return Histogram(self.buckets, list(self.counts), self.sum, self.count)
+
+
+@dataclass(frozen=True)
+class EngineSnapshot:
+    """What the dashboard and /metrics read: a consistent copy, taken under the lock, never live state."""
+    stats: EngineStats
+    trace: StepTrace | None                   # the latest step (None before the first one)
+    recent_traces: tuple[StepTrace, ...]      # the last `trace_history` steps, oldest first
+    events: tuple[str, ...]                   # log lines, oldest first: the engine's step events and ours
+    paused: bool
+    loop_alive: bool
+    num_requests: int                         # requests in flight through this engine (added, not finished)
+    finished: dict[str, int]                  # finish reason ("stop", "length", "abort", "error") -> count
+    recent_finished: tuple[tuple[str, str], ...]   # (request_id, finish reason) of the last finished ones
+    num_prompt_tokens: int                    # prompt tokens of every request accepted so far
+    num_step_errors: int
+    ttft: Histogram                           # time to first token: arrival -> first token
+    itl: Histogram                            # inter-token latency: between two tokens of one request
+    e2e: Histogram                            # arrival -> finished, for requests that stopped or hit length
+
+
+class RequestStream:
+    """One request's outputs, carried from the engine thread to the asyncio loop that added it.
+
+        stream = await async_engine.add_request(prompt, params)   # ValueError here: nothing started
+        async with stream:                                        # leaving the block early aborts it
+            async for out in stream:                              # RequestOutput, with delta_text
+                ...
+
+    Iteration ends after the output with `finished=True`; a RequestError is raised if the engine could not
+    finish the request.
+    """
+
+    def __init__(self, request_id: str, loop: asyncio.AbstractEventLoop, abort: Callable[[str], None]):
+        self.request_id = request_id
+        self.finished = False                 # set once the final output (or an error) has been read
+        self._loop = loop
+        self._queue: asyncio.Queue[RequestOutput | BaseException] = asyncio.Queue()
+        self._abort = abort
+
+    def put(self, item: RequestOutput | BaseException) -> None:
+        """Engine thread only. Raises RuntimeError if the consumer's event loop is closed."""
+        self._loop.call_soon_threadsafe(self._queue.put_nowait, item)
+
+    def __aiter__(self) -> RequestStream:
+        return self
+
+    async def __anext__(self) -> RequestOutput:
+        if self.finished:
+            raise StopAsyncIteration
+        item = await self._queue.get()
+        if isinstance(item, BaseException):
+            self.finished = True
+            raise item
+        self.finished = item.finished
+        return item
+
+    def close(self) -> None:
+        """Abort the request unless its final output was read. Safe to call twice, from the loop's thread."""
+        if not self.finished:
+            self.finished = True
+            self._abort(self.request_id)
+
+    async def __aenter__(self) -> RequestStream:
+        return self
+
+    async def __aexit__(self, *exc_info) -> None:
+        self.close()
+
+
+@dataclass
+class _Command:
+    fn: Callable[[], Any]
+    future: concurrent.futures.Future
+
+
+@dataclass
+class _Tracked:
+    """The engine thread's record of a request it streams: its stream and its timing so far."""
+    stream: RequestStream
+    last_token_time: float | None = None
+
+
+class AsyncLLMEngine:
+    """Serve one LLMEngine to many asyncio clients; see the module docstring for the threads.
+
+    Every public method may be called from any thread. The coroutines (`add_request`, `generate`, `call_async`)
+    must be awaited on a running asyncio loop; their outputs are delivered to that loop.
+    """
+
+    def __init__(self, engine: LLMEngine, trace_history: int = 120, event_history: int = 300):
+        self.engine = engine
+        self._commands: collections.deque[_Command] = collections.deque()
+        self._wakeup = threading.Condition()          # guards _commands; the engine thread sleeps on it
+        self._lock = threading.Lock()                 # guards everything the snapshot copies
+        # Engine-thread state: only _run_loop and the commands it runs touch these.
+        self._tracked: dict[str, _Tracked] = {}
+        self._paused = False
+        self._steps_allowed = 0                       # single steps granted while paused
+        self._stopping = False
+        self._shutdown_engine = True
+        # Snapshot state, written by the engine thread under _lock.
+        self._stats = engine.get_stats()
+        self._traces: collections.deque[StepTrace] = collections.deque(maxlen=trace_history)
+        self._events: collections.deque[str] = collections.deque(maxlen=event_history)
+        self._finished: collections.Counter[str] = collections.Counter()
+        self._recent_finished: collections.deque[tuple[str, str]] = collections.deque(maxlen=1000)
+        self._num_prompt_tokens = 0
+        self._num_step_errors = 0
+        self._ttft, self._itl, self._e2e = Histogram(TTFT_BUCKETS), Histogram(ITL_BUCKETS), Histogram(E2E_BUCKETS)
+        engine.add_trace_listener(self._on_trace)
+        self._thread = threading.Thread(target=self._run_loop, name="minivllm-engine", daemon=True)
+        self._thread.start()
+
+    @classmethod
+    def from_engine_args(cls, **kwargs) -> AsyncLLMEngine:
+        """`AsyncLLMEngine.from_engine_args(model=None, num_kv_blocks=256, ...)`: every EngineConfig field."""
+        return cls(LLMEngine(EngineConfig.from_kwargs(**kwargs)))
+
+    # ------------------------------------------------------------------ facts that never change
+    @property
+    def tokenizer(self):
+        return self.engine.tokenizer
+
+    @property
+    def max_model_len(self) -> int:
+        return self.engine.max_model_len
+
+    @property
+    def max_request_tokens(self) -> int:
+        """The longest a request (prompt + output) can get: the context or the whole KV pool, the smaller."""
+        pool_tokens = self._stats.num_kv_blocks * self.engine.config.block_size
+        return min(self.max_model_len, pool_tokens + 1)   # the last token's KV is never stored
+
+    def chat_prompt(self, messages: list[dict], add_generation_prompt: bool = True) -> str:
+        """The chat template applied to messages, as text (as LLM.chat does). Only renders the template
+        (no tokenizer state is touched), so any thread may call it; tokenizing happens on the engine thread."""
+        return self.tokenizer.apply_chat_template(messages, tokenize=False,
+                                                  add_generation_prompt=add_generation_prompt)
+
+    # ------------------------------------------------------------------ talking to the engine thread
+    def call(self, fn: Callable[[LLMEngine], Any]) -> concurrent.futures.Future:
+        """Run `fn(engine)` on the engine thread between two steps; the future gets its result or exception."""
+        return self._submit(lambda: fn(self.engine))
+
+    async def call_async(self, fn: Callable[[LLMEngine], Any]) -> Any:
+        return await asyncio.wrap_future(self.call(fn))
+
+    def _submit(self, fn: Callable[[], Any]) -> concurrent.futures.Future:
+        future: concurrent.futures.Future = concurrent.futures.Future()
+        with self._wakeup:
+            if self._stopping or not self._thread.is_alive():
+                future.set_exception(RequestError("the engine is shut down."))
+                return future
+            self._commands.append(_Command(fn, future))
+            self._wakeup.notify()
+        return future
+
+    async def tokenize(self, prompt: PromptType) -> tuple[str | None, list[int]]:
+        """engine.tokenize on the engine thread: (text, token ids). ValueError for a malformed prompt."""
+        return await self.call_async(lambda engine: engine.tokenize(prompt))
+
+    async def add_request(self, prompt: PromptType, sampling_params: SamplingParams | None = None,
+                          request_id: str | None = None, priority: int = 0) -> RequestStream:
+        """Validate and queue a request; returns its stream. Raises ValueError (bad input) before anything runs."""
+        loop = asyncio.get_running_loop()
+        params = sampling_params or SamplingParams()
+
+        def add() -> RequestStream:
+            req = self.engine.add_request(prompt, params, request_id, priority)
+            stream = RequestStream(req.request_id, loop, self.abort)
+            self._tracked[req.request_id] = _Tracked(stream)
+            with self._lock:
+                self._num_prompt_tokens += req.num_prompt_tokens
+            return stream
+
+        future = self._submit(add)
+        try:
+            return await asyncio.wrap_future(future)
+        except asyncio.CancelledError:
+            # The caller went away while the engine thread was adding the request: nobody will read
+            # its stream, so abort it as soon as it exists.
+            future.add_done_callback(lambda f: f.cancelled() or f.exception() or f.result().close())
+            raise
+
+    async def generate(self, prompt: PromptType, sampling_params: SamplingParams | None = None,
+                       request_id: str | None = None, priority: int = 0) -> AsyncIterator[RequestOutput]:
+        """`async for out in engine.generate(...)`: one RequestOutput per new token (`out.delta_text`),
+        the last with `finished=True`. Closing or cancelling the iteration aborts the request."""
+        stream = await self.add_request(prompt, sampling_params, request_id, priority)
+        async with stream:
+            async for out in stream:
+                yield out
+
+    def abort(self, request_id: str, reason: str = "client disconnected") -> None:
+        """Abort a request wherever it is (waiting, running, preempted); unknown or finished ids are ignored.
+        Does not wait: the engine thread frees its blocks before its next step."""
+        self._submit(lambda: self._abort(request_id, reason))
+
+    # ------------------------------------------------------------------ teaching controls
+    def pause(self) -> None:
+        """Stop stepping after the current step. Requests can still be added and aborted while paused."""
+        self._submit(lambda: self._set_paused(True))
+
+    def resume(self) -> None:
+        self._submit(lambda: self._set_paused(False))
+
+    def step_once(self) -> None:
+        """Pause (if running) and run exactly one engine step, if there is anything to run."""
+        def grant() -> None:
+            self._set_paused(True)
+            if self.engine.has_unfinished_requests():
+                self._steps_allowed += 1
+        self._submit(grant)
+
+    def _set_paused(self, paused: bool) -> None:
+        if paused != self._paused:
+            self._log("paused" if paused else "resumed")
+        self._paused, self._steps_allowed = paused, 0
+
+    # ------------------------------------------------------------------ what the UI and /metrics read
+    def snapshot(self) -> EngineSnapshot:
+        with self._lock:
+            return EngineSnapshot(
+                stats=self._stats, trace=self._traces[-1] if self._traces else None,
+                recent_traces=tuple(self._traces), events=tuple(self._events), paused=self._paused,
+                loop_alive=self._thread.is_alive(), num_requests=len(self._tracked),
+                finished=dict(self._finished), recent_finished=tuple(self._recent_finished),
+                num_prompt_tokens=self._num_prompt_tokens, num_step_errors=self._num_step_errors,
+                ttft=self._ttft.copy(), itl=self._itl.copy(), e2e=self._e2e.copy())
+
+    def finish_reason_of(self, request_id: str) -> str | None:
+        """How a recently finished request ended ("stop", "length", "abort", "error"), or None if unknown."""
+        with self._lock:
+            return next((reason for rid, reason in reversed(self._recent_finished) if rid == request_id), None)
+
+    @property
+    def is_running(self) -> bool:
+        return self._thread.is_alive()
+
+    def shutdown(self, timeout: float = 30.0, shutdown_engine: bool = True) -> None:
+        """Finish every open request with a RequestError, stop the loop, and (unless shutdown_engine=False,
+        to wrap the engine again later) shut the engine down."""
+        with self._wakeup:
+            self._stopping = True
+            self._shutdown_engine = shutdown_engine
+            self._wakeup.notify()
+        self._thread.join(timeout)
+
+    # ------------------------------------------------------------------ the engine thread
+    def _run_loop(self) -> None:
+        while True:
+            self._run_commands(wait=not self._can_step())
+            if self._stopping:
+                break
+            if self._can_step():
+                self._step()
+        self._close_all("the engine is shutting down.")
+        self.engine.remove_trace_listener(self._on_trace)
+        shutdown = getattr(self.engine, "shutdown", None)   # tensor-parallel workers, where there are any
+        if shutdown is not None and self._shutdown_engine:
+            try:
+                shutdown()
+            except Exception:
+                logger.exception("engine.shutdown() failed")
+
+    def _can_step(self) -> bool:
+        if self._paused and self._steps_allowed == 0:
+            return False
+        return self.engine.has_unfinished_requests()
+
+    def _run_commands(self, wait: bool) -> None:
+        """Run every queued command; with wait=True, first sleep until there is one (or a shutdown)."""
+        with self._wakeup:
+            while wait and not self._commands and not self._stopping:
+                self._wakeup.wait()
+            commands, self._commands = list(self._commands), collections.deque()
+        for cmd in commands:
+            if not cmd.future.set_running_or_notify_cancel():   # the caller gave up waiting before it ran
+                continue
+            try:
+                cmd.future.set_result(cmd.fn())
+            except Exception as e:                   # e.g. ValueError for a bad request: the caller's business
+                cmd.future.set_exception(e)
+        if commands:
+            self._publish_stats()                    # an add or an abort changes the queues and free blocks
+
+    def _step(self) -> None:
+        if self._steps_allowed:
+            self._steps_allowed -= 1
+        try:
+            outputs = self.engine.step()
+        except Exception as e:
+            # A failed step cannot be pinned on one request, and the requests it scheduled may be half
+            # updated: end every open request with the error, which frees their blocks, then go on serving.
+            logger.exception("engine step failed")
+            with self._lock:
+                self._num_step_errors += 1
+            self._close_all(f"engine step failed: {type(e).__name__}: {e}")
+            try:
+                self.engine.check_integrity()
+            except Exception:
+                logger.exception("KV cache integrity check failed after a failed step")
+            self._publish_stats()
+            return
+        now = time.time()
+        for out in outputs:
+            self._deliver(out, now)
+        self._publish_stats()
+
+    def _deliver(self, out: RequestOutput, now: float) -> None:
+        tracked = self._tracked.get(out.request_id)
+        if tracked is None:                          # added behind our back (engine used directly): not ours
+            return
+        self._observe_latency(tracked, out, now)
+        if out.finished:
+            del self._tracked[out.request_id]
+            self._record_finish(out.request_id, out.outputs[0].finish_reason)
+        try:
+            tracked.stream.put(out)
+        except RuntimeError:                         # the consumer's event loop is closed: nobody will read
+            if not out.finished:
+                self._abort(out.request_id, "its event loop is gone")
+
+    def _observe_latency(self, tracked: _Tracked, out: RequestOutput, now: float) -> None:
+        m = out.metrics
+        with self._lock:
+            if out.delta_token_ids and m is not None and m.last_token_time is not None:
+                if tracked.last_token_time is None and m.first_token_time is not None:
+                    self._ttft.observe(m.first_token_time - m.arrival_time)
+                elif tracked.last_token_time is not None:
+                    self._itl.observe(m.last_token_time - tracked.last_token_time)
+                tracked.last_token_time = m.last_token_time
+            if out.finished and out.outputs[0].finish_reason in ("stop", "length") and m is not None:
+                self._e2e.observe((m.finished_time or now) - m.arrival_time)
+
+    def _abort(self, request_id: str, reason: str) -> None:
+        tracked = self._tracked.pop(request_id, None)
+        out = self.engine.abort_request(request_id)
+        if out is None:                              # unknown or already finished
+            return
+        self._record_finish(request_id, "abort")
+        self._log(f"abort {request_id} ({reason})")
+        if tracked is not None:
+            try:
+                tracked.stream.put(out)              # a consumer still reading sees finish_reason "abort"
+            except RuntimeError:
+                pass
+
+    def _close_all(self, message: str) -> None:
+        """End every open request with a RequestError (after a failed step, at shutdown)."""
+        for request_id, tracked in list(self._tracked.items()):
+            del self._tracked[request_id]
+            try:
+                self.engine.abort_request(request_id)
+            except Exception:
+                logger.exception("abort_request(%r) failed", request_id)
+            self._record_finish(request_id, "error")
+            try:
+                tracked.stream.put(RequestError(f"request {request_id}: {message}"))
+            except RuntimeError:
+                pass
+        self._log(message)
+
+    def _record_finish(self, request_id: str, reason: str | None) -> None:
+        with self._lock:
+            self._finished[reason or "unknown"] += 1
+            self._recent_finished.append((request_id, reason or "unknown"))
+
+    def _on_trace(self, trace: StepTrace) -> None:
+        """Trace listener: called by engine.step() on the engine thread."""
+        with self._lock:
+            self._traces.append(trace)
+            self._events.extend(f"step {trace.step}: {line}" for line in trace.events)
+
+    def _log(self, line: str) -> None:
+        with self._lock:
+            step = self._traces[-1].step if self._traces else 0
+            self._events.append(f"after step {step}: {line}")
+
+    def _publish_stats(self) -> None:
+        stats = self.engine.get_stats()
+        with self._lock:
+            self._stats = stats

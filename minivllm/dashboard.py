@@ -1,0 +1,326 @@
+"""The live dashboard: a Gradio page that chats with the engine and shows what the engine is doing.
+
+Owns: the page layout, the chat / burst / pause handlers, and the render functions that turn a StepTrace
+(or an EngineSnapshot) into HTML. The render functions are pure (data in, an HTML string out), so tests can
+call them without a browser. The page reads the engine only through `AsyncLLMEngine.snapshot()` and sends
+work only through `generate()` and the pause controls: a browser can never block or corrupt a step.
+
+Panels (refreshed by a gr.Timer):
+    the physical block grid   one cell per KV block, colored by the request holding it; a number is a ref
+                              count > 1 (a prefix shared by several requests); hatched = cached-but-free
+    block tables              each live request's logical -> physical block mapping
+    queues                    waiting / running / preempted (and swapped) request ids
+    stats                     KV usage, prefix-cache hit rate, preemptions, step and token counts
+    tokens per step           the last steps' prefill and decode tokens, stacked
+    event log                 admissions, finishes, preemptions, prefix hits, evictions, aborts
+"""
+
+from __future__ import annotations
+
+import asyncio
+import html
+import itertools
+import time
+import zlib
+from collections import Counter
+
+from minivllm.async_engine import AsyncLLMEngine, EngineSnapshot
+from minivllm.sampling_params import SamplingParams
+from minivllm.trace import StepTrace
+
+REFRESH_SECONDS = 0.5
+STEPS_SHOWN = 60            # bars in the tokens-per-step chart
+EVENTS_SHOWN = 40
+PREFILL_COLOR, DECODE_COLOR = "#f28e2b", "#4e79a7"   # the lessons' matplotlib tab:orange / tab:blue
+
+# Burst prompts share one system prompt, so the prefix cache visibly hits from the second request on.
+BURST_SYSTEM = ("You are a patient teacher. Answer in two short sentences, in plain words, for a curious "
+                "twelve-year-old who likes examples.")
+BURST_QUESTIONS = [
+    "Why is the sky blue?", "How do plants make food?", "What is a prime number?", "Why do we have seasons?",
+    "How does a rainbow form?", "What makes a magnet stick?", "Why does ice float?", "What is gravity?",
+    "How do bees make honey?", "Why is the sea salty?", "What is an atom?", "How do airplanes fly?",
+]
+
+DASHBOARD_CSS = """
+.mv-grid { display: grid; grid-template-columns: repeat(auto-fill, 18px); gap: 2px; }
+.mv-blk { width: 18px; height: 18px; border-radius: 3px; font: 10px/18px monospace; text-align: center;
+          color: #fff; box-sizing: border-box; }
+.mv-blk[data-state="free"] { background: #e8e8e8; }
+.mv-blk[data-state="cached"] { background: repeating-linear-gradient(45deg, #cfcfcf 0 3px, #f4f4f4 3px 6px);
+                               color: #555; }
+.mv-blk.mv-new { outline: 2px solid #222; outline-offset: -2px; }
+.mv-legend span, .mv-chip { display: inline-block; padding: 0 5px; margin: 1px; border-radius: 3px;
+                            font: 11px/16px monospace; color: #fff; }
+.mv-table { border-collapse: collapse; font: 12px monospace; }
+.mv-table td, .mv-table th { border-bottom: 1px solid #ddd; padding: 2px 6px; text-align: left; }
+.mv-queues { display: flex; gap: 16px; font: 12px monospace; }
+.mv-queues div { flex: 1; }
+.mv-stats { font: 13px monospace; }
+.mv-bar { height: 10px; background: #e8e8e8; border-radius: 3px; overflow: hidden; width: 220px;
+          display: inline-block; vertical-align: middle; }
+.mv-bar > div { height: 100%; background: #59a14f; }
+.mv-log { font: 11px/1.35 monospace; max-height: 260px; overflow-y: auto; white-space: pre-wrap; margin: 0; }
+"""
+
+
+# ---------------------------------------------------------------------- pure render functions
+def request_color(request_id: str) -> str:
+    """A stable color per request id (the same in every refresh and every run): a hue from its CRC32."""
+    hue = zlib.crc32(request_id.encode()) % 360
+    return f"hsl({hue}, 62%, 45%)"
+
+
+def block_owners(trace: StepTrace) -> dict[int, list[str]]:
+    """Physical block -> the requests whose block tables hold it (more than one: a shared prefix)."""
+    owners: dict[int, list[str]] = {}
+    for r in trace.requests:
+        for block_id in r.block_table:
+            owners.setdefault(block_id, []).append(r.request_id)
+    return owners
+
+
+def render_block_grid(trace: StepTrace | None, num_blocks: int) -> str:
+    """One cell per physical KV block, after the step: colored by owner, a ref count > 1 written in it,
+    hatched if cached-but-free (ref count 0, KV kept for prefix hits), outlined if allocated this step."""
+    if trace is None:
+        cells = "".join(f'<div class="mv-blk" data-state="free" data-block="{b}" title="block {b}: free"></div>'
+                        for b in range(num_blocks))
+        return (f'<div class="mv-grid" data-step="0">{cells}</div>'
+                f'<p style="font:12px monospace">{num_blocks} blocks, all free (no step yet)</p>')
+    owners = block_owners(trace)
+    cached = set(trace.cached_free_blocks)
+    new = set(trace.blocks_allocated)
+    cells, counts = [], Counter()
+    for b in range(trace.num_kv_blocks):
+        ref = trace.block_ref_counts[b] if b < len(trace.block_ref_counts) else 0
+        holders = owners.get(b, [])
+        if ref > 0:
+            state = "shared" if ref > 1 else "used"
+            style = f' style="background:{request_color(holders[0])}"' if holders else ' style="background:#888"'
+            title = f"block {b}: ref {ref}, " + ", ".join(holders or ["?"])
+            label = str(ref) if ref > 1 else ""
+        elif b in cached:
+            state, style, title, label = "cached", "", f"block {b}: cached-free (prefix cache, ref 0)", ""
+        else:
+            state, style, title, label = "free", "", f"block {b}: free", ""
+        counts[state] += 1
+        extra = " mv-new" if b in new else ""
+        cells.append(f'<div class="mv-blk{extra}" data-state="{state}" data-block="{b}"{style} '
+                     f'title="{html.escape(title)}">{label}</div>')
+    legend = "".join(f'<span style="background:{request_color(r.request_id)}">{html.escape(r.request_id)}</span>'
+                     for r in trace.requests if r.block_table)
+    summary = (f'{counts["used"] + counts["shared"]} in use ({counts["shared"]} shared), {counts["cached"]} '
+               f'cached-free, {counts["free"]} free of {trace.num_kv_blocks} (after step {trace.step})')
+    return (f'<div class="mv-grid" data-step="{trace.step}">{"".join(cells)}</div>'
+            f'<p style="font:12px monospace;margin:4px 0">{summary}</p><div class="mv-legend">{legend}</div>')
+
+
+def render_block_tables(trace: StepTrace | None) -> str:
+    """Each request of the step: status, what it ran, token counts, and its block table as colored chips."""
+    if trace is None or not trace.requests:
+        return '<p class="mv-stats">no requests</p>'
+    rows = []
+    for r in trace.requests:
+        chips = "".join(f'<span class="mv-chip" style="background:{request_color(r.request_id)}">{b}</span>'
+                        for b in r.block_table) or "-"
+        ran = f"{r.kind} {r.num_scheduled_tokens}" if r.kind else ""
+        rows.append(f"<tr><td>{html.escape(r.request_id)}</td><td>{r.status}</td><td>{ran}</td>"
+                    f"<td>{r.num_prompt_tokens}</td><td>{r.num_output_tokens}</td><td>{r.num_computed_tokens}</td>"
+                    f"<td>{r.num_cached_tokens}</td><td>{r.num_preemptions}</td><td>{chips}</td></tr>")
+    head = ("<tr><th>request</th><th>status</th><th>this step</th><th>prompt</th><th>output</th>"
+            "<th>computed</th><th>cached</th><th>preempted</th><th>block table</th></tr>")
+    return f'<table class="mv-table">{head}{"".join(rows)}</table>'
+
+
+def render_queues(trace: StepTrace | None) -> str:
+    """Waiting, running and preempted/swapped request ids after the step, in queue order."""
+    groups: dict[str, list[str]] = {"waiting": [], "running": [], "preempted / swapped": []}
+    for r in trace.requests if trace else ():
+        if r.status == "waiting":
+            groups["waiting"].append(r.request_id)
+        elif r.status == "running":
+            groups["running"].append(r.request_id)
+        elif r.status in ("preempted", "swapped"):
+            groups["preempted / swapped"].append(f"{r.request_id} ({r.status})")
+    cols = "".join(f"<div><b>{name} ({len(ids)})</b><br>{'<br>'.join(html.escape(i) for i in ids) or '-'}</div>"
+                   for name, ids in groups.items())
+    return f'<div class="mv-queues" data-step="{trace.step if trace else 0}">{cols}</div>'
+
+
+def render_stats(snap: EngineSnapshot) -> str:
+    """KV usage as a bar, prefix-cache hit rate, preemptions, counts, and throughput over the recent steps."""
+    s = snap.stats
+    recent = snap.recent_traces
+    busy = sum(t.duration_s for t in recent)
+    tokens = sum(t.num_prefill_tokens + t.num_decode_tokens for t in recent)
+    rate = f"{tokens / busy:.0f} tokens/s while stepping (last {len(recent)} steps)" if busy > 0 else "-"
+    state = "PAUSED" if snap.paused else ("running" if snap.loop_alive else "STOPPED")
+    finished = ", ".join(f"{k} {v}" for k, v in sorted(snap.finished.items())) or "-"
+    return (
+        f'<div class="mv-stats" data-paused="{int(snap.paused)}">'
+        f"engine: <b>{state}</b>, step {s.num_steps}, requests in flight {snap.num_requests}<br>"
+        f'KV usage <span class="mv-bar"><div style="width:{100 * s.kv_usage:.1f}%"></div></span> '
+        f"{100 * s.kv_usage:.1f}% ({s.num_kv_blocks - s.num_free_blocks} / {s.num_kv_blocks} blocks held)<br>"
+        f"prefix-cache hit rate {100 * s.prefix_cache_hit_rate:.1f}% ({s.prefix_cache_hits} of "
+        f"{s.prefix_cache_queries} prompt tokens)<br>"
+        f"running {s.num_running}, waiting {s.num_waiting}, swapped {s.num_swapped}, "
+        f"preemptions {s.num_preemptions}<br>"
+        f"generated {s.num_generated_tokens} tokens, prefilled {s.num_prompt_tokens_computed}; {rate}<br>"
+        f"finished: {finished}</div>")
+
+
+def render_tokens_per_step(traces: tuple[StepTrace, ...] | list[StepTrace], width: int = 600,
+                           height: int = 140) -> str:
+    """An SVG bar chart of the last steps: decode tokens (blue) under prefill tokens (orange)."""
+    traces = list(traces)[-STEPS_SHOWN:]
+    if not traces:
+        return '<p class="mv-stats">no steps yet</p>'
+    top = max(max(t.num_prefill_tokens + t.num_decode_tokens for t in traces), 1)
+    bar = width / STEPS_SHOWN
+    plot_h = height - 18
+    rects = []
+    for i, t in enumerate(traces):
+        x = i * bar
+        h_dec = plot_h * t.num_decode_tokens / top
+        h_pre = plot_h * t.num_prefill_tokens / top
+        tip = f"step {t.step}: {t.num_prefill_tokens} prefill + {t.num_decode_tokens} decode"
+        rects.append(f'<g><title>{tip}</title>'
+                     f'<rect x="{x:.1f}" y="{plot_h - h_dec:.1f}" width="{bar * 0.85:.1f}" height="{h_dec:.1f}" '
+                     f'fill="{DECODE_COLOR}" data-kind="decode"/>'
+                     f'<rect x="{x:.1f}" y="{plot_h - h_dec - h_pre:.1f}" width="{bar * 0.85:.1f}" '
+                     f'height="{h_pre:.1f}" fill="{PREFILL_COLOR}" data-kind="prefill"/></g>')
+    caption = (f'<text x="0" y="{height - 4}" font-size="11" font-family="monospace">steps {traces[0].step}-'
+               f'{traces[-1].step}; tallest {top} tokens; '
+               f'<tspan fill="{PREFILL_COLOR}">prefill</tspan> / <tspan fill="{DECODE_COLOR}">decode</tspan></text>')
+    return (f'<svg width="{width}" height="{height}" viewBox="0 0 {width} {height}" '
+            f'xmlns="http://www.w3.org/2000/svg">{"".join(rects)}{caption}</svg>')
+
+
+def render_event_log(events: tuple[str, ...] | list[str], limit: int = EVENTS_SHOWN) -> str:
+    """The newest events first."""
+    lines = list(events)[-limit:][::-1]
+    return f'<pre class="mv-log">{html.escape(chr(10).join(lines)) or "no events yet"}</pre>'
+
+
+def render_panels(snap: EngineSnapshot) -> tuple[str, str, str, str, str, str]:
+    """Everything the timer refreshes, in the page's order: grid, stats, queues, tables, chart, log."""
+    return (render_block_grid(snap.trace, snap.stats.num_kv_blocks), render_stats(snap),
+            render_queues(snap.trace), render_block_tables(snap.trace),
+            render_tokens_per_step(snap.recent_traces), render_event_log(snap.events))
+
+
+def message_text(content) -> str:
+    """A chat message's text. Gradio 6 hands history content back as blocks [{"type": "text", "text": ...}]."""
+    if isinstance(content, str):
+        return content
+    if isinstance(content, dict):
+        return str(content.get("text", ""))
+    if isinstance(content, (list, tuple)):
+        return "".join(message_text(c) for c in content)
+    return "" if content is None else str(content)
+
+
+# ---------------------------------------------------------------------- the page
+def build_dashboard(async_engine: AsyncLLMEngine, title: str = "minivllm"):
+    """The Gradio Blocks page. Mount it with `mount_dashboard` (or `demo.launch(css=DASHBOARD_CSS)`)."""
+    import gradio as gr
+
+    ids = itertools.count(1)
+    snap0 = async_engine.snapshot()
+    cfg = async_engine.engine.config
+
+    async def chat(message: str, history: list, max_tokens: int, temperature: float):
+        """Stream one assistant answer into the chat, a token at a time."""
+        if not message.strip():
+            yield "", history
+            return
+        messages = [{"role": m["role"], "content": message_text(m["content"])} for m in history]
+        messages.append({"role": "user", "content": message})
+        history = [*history, {"role": "user", "content": message}, {"role": "assistant", "content": ""}]
+        yield "", history
+        answer = ""
+        try:
+            params = SamplingParams(temperature=float(temperature), max_tokens=int(max_tokens))
+            async for out in async_engine.generate(async_engine.chat_prompt(messages), params,
+                                                   request_id=f"chat-{next(ids)}"):
+                answer += out.delta_text
+                history[-1] = {"role": "assistant", "content": answer}
+                yield "", history
+        except Exception as e:      # a bad setting or a failed step: show it in the chat, keep the page alive
+            history[-1] = {"role": "assistant", "content": f"{answer}\n\n[error: {e}]"}
+            yield "", history
+
+    async def burst(n: int, max_tokens: int):
+        """Send n requests at once (one shared system prompt, different questions) and wait for all."""
+        n, max_tokens = int(n), int(max_tokens)
+        batch = next(ids)
+        start = time.perf_counter()
+
+        async def one(i: int) -> str:
+            messages = [{"role": "system", "content": BURST_SYSTEM},
+                        {"role": "user", "content": BURST_QUESTIONS[i % len(BURST_QUESTIONS)]}]
+            params = SamplingParams(temperature=0.8, max_tokens=max_tokens, seed=i)
+            final = None
+            async for final in async_engine.generate(async_engine.chat_prompt(messages), params,
+                                                     request_id=f"burst{batch}-{i}"):
+                pass
+            return final.outputs[0].finish_reason
+
+        results = await asyncio.gather(*(one(i) for i in range(n)), return_exceptions=True)
+        reasons = Counter(r if isinstance(r, str) else "error" for r in results)
+        return (f"burst {batch}: {n} requests finished in {time.perf_counter() - start:.1f} s ("
+                + ", ".join(f"{k} {v}" for k, v in sorted(reasons.items())) + ")")
+
+    def refresh():
+        return render_panels(async_engine.snapshot())
+
+    with gr.Blocks(title=title) as demo:
+        gr.Markdown(f"## minivllm: live engine\nmodel `{async_engine.engine.model_path.name}` on "
+                    f"`{async_engine.engine.device}`, {snap0.stats.num_kv_blocks} KV blocks of {cfg.block_size} "
+                    f"tokens. The OpenAI API is served beside this page under `/v1`.")
+        with gr.Row():
+            with gr.Column(scale=2):
+                chatbot = gr.Chatbot(label="chat", height=330, elem_id="mv-chatbot")
+                msg = gr.Textbox(placeholder="Ask something, press Enter", show_label=False, elem_id="mv-msg")
+                with gr.Row():
+                    max_tokens = gr.Slider(1, 512, value=96, step=1, label="max_tokens")
+                    temperature = gr.Slider(0.0, 1.5, value=0.0, step=0.05, label="temperature (0 = greedy)")
+                with gr.Row():
+                    burst_n = gr.Slider(1, 64, value=16, step=1, label="burst: requests")
+                    burst_btn = gr.Button("Burst N requests", elem_id="mv-burst")
+                burst_out = gr.Markdown()
+                with gr.Row():
+                    pause_btn = gr.Button("Pause", elem_id="mv-pause")
+                    step_btn = gr.Button("Single step", elem_id="mv-step")
+                    resume_btn = gr.Button("Resume", elem_id="mv-resume")
+            with gr.Column(scale=3):
+                stats = gr.HTML(elem_id="mv-stats")
+                grid = gr.HTML(label="KV blocks", elem_id="mv-grid")
+                queues = gr.HTML(elem_id="mv-queues")
+        with gr.Row():
+            chart = gr.HTML(elem_id="mv-chart")
+            log = gr.HTML(elem_id="mv-log")
+        tables = gr.HTML(elem_id="mv-tables")
+        panels = [grid, stats, queues, tables, chart, log]
+
+        # concurrency_limit=None: Gradio would otherwise run one chat at a time, and batching never shows.
+        msg.submit(chat, [msg, chatbot, max_tokens, temperature], [msg, chatbot], concurrency_limit=None,
+                   api_visibility="private")
+        burst_btn.click(burst, [burst_n, max_tokens], burst_out, concurrency_limit=None, api_visibility="private")
+        for button, action in ((pause_btn, async_engine.pause), (step_btn, async_engine.step_once),
+                               (resume_btn, async_engine.resume)):
+            button.click(lambda action=action: action(), None, None, queue=False, api_visibility="private")
+        timer = gr.Timer(REFRESH_SECONDS)
+        timer.tick(refresh, None, panels, show_progress="hidden", api_visibility="private")
+        demo.load(refresh, None, panels, api_visibility="private")
+    return demo
+
+
+def mount_dashboard(app, async_engine: AsyncLLMEngine, path: str = "/", api_key: str | None = None):
+    """Mount the dashboard on a FastAPI app (after its own routes, which keep priority). With an API key the
+    page asks for a login: any user name, the API key as password."""
+    import gradio as gr
+
+    auth = (lambda _user, password: password == api_key) if api_key else None
+    return gr.mount_gradio_app(app, build_dashboard(async_engine), path=path, css=DASHBOARD_CSS, auth=auth)

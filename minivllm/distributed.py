@@ -1,0 +1,73 @@
+"""The tensor-parallel process group: which sizes a model allows, and joining / leaving the group.
+
+Owns: torch.distributed's default process group for this engine (gloo on a CPU, NCCL on CUDA). The
+layers only ever see a `TPGroup(rank, size)` (layers.py); the executor decides who starts which rank.
+
+Two ways in, as in vLLM:
+    mp (the default)      the engine starts tp_size - 1 worker processes on this machine and picks a
+                          free port for their rendezvous: tcp://127.0.0.1:<port>
+    external_launcher     torchrun started every rank (RANK, WORLD_SIZE, MASTER_ADDR, MASTER_PORT and
+                          LOCAL_RANK in the environment), possibly on several machines: env://
+"""
+
+from __future__ import annotations
+
+import math
+import os
+import socket
+from datetime import timedelta
+
+import torch
+import torch.distributed as dist
+
+from minivllm.model import ModelConfig
+
+
+def get_open_port() -> int:
+    """A TCP port nobody is listening on right now (the OS picks it), so two engines never collide."""
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def launched_by_torchrun() -> bool:
+    return "TORCHELASTIC_RUN_ID" in os.environ or all(
+        k in os.environ for k in ("RANK", "WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT"))
+
+
+def check_tp_size(cfg: ModelConfig, tp_size: int) -> None:
+    """Every sharded dimension must split evenly: query heads, KV heads, vocabulary and MLP width."""
+    dims = {"query heads": cfg.num_attention_heads, "KV heads": cfg.num_key_value_heads,
+            "vocab size": cfg.vocab_size, "intermediate size": cfg.intermediate_size}
+    bad = {name: n for name, n in dims.items() if n % tp_size}
+    if bad:
+        g = math.gcd(*dims.values())
+        works = [d for d in range(1, g + 1) if g % d == 0]
+        found = ", ".join(f"{n} {name}" for name, n in bad.items())
+        raise ValueError(
+            f"tensor_parallel_size {tp_size} does not divide the model's {found} "
+            f"({cfg.num_attention_heads} query heads, {cfg.num_key_value_heads} KV heads, vocab "
+            f"{cfg.vocab_size}, intermediate {cfg.intermediate_size}); sizes that work for this model: "
+            f"{', '.join(map(str, works))}.")
+
+
+def tp_device(device: torch.device, rank: int) -> torch.device:
+    """Rank r of a CUDA engine uses GPU r (of this machine); a CPU engine keeps the CPU."""
+    return torch.device("cuda", rank) if device.type == "cuda" else device
+
+
+def init_distributed(rank: int, world_size: int, init_method: str, device: torch.device) -> None:
+    """Join the default process group. gloo on a CPU, NCCL on CUDA."""
+    if dist.is_initialized():
+        raise RuntimeError("this process is already in a torch.distributed group (another engine with "
+                           "tensor_parallel_size > 1 is alive here); shut it down first (engine.shutdown()).")
+    if device.type == "cuda":
+        torch.cuda.set_device(device)
+    backend = "nccl" if device.type == "cuda" else "gloo"
+    dist.init_process_group(backend, init_method=init_method, rank=rank, world_size=world_size,
+                            timeout=timedelta(minutes=10))
+
+
+def destroy_distributed() -> None:
+    if dist.is_initialized():
+        dist.destroy_process_group()

@@ -1,0 +1,288 @@
+"""Executors: who runs each step's ModelInput, on how many ranks (vLLM's executor layer).
+
+Owns: the ranks' lifecycles. Rank 0's ModelRunner always lives in the engine's process (the "driver");
+it builds each step's ModelInput and samples. The executor gets that input to the other ranks and
+makes sure they start together, agree on the KV cache size, and stop together, leaving no process behind.
+
+    UniProcExecutor           tp 1: one ModelRunner, no torch.distributed at all
+    MultiprocExecutor         tp N on this machine: N - 1 spawned workers + the driver, one
+                              process group (gloo on CPU, NCCL on CUDA) on a free port
+    ExternalLauncherExecutor  tp N under torchrun: every rank runs the whole engine in lockstep
+
+MultiprocExecutor, one step with tp 3:
+
+    driver (rank 0)                       worker 1                    worker 2
+    scheduler -> prepare_inputs -> mi
+    pipe.send(("execute_model", mi)) ---> pipe.recv()                 pipe.recv()
+    execute_model(mi)                     execute_model(mi)           execute_model(mi)
+       all-reduce in every layer  <====>     all-reduce   <========>     all-reduce
+       all-gather of the logits   <====>     all-gather   <========>     all-gather
+    sampler(logits) -> tokens             (drops its logits)          (drops its logits)
+
+Control messages go over multiprocessing pipes (an idle engine may wait for hours; a collective would
+time out), tensors over torch.distributed. A worker's pipe closes when the driver dies, so a worker
+never outlives it; the driver stops its workers on shutdown(), on garbage collection and at exit.
+"""
+
+from __future__ import annotations
+
+import multiprocessing as mp
+import os
+import signal
+import time
+import traceback
+import weakref
+
+import torch
+import torch.distributed as dist
+
+from minivllm.config import EngineConfig
+from minivllm.distributed import (destroy_distributed, get_open_port, init_distributed, launched_by_torchrun,
+                                  tp_device)
+from minivllm.layers import TPGroup
+from minivllm.model import ModelConfig
+from minivllm.model_runner import ModelRunner
+from minivllm.request import Request
+from minivllm.scheduler import SchedulerOutput
+
+
+class Executor:
+    """The engine's view of the ranks: `execute_model(sched)` -> (sampling requests, tokens)."""
+
+    driver: ModelRunner          # rank 0's runner, in this process
+    num_kv_blocks: int           # the same on every rank
+    num_cpu_blocks: int
+
+    def execute_model(self, sched: SchedulerOutput) -> tuple[list[Request], list[int]]:
+        model_input, sampling_requests = self.driver.prepare_inputs(sched)
+        self._send_to_workers(model_input)
+        logits = self.driver.execute_model(model_input)
+        tokens = self.driver.sampler(logits, sampling_requests) if sampling_requests else []
+        return sampling_requests, tokens
+
+    def _send_to_workers(self, model_input) -> None:
+        pass
+
+    def _allocate(self, num_kv_blocks: int) -> None:
+        self.driver.allocate_kv_cache(num_kv_blocks)
+        self.num_kv_blocks, self.num_cpu_blocks = num_kv_blocks, self.driver.num_cpu_blocks
+
+    def shutdown(self) -> None:
+        pass
+
+
+class UniProcExecutor(Executor):
+    def __init__(self, config: EngineConfig, model_path, model_cfg: ModelConfig, device: torch.device):
+        self.driver = ModelRunner(config, model_path, model_cfg, device)
+        self._allocate(self.driver.profile_num_blocks())
+
+
+def _cpu_threads_per_rank(tp_size: int) -> int:
+    """Ranks on one CPU share its cores: more threads than cores makes every collective wait."""
+    return max(1, (os.cpu_count() or 1) // tp_size)
+
+
+def _multiproc_method() -> str:
+    """fork, as vLLM does by default: workers start at once and a script needs no `if __name__ ==
+    "__main__":` guard. spawn once CUDA is initialized in this process, since a forked child cannot
+    use it (spawn re-imports the main module: guard your script). MINIVLLM_WORKER_MULTIPROC_METHOD overrides."""
+    method = os.environ.get("MINIVLLM_WORKER_MULTIPROC_METHOD")
+    if method:
+        return method
+    return "spawn" if torch.cuda.is_initialized() else "fork"
+
+
+def _worker_main(rank: int, tp_size: int, init_method: str, config: EngineConfig, model_path, model_cfg,
+                 device: str, conn) -> None:
+    """A worker rank's whole life: join the group, load its shard, run every step it is sent."""
+    signal.signal(signal.SIGINT, signal.SIG_IGN)     # Ctrl-C reaches the whole process group; the driver decides
+    dev = tp_device(torch.device(device), rank)
+    if dev.type == "cpu":
+        torch.set_num_threads(_cpu_threads_per_rank(tp_size))
+    try:
+        init_distributed(rank, tp_size, init_method, dev)
+        runner = ModelRunner(config, model_path, model_cfg, dev, TPGroup(rank, tp_size))
+        conn.send(("ready", runner.profile_num_blocks()))
+        while True:
+            kind, payload = conn.recv()                  # EOFError once the driver is gone
+            if kind == "execute_model":
+                runner.execute_model(payload)
+            elif kind == "allocate_kv_cache":
+                runner.allocate_kv_cache(payload)
+            elif kind == "shutdown":
+                break
+    except EOFError:
+        pass
+    except BaseException:
+        try:
+            conn.send(("error", traceback.format_exc()))
+        except OSError:
+            pass
+    finally:
+        destroy_distributed()
+        conn.close()
+
+
+def _stop_workers(procs: list, conns: list, polite: list[bool], saved_threads: int | None) -> None:
+    """Ask the workers to exit, then terminate and kill whoever is left. Safe to call twice."""
+    for conn in conns:
+        if polite[0]:
+            try:
+                conn.send(("shutdown", None))
+            except OSError:
+                pass
+    deadline = time.monotonic() + (5.0 if polite[0] else 0.0)
+    for p in procs:
+        p.join(max(0.0, deadline - time.monotonic()))
+    for p in procs:
+        if p.is_alive():
+            p.terminate()                     # a worker stuck in a collective whose partner is gone
+    for p in procs:
+        p.join(2.0)
+        if p.is_alive():
+            p.kill()
+            p.join()
+    for conn in conns:
+        conn.close()
+    procs.clear()
+    conns.clear()
+    destroy_distributed()
+    if saved_threads is not None:
+        torch.set_num_threads(saved_threads)
+
+
+class MultiprocExecutor(Executor):
+    def __init__(self, config: EngineConfig, model_path, model_cfg: ModelConfig, device: torch.device):
+        tp_size = config.tensor_parallel_size
+        if device.type == "cuda" and tp_size > torch.cuda.device_count():
+            raise ValueError(f"tensor_parallel_size is {tp_size} but this machine has "
+                             f"{torch.cuda.device_count()} GPU(s); lower it or launch across machines with torchrun.")
+        self.tp_size = tp_size
+        self.procs: list = []
+        self.conns: list = []
+        self._polite = [True]        # False once a step broke midway: workers may be stuck in a collective
+        saved_threads = None
+        if device.type == "cpu" and tp_size > 1:
+            saved_threads = torch.get_num_threads()
+            torch.set_num_threads(_cpu_threads_per_rank(tp_size))
+        self._finalizer = weakref.finalize(self, _stop_workers, self.procs, self.conns, self._polite, saved_threads)
+        init_method = f"tcp://127.0.0.1:{get_open_port()}"
+        ctx = mp.get_context(_multiproc_method())
+        try:
+            for rank in range(1, tp_size):
+                parent, child = ctx.Pipe()
+                p = ctx.Process(target=_worker_main, name=f"minivllm-tp-worker-{rank}", daemon=True,
+                                args=(rank, tp_size, init_method, config, model_path, model_cfg, str(device), child))
+                p.start()
+                child.close()
+                self.procs.append(p)
+                self.conns.append(parent)
+            init_distributed(0, tp_size, init_method, tp_device(device, 0))
+            self.driver = ModelRunner(config, model_path, model_cfg, tp_device(device, 0), TPGroup(0, tp_size))
+            sizes = [self.driver.profile_num_blocks()] + [self._receive(rank, "ready") for rank in
+                                                           range(1, tp_size)]
+            num_blocks = min(sizes)           # every rank must have every block id
+            for conn in self.conns:
+                conn.send(("allocate_kv_cache", num_blocks))
+            self._allocate(num_blocks)
+        except BaseException:
+            self._polite[0] = False
+            self.shutdown()
+            raise
+
+    @property
+    def worker_pids(self) -> list[int]:
+        return [p.pid for p in self.procs]
+
+    def _receive(self, rank: int, expected: str):
+        """Wait for a worker's message, noticing if it failed or died instead."""
+        conn, proc = self.conns[rank - 1], self.procs[rank - 1]
+        while not conn.poll(0.1):
+            if not proc.is_alive():
+                raise RuntimeError(f"tensor-parallel worker rank {rank} exited (code {proc.exitcode}) "
+                                   "while starting; see its output above.")
+        kind, payload = conn.recv()
+        if kind == "error":
+            raise RuntimeError(f"tensor-parallel worker rank {rank} failed:\n{payload}")
+        assert kind == expected, (kind, expected)
+        return payload
+
+    def _worker_errors(self) -> str:
+        msgs = []
+        for rank, (conn, proc) in enumerate(zip(self.conns, self.procs), start=1):
+            try:
+                if conn.poll(0.5):
+                    kind, payload = conn.recv()
+                    if kind == "error":
+                        msgs.append(f"rank {rank}:\n{payload}")
+                        continue
+            except (OSError, EOFError):
+                pass
+            proc.join(0.5)
+            if not proc.is_alive():
+                msgs.append(f"rank {rank} exited with code {proc.exitcode}")
+        return "\n".join(msgs)
+
+    def _send_to_workers(self, model_input) -> None:
+        if not self.procs and self.tp_size > 1:
+            raise RuntimeError("this engine's tensor-parallel workers were shut down; create a new engine.")
+        for conn in self.conns:
+            conn.send(("execute_model", model_input))
+
+    def execute_model(self, sched):
+        try:
+            return super().execute_model(sched)
+        except BaseException as e:
+            # A rank failed or we were interrupted midway: the others may be blocked in a collective
+            # that will never complete, so the group is unusable. Stop everyone.
+            errors = self._worker_errors() if isinstance(e, Exception) else ""
+            self._polite[0] = False
+            self.shutdown()
+            if errors:
+                raise RuntimeError(f"a tensor-parallel worker failed; the engine is shut down.\n{errors}") from e
+            raise
+
+    def shutdown(self) -> None:
+        self._finalizer()
+
+
+class ExternalLauncherExecutor(Executor):
+    """Under torchrun every rank runs the same program: the same prompts, the same scheduling and the
+    same sampling (the gathered logits and the seeds are identical), so no step inputs are sent at all;
+    each rank just runs its share of every layer. Print from RANK 0 only."""
+
+    def __init__(self, config: EngineConfig, model_path, model_cfg: ModelConfig, device: torch.device):
+        if not launched_by_torchrun():
+            raise ValueError("distributed_executor_backend 'external_launcher' needs RANK, WORLD_SIZE, "
+                             "MASTER_ADDR and MASTER_PORT in the environment: start the program with torchrun.")
+        rank, world = int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"])
+        if world != config.tensor_parallel_size:
+            raise ValueError(f"torchrun started {world} processes but tensor_parallel_size is "
+                             f"{config.tensor_parallel_size}; they must be equal (--nproc-per-node x --nnodes).")
+        self.rank = rank
+        dev = tp_device(device, int(os.environ.get("LOCAL_RANK", 0)))
+        init_distributed(rank, world, "env://", dev)
+        self.driver = ModelRunner(config, model_path, model_cfg, dev, TPGroup(rank, world))
+        n = torch.tensor([self.driver.profile_num_blocks()], device=dev)
+        dist.all_reduce(n, op=dist.ReduceOp.MIN)
+        self._allocate(int(n.item()))
+
+    def shutdown(self) -> None:
+        destroy_distributed()
+
+
+def make_executor(config: EngineConfig, model_path, model_cfg: ModelConfig, device: torch.device) -> Executor:
+    backend = config.distributed_executor_backend
+    if backend == "auto":
+        if config.tensor_parallel_size == 1:
+            backend = "uni"
+        else:
+            backend = "external_launcher" if launched_by_torchrun() else "mp"
+    if backend == "uni":
+        if config.tensor_parallel_size != 1:
+            raise ValueError(f"distributed_executor_backend 'uni' runs one rank, but tensor_parallel_size is "
+                             f"{config.tensor_parallel_size}; use 'mp' or 'auto'.")
+        return UniProcExecutor(config, model_path, model_cfg, device)
+    if backend == "mp":
+        return MultiprocExecutor(config, model_path, model_cfg, device)
+    return ExternalLauncherExecutor(config, model_path, model_cfg, device)
