@@ -296,11 +296,20 @@ def build_dashboard(async_engine: AsyncLLMEngine, title: str = "minivllm"):
                     resume_btn = gr.Button("Resume", elem_id="mv-resume")
             with gr.Column(scale=3):
                 stats = gr.HTML(elem_id="mv-stats")
-                grid = gr.HTML(label="KV blocks", elem_id="mv-grid")
+                gr.Markdown("**Physical KV blocks**: colored by the request holding them; a number is a ref "
+                            "count (a prefix shared by several requests); hatched = cached-free (kept for prefix "
+                            "hits, evicted when needed); outlined = allocated in the last step.")
+                grid = gr.HTML(elem_id="mv-grid")
+                gr.Markdown("**Queues** after the last step")
                 queues = gr.HTML(elem_id="mv-queues")
         with gr.Row():
-            chart = gr.HTML(elem_id="mv-chart")
-            log = gr.HTML(elem_id="mv-log")
+            with gr.Column():
+                gr.Markdown("**Tokens per step**: prefill (orange) on top of decode (blue)")
+                chart = gr.HTML(elem_id="mv-chart")
+            with gr.Column():
+                gr.Markdown("**Event log**, newest first")
+                log = gr.HTML(elem_id="mv-log")
+        gr.Markdown("**Block tables**: each request's logical blocks, in order, and the physical block of each")
         tables = gr.HTML(elem_id="mv-tables")
         panels = [grid, stats, queues, tables, chart, log]
 

@@ -76,6 +76,16 @@ class LLM:
     def get_stats(self) -> EngineStats:
         return self.llm_engine.get_stats()
 
+    def shutdown(self) -> None:
+        """Stop the tensor-parallel worker processes now (otherwise on garbage collection or at exit)."""
+        self.llm_engine.shutdown()
+
+    def __enter__(self) -> "LLM":
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.shutdown()
+
     # ------------------------------------------------------------------
     @staticmethod
     def _broadcast(value, n: int, name: str, default=None) -> list:

@@ -95,6 +95,10 @@ def test_stop_token_ids_and_max_tokens(llm):
     assert base.finish_reason == "length" and len(base.token_ids) == 8
 
 
-def test_tensor_parallelism_is_refused_until_implemented(model_dir):
-    with pytest.raises(ValueError, match="tensor_parallel_size is 3"):
-        LLM(str(model_dir), device="cpu", tensor_parallel_size=3)
+def test_bad_parallel_settings_are_refused_with_the_fix(model_dir):
+    with pytest.raises(ValueError, match="distributed_executor_backend is 'ray'; choose one of auto, uni, mp"):
+        LLM(str(model_dir), device="cpu", distributed_executor_backend="ray")
+    with pytest.raises(ValueError, match="needs RANK, WORLD_SIZE.*start the program with torchrun"):
+        LLM(str(model_dir), device="cpu", tensor_parallel_size=3, distributed_executor_backend="external_launcher")
+    with pytest.raises(ValueError, match="'uni' runs one rank, but tensor_parallel_size is 3"):
+        LLM(str(model_dir), device="cpu", tensor_parallel_size=3, distributed_executor_backend="uni")
