@@ -191,6 +191,7 @@ def bench_prefix(engine_kw: dict, num_requests: int, shared_len: int, seed: int)
         outs = llm.generate(prompts, greedy_params(8), use_tqdm=False)
         stats = llm.get_stats()
         results[caching] = ([o.outputs[0].token_ids for o in outs], stats)
+        llm.shutdown()
         del llm
         gc.collect()
     (ids_off, off), (ids_on, on) = results[False], results[True]
@@ -443,6 +444,7 @@ ENGINE_ARGS = {  # flag -> EngineConfig field; only flags given on the command l
     "model": "model", "dtype": "dtype", "device": "device", "max_num_seqs": "max_num_seqs",
     "max_num_batched_tokens": "max_num_batched_tokens", "num_kv_blocks": "num_kv_blocks",
     "block_size": "block_size", "attention_backend": "attention_backend",
+    "tensor_parallel_size": "tensor_parallel_size",
 }
 
 
@@ -482,6 +484,7 @@ def build_parser() -> argparse.ArgumentParser:
     e.add_argument("--block-size", type=positive_int)
     e.add_argument("--no-prefix-caching", action="store_true")
     e.add_argument("--attention-backend", choices=["auto", "torch", "triton"])
+    e.add_argument("--tensor-parallel-size", type=positive_int)
     c = p.add_argument_group("comparison and output")
     c.add_argument("--compare", choices=["hf"], help="also run Hugging Face generate on the same requests")
     c.add_argument("--hf-batch-size", type=positive_int, default=16)
@@ -565,6 +568,7 @@ def main(argv=None) -> int:
     before = llm.get_stats()
     mv, latency, kv_utilization = bench_minivllm(llm, workload)
     after = llm.get_stats()
+    llm.shutdown()                                         # tensor-parallel workers, if any
 
     hf = None
     if args.compare == "hf":
