@@ -126,11 +126,38 @@ def warmup_minivllm(llm: LLM) -> None:
     llm.generate(prompts, greedy_params(4), use_tqdm=False)
 
 
-def bench_minivllm(llm: LLM, workload: Workload) -> tuple[ThroughputResult, LatencyResult, float]:
+@dataclass(frozen=True)
+class StepWork:
+    """What one engine step computed, from its StepTrace: enough to give it a roofline floor."""
+    duration_s: float
+    num_tokens: int              # rows through the layers
+    attention_pairs: int         # (query, key) pairs attended, summed over the new tokens
+    num_sampled: int             # rows through the LM head
+    kv_tokens_read: int          # cached tokens each layer's attention reads
+    num_decode: int
+    decode_only: bool
+
+
+def step_work(trace) -> StepWork:
+    pairs = kv = sampled = 0
+    for r in trace.requests:
+        if not r.kind:
+            continue
+        n, end = r.num_scheduled_tokens, r.num_computed_tokens        # new tokens end at position end - 1
+        pairs += n * (2 * end - n + 1) // 2
+        kv += end
+        sampled += end == r.num_prompt_tokens + r.num_output_tokens - 1
+    return StepWork(trace.duration_s, trace.num_prefill_tokens + trace.num_decode_tokens, pairs, sampled, kv,
+                    trace.num_decode_tokens, trace.num_prefill_tokens == 0)
+
+
+def bench_minivllm(llm: LLM, workload: Workload,
+                   steps: list[StepWork] | None = None) -> tuple[ThroughputResult, LatencyResult, float]:
     """Submit every request at once and time `generate` until the last one finishes.
 
     Also returns the KV slot utilization: tokens with KV / block slots held, summed over every step
-    (only each request's last block is partly empty, so it should stay close to 1).
+    (only each request's last block is partly empty, so it should stay close to 1), and appends each
+    step's StepWork to `steps` if given.
     """
     prompts = [{"prompt_token_ids": ids} for ids in workload.prompt_token_ids]
     params = [greedy_params(n) for n in workload.output_lens]
@@ -139,6 +166,8 @@ def bench_minivllm(llm: LLM, workload: Workload) -> tuple[ThroughputResult, Late
     def count_slots(trace):                       # cheap: two sums per step
         usage[0] += trace.kv_tokens_stored
         usage[1] += trace.kv_slots_allocated
+        if steps is not None:
+            steps.append(step_work(trace))
 
     engine = llm.llm_engine
     engine.add_trace_listener(count_slots)
@@ -489,6 +518,8 @@ def build_parser() -> argparse.ArgumentParser:
     c.add_argument("--compare", choices=["hf"], help="also run Hugging Face generate on the same requests")
     c.add_argument("--hf-batch-size", type=positive_int, default=16)
     c.add_argument("--json", metavar="PATH", help="write every number to PATH as JSON")
+    c.add_argument("--no-ceiling", action="store_true",
+                   help="skip measuring the hardware ceiling (matmul rate, copy bandwidth) after the run")
     c.add_argument("--threads", type=positive_int,
                    help="torch CPU threads for both engines (default: torch's, one per core). On a shared "
                         "machine 1 is steadier: busy cores stall every parallel op of a 2-thread run")
@@ -531,6 +562,57 @@ def print_report(workload: Workload, mv: ThroughputResult, latency: LatencyResul
         print(f"minivllm / HF:        {mv.output_tokens_per_s / hf.output_tokens_per_s:.2f}x")
 
 
+def measure_hardware(cfg, device, dtype, workload: Workload, steps: list[StepWork], skip: bool) -> dict | None:
+    """The ceilings, measured after the run on the same machine (roofline.py):
+    - matmul: the workload's FLOPs at the model's matmul rate, as output tokens/s;
+    - roofline: each step of this run at max(FLOPs / matmul rate, bytes / copy bandwidth), summed;
+    - decode: the fullest decode-only steps against their memory floor."""
+    if skip:
+        return None
+    from minivllm import roofline
+
+    dev = str(device)
+    rate = roofline.measure_matmul_rate(cfg, dtype, dev)
+    bandwidth = roofline.measure_copy_bandwidth(dev)
+    flops = roofline.workload_flops(cfg, [len(p) for p in workload.prompt_token_ids], workload.output_lens)
+    floors = [roofline.step_floor_s(cfg, dtype.itemsize, rate, bandwidth, st.num_tokens, st.attention_pairs,
+                                    st.num_sampled, st.kv_tokens_read) for st in steps]
+    hw = {"device": dev, "dtype": str(dtype), "matmul_flops_per_s": rate, "copy_bandwidth_bytes_per_s": bandwidth,
+          "workload_flops": flops, "matmul_ceiling_output_tokens_per_s": workload.num_output_tokens / (flops / rate),
+          "roofline_s": sum(floors), "roofline_output_tokens_per_s": workload.num_output_tokens / sum(floors),
+          "num_steps": len(steps), "decode": None}
+    decode = [(st, f) for st, f in zip(steps, floors) if st.decode_only]
+    if decode:
+        batch = max(st.num_decode for st, _ in decode)         # the fullest decode steps of the run
+        full = [(st, f) for st, f in decode if st.num_decode == batch]
+        hw["decode"] = {"batch": batch, "num_steps": len(full),
+                        "median_step_s": percentile([st.duration_s for st, _ in full], 50),
+                        "median_floor_s": percentile([f for _, f in full], 50),
+                        "median_ratio_to_floor": percentile([st.duration_s / f for st, f in full], 50)}
+    return hw
+
+
+def print_hardware(hw: dict | None, mv: ThroughputResult, hf: ThroughputResult | None) -> None:
+    if hw is None:
+        return
+    tps = mv.output_tokens_per_s
+    print(f"matmul rate:          {hw['matmul_flops_per_s'] / 1e9:.1f} GFLOP/s ({hw['dtype']}, the model's layer "
+          f"matmuls at 256 tokens, {hw['device']})")
+    print(f"copy bandwidth:       {hw['copy_bandwidth_bytes_per_s'] / 1e9:.1f} GB/s (read + write)")
+    ceiling = hw["matmul_ceiling_output_tokens_per_s"]
+    print(f"matmul ceiling:       {ceiling:.1f} output tokens/s ({hw['workload_flops'] / 1e12:.2f} TFLOP at the "
+          f"matmul rate); minivllm at {tps / ceiling:.0%}"
+          + (f", HF at {hf.output_tokens_per_s / ceiling:.0%}" if hf is not None else ""))
+    roof = hw["roofline_output_tokens_per_s"]
+    print(f"roofline of the run:  {roof:.1f} output tokens/s (each of its {hw['num_steps']} steps at max(FLOPs / "
+          f"matmul rate, bytes / bandwidth)); minivllm at {tps / roof:.0%}")
+    d = hw["decode"]
+    if d is not None:
+        print(f"decode steps:         batch {d['batch']}: median {d['median_step_s'] * 1000:.1f} ms vs a memory "
+              f"floor of {d['median_floor_s'] * 1000:.1f} ms ({d['median_ratio_to_floor']:.2f}x), "
+              f"{d['num_steps']} steps")
+
+
 def host_info() -> dict:
     """How busy the machine was: on a shared 2-core box a neighbour's job stalls a 2-thread torch run."""
     import torch
@@ -566,9 +648,11 @@ def main(argv=None) -> int:
 
     warmup_minivllm(llm)
     before = llm.get_stats()
-    mv, latency, kv_utilization = bench_minivllm(llm, workload)
+    steps: list[StepWork] = []
+    mv, latency, kv_utilization = bench_minivllm(llm, workload, steps)
     after = llm.get_stats()
     llm.shutdown()                                         # tensor-parallel workers, if any
+    model_cfg, device, dtype = engine.model_config, engine.device, engine.model_runner.dtype
 
     hf = None
     if args.compare == "hf":
@@ -579,9 +663,11 @@ def main(argv=None) -> int:
         hf = bench_hf(model, workload, args.hf_batch_size)
         del model
         gc.collect()
+    hw = measure_hardware(model_cfg, device, dtype, workload, steps, args.no_ceiling)
     host_end = host_info()
 
     print_report(workload, mv, latency, hf, kv_utilization)
+    print_hardware(hw, mv, hf)
     print(f"load average (1 min): {host_start['loadavg_1min']:.2f} at start, {host_end['loadavg_1min']:.2f} "
           f"at end, on {host_start['cpu_count']} CPUs, {host_start['torch_threads']} torch threads")
     if args.json:
@@ -599,6 +685,7 @@ def main(argv=None) -> int:
                          "num_preemptions": after.num_preemptions - before.num_preemptions},
             "hf": None if hf is None else {**throughput_json(hf), "batch_size": args.hf_batch_size},
             "ratio_minivllm_over_hf": None if hf is None else mv.output_tokens_per_s / hf.output_tokens_per_s,
+            "hardware": hw,
         }
         with open(args.json, "w") as f:
             json.dump(report, f, indent=2, default=str)
