@@ -1,4 +1,4 @@
-"""Benchmarks: `python -m minivllm.bench [offline|prefix|kernels] [--compare hf] [--json PATH]`.
+"""Benchmarks: `python -m minivllm.bench [offline|prefix|kernels|serve] [--compare hf] [--json PATH]`.
 
 Owns: building a seeded synthetic workload, timing minivllm on it, and (with `--compare hf`) timing
 Hugging Face transformers' `generate` on the very same requests, side by side in one process.
@@ -16,7 +16,11 @@ The `kernels` mode (CUDA only) times the Triton paged-decode kernel against the 
 bandwidth: decode reads every cached K and V once, so a memory-bound kernel is judged by how close its
 bytes/s come to a plain `copy_` of a large tensor. It uses only the kernels' public wrappers.
 
-A later mode (`serve`) becomes one more choice of the positional `mode` argument.
+The `serve` mode (bench_serve.py) is the online benchmark: it streams requests at Poisson arrival times
+to a running OpenAI-compatible server and reports throughput, TTFT and inter-token latency percentiles.
+
+The offline mode ends by measuring the hardware (roofline.py): the model's own matmul shapes and a large
+copy, turned into a matmul ceiling for the workload and a roofline floor for each step of the run.
 """
 
 from __future__ import annotations
@@ -487,11 +491,12 @@ def positive_int(text: str) -> int:
 def build_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog="python -m minivllm.bench",
                                 description="Benchmark minivllm (optionally against Hugging Face transformers).")
-    p.add_argument("mode", nargs="?", default="offline", choices=["offline", "prefix", "kernels"],
+    p.add_argument("mode", nargs="?", default="offline", choices=["offline", "prefix", "kernels", "serve"],
                    help="offline: throughput and latency of one batch of synthetic requests (default); "
                         "prefix: prefill tokens computed for requests behind one shared system prompt, "
                         "prefix caching off vs on; kernels (CUDA GPU only): the Triton paged-decode kernel's "
-                        "time and bandwidth vs the device's copy bandwidth and the PyTorch reference")
+                        "time and bandwidth vs the device's copy bandwidth and the PyTorch reference; serve: "
+                        "Poisson-timed streaming requests to a running OpenAI-compatible server (python app.py)")
     w = p.add_argument_group("workload")
     w.add_argument("--num-requests", type=positive_int, default=32)
     w.add_argument("--input-len-min", type=positive_int, default=32)
@@ -500,6 +505,12 @@ def build_parser() -> argparse.ArgumentParser:
     w.add_argument("--output-len-max", type=positive_int, default=256)
     w.add_argument("--seed", type=int, default=0)
     w.add_argument("--shared-prefix-len", type=positive_int, default=200, help="prefix mode: shared tokens")
+    sv = p.add_argument_group("serve mode")
+    sv.add_argument("--base-url", default="http://127.0.0.1:8000", help="the running server")
+    sv.add_argument("--request-rate", type=float, default=float("inf"),
+                    help="requests per second, Poisson arrivals (default inf: all at once)")
+    sv.add_argument("--api-key", default=None)
+    sv.add_argument("--served-model", default=None, help="model name to request (default: the first of /v1/models)")
     k = p.add_argument_group("kernels mode")
     k.add_argument("--kernel-dtype", choices=sorted(KERNEL_DTYPES), default="bf16",
                    help="dtype of the KV cache, query and copy buffers (default bf16)")
@@ -635,6 +646,8 @@ def main(argv=None) -> int:
         return main_prefix(args)
     if args.mode == "kernels":
         return main_kernels(args)
+    if args.mode == "serve":
+        return main_serve(args)
     host_start = host_info()
     try:
         llm = LLM(**engine_kwargs(args))
@@ -713,3 +726,24 @@ def main_prefix(args: argparse.Namespace) -> int:
 
 if __name__ == "__main__":
     sys.exit(main())
+
+
+def main_serve(args: argparse.Namespace) -> int:
+    """Output lengths are fixed at --output-len-max (ignore_eos); prompts are --input-len-min..max words."""
+    import asyncio
+
+    from minivllm.bench_serve import print_serve_report, run_serve_benchmark
+
+    if args.request_rate <= 0:
+        args.parser.error(f"--request-rate is {args.request_rate}; it must be > 0 (or inf).")
+    try:
+        rep = asyncio.run(run_serve_benchmark(args.base_url, args.num_requests, args.request_rate,
+                                              args.output_len_max, (args.input_len_min, args.input_len_max),
+                                              args.seed, args.served_model, args.api_key))
+    except OSError as e:
+        args.parser.error(f"cannot reach {args.base_url} ({e}); start the server first: python app.py")
+    print_serve_report(rep)
+    if args.json:
+        with open(args.json, "w") as f:
+            json.dump({"mode": "serve", "base_url": args.base_url, **rep.to_json()}, f, indent=2)
+    return 0 if rep.num_ok == rep.num_requests else 1
