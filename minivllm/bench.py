@@ -732,6 +732,8 @@ def main_serve(args: argparse.Namespace) -> int:
     """Output lengths are fixed at --output-len-max (ignore_eos); prompts are --input-len-min..max words."""
     import asyncio
 
+    import httpx
+
     from minivllm.bench_serve import print_serve_report, run_serve_benchmark
 
     if args.request_rate <= 0:
@@ -740,8 +742,9 @@ def main_serve(args: argparse.Namespace) -> int:
         rep = asyncio.run(run_serve_benchmark(args.base_url, args.num_requests, args.request_rate,
                                               args.output_len_max, (args.input_len_min, args.input_len_max),
                                               args.seed, args.served_model, args.api_key))
-    except OSError as e:
-        args.parser.error(f"cannot reach {args.base_url} ({e}); start the server first: python app.py")
+    except (OSError, httpx.HTTPError) as e:
+        args.parser.error(f"cannot reach {args.base_url} ({type(e).__name__}: {e}); start the server first: "
+                          "python app.py")
     print_serve_report(rep)
     if args.json:
         with open(args.json, "w") as f:

@@ -25,6 +25,13 @@ def test_bench_compare_hf_gives_every_request_its_tokens_in_both_engines(tmp_pat
     assert 0 < report["minivllm"]["ttft_p50"] <= report["minivllm"]["ttft_p99"]
     # 3 requests of at most 24 tokens in 16-token blocks: utilization = tokens / (blocks * 16) per step
     assert 0.3 < report["minivllm"]["kv_slot_utilization"] <= 1.0
+    # The hardware, measured in the same run: the roofline of the run's own steps is at most the matmul
+    # ceiling (memory-bound decode steps only make it slower), and the run is slower than its roofline.
+    hw = report["hardware"]
+    assert hw["matmul_flops_per_s"] > 1e9 and hw["copy_bandwidth_bytes_per_s"] > 1e8
+    assert 0 < hw["roofline_output_tokens_per_s"] <= hw["matmul_ceiling_output_tokens_per_s"]
+    assert report["minivllm"]["output_tokens_per_s"] < hw["roofline_output_tokens_per_s"]
+    assert hw["decode"]["batch"] == 3 and hw["decode"]["median_floor_s"] > 0
 
 
 def test_prefix_mode_computes_the_shared_prefix_once(tmp_path):
@@ -44,7 +51,8 @@ def test_same_seed_gives_the_same_workload_and_ids_avoid_special_tokens():
 
 
 @pytest.mark.parametrize("argv", [["--num-requests", "0"], ["--input-len-min", "9", "--input-len-max", "8"],
-                                  ["--compare", "vllm"], ["serve"]])
+                                  ["--compare", "vllm"], ["serve", "--request-rate", "0"],
+                                  ["serve", "--base-url", "http://127.0.0.1:9"]])
 def test_bad_arguments_are_usage_errors(argv, capsys):
     with pytest.raises(SystemExit) as exc:
         bench.main(argv)
@@ -79,3 +87,26 @@ def test_kernel_rows_report_bandwidth_and_mark_the_target_row():
     assert row.speedup_over_torch == pytest.approx(4.0) and row.is_target
     assert not bench.DecodeRow(**{**row.__dict__, "num_kv_heads": 4}).is_target
     assert bench.CopyResult(bytes_moved=2 * 10**9, time_s=0.5).bandwidth_gbs == pytest.approx(4.0)
+
+
+def test_workload_flops_count_every_fed_token_and_every_sampled_row():
+    from minivllm import roofline
+    from tests.test_model_loading import TINY
+    from minivllm.model import ModelConfig
+
+    cfg = ModelConfig("LlamaForCausalLM", TINY["vocab_size"], TINY["hidden_size"], TINY["intermediate_size"],
+                      TINY["num_hidden_layers"], TINY["num_attention_heads"], TINY["num_key_value_heads"],
+                      TINY["head_dim"], 1e-6, 1e4, None, 256, False, False, False, "float32", ())
+    h, d, L = 64, 16, 2
+    linear = (h * (4 + 2 * 2) * d) + (4 * d * h) + (h * 2 * 128) + (128 * h)       # qkv, o, gate_up, down
+    # one request: 3 prompt tokens, 2 output tokens -> 4 tokens fed at positions 0..3, 2 rows sampled
+    expected = 4 * 2 * L * linear + sum(4 * L * 4 * d * (t + 1) for t in range(4)) + 2 * 2 * h * 320
+    assert roofline.workload_flops(cfg, [3], [2]) == expected
+    # A decode step of 2 rows is memory-bound, a 4096-token prefill is compute-bound.
+    rate, bw = 1e11, 1e10
+    decode = roofline.step_floor_s(cfg, 4, rate, bw, num_tokens=2, attention_pairs=200, num_sampled=2,
+                                   kv_tokens_read=200)
+    assert decode == (roofline.weight_bytes(cfg, 4) + roofline.kv_bytes_per_token(cfg, 4) * 200) / bw
+    prefill = roofline.step_floor_s(cfg, 4, rate, bw, num_tokens=4096, attention_pairs=4096 * 4097 // 2,
+                                    num_sampled=1, kv_tokens_read=4096)
+    assert prefill > (roofline.weight_bytes(cfg, 4) + roofline.kv_bytes_per_token(cfg, 4) * 4096) / bw
