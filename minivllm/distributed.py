@@ -43,12 +43,9 @@ def check_tp_size(cfg: ModelConfig, tp_size: int) -> None:
     if bad:
         g = math.gcd(*dims.values())
         works = [d for d in range(1, g + 1) if g % d == 0]
-        found = ", ".join(f"{n} {name}" for name, n in bad.items())
-        raise ValueError(
-            f"tensor_parallel_size {tp_size} does not divide the model's {found} "
-            f"({cfg.num_attention_heads} query heads, {cfg.num_key_value_heads} KV heads, vocab "
-            f"{cfg.vocab_size}, intermediate {cfg.intermediate_size}); sizes that work for this model: "
-            f"{', '.join(map(str, works))}.")
+        found = " and ".join(f"{n} {name}" for name, n in bad.items())
+        raise ValueError(f"tensor_parallel_size {tp_size} does not divide the model's {found}; "
+                         f"sizes that work for this model: {', '.join(map(str, works))}.")
 
 
 def tp_device(device: torch.device, rank: int) -> torch.device:
