@@ -36,29 +36,41 @@ def gather_kv(cache: torch.Tensor, block_table: torch.Tensor, seq_len: int) -> t
 
 def paged_decode_attention(query: torch.Tensor, key_cache: torch.Tensor, value_cache: torch.Tensor,
                            block_tables: torch.Tensor, seq_lens: torch.Tensor, scale: float,
-                           seq_lens_cpu: list[int] | None = None) -> torch.Tensor:
+                           seq_lens_cpu: list[int] | None = None,
+                           kv_buffer: torch.Tensor | None = None) -> torch.Tensor:
     """One query token per sequence attends to all of its seq_len cached tokens.
 
     query (num_seqs, num_heads, head_dim) -> (num_seqs, num_heads, head_dim)
     Vectorized over the batch: gather every sequence's blocks up to the longest, mask the tail.
     Slots past a sequence's end hold stale but finite values (the cache starts zeroed), and the mask
-    gives them zero weight.
+    gives them zero weight. `kv_buffer`, if given, is where the gathered K and V go (any tensor of at
+    least 2 * num_seqs * max_blocks * block_size * kv_heads * head_dim elements of the cache's dtype):
+    the CPU path reuses one across layers and steps instead of allocating tens of MB per layer.
     """
     num_seqs, num_heads, head_dim = query.shape
     block_size, num_kv_heads = key_cache.shape[1], key_cache.shape[2]
+    group = num_heads // num_kv_heads
     max_len = max(seq_lens_cpu) if seq_lens_cpu is not None else int(seq_lens.max())
     max_blocks = -(-max_len // block_size)
     padded_len = max_blocks * block_size
-    tables = block_tables[:, :max_blocks].long()
-    k = key_cache[tables].view(num_seqs, padded_len, num_kv_heads, head_dim).transpose(1, 2)
-    v = value_cache[tables].view(num_seqs, padded_len, num_kv_heads, head_dim).transpose(1, 2)
-    # k, v: (num_seqs, kv_heads, padded_len, head_dim); each KV head serves num_heads / kv_heads queries (GQA)
+    blocks = block_tables[:, :max_blocks].reshape(-1).long()                # (num_seqs * max_blocks,)
+    n = blocks.numel() * block_size * num_kv_heads * head_dim
+    if kv_buffer is None:
+        kv_buffer = torch.empty(2 * n, dtype=key_cache.dtype, device=key_cache.device)
+    k = kv_buffer.view(-1)[:n].view(-1, block_size, num_kv_heads, head_dim)
+    v = kv_buffer.view(-1)[n:2 * n].view(-1, block_size, num_kv_heads, head_dim)
+    torch.index_select(key_cache, 0, blocks, out=k)
+    torch.index_select(value_cache, 0, blocks, out=v)
+    k = k.view(num_seqs, padded_len, num_kv_heads, head_dim).transpose(1, 2)
+    v = v.view(num_seqs, padded_len, num_kv_heads, head_dim).transpose(1, 2)
+    # k, v: (num_seqs, kv_heads, padded_len, head_dim). GQA: the `group` query heads that share a KV head
+    # become `group` query rows against it (heads are ordered so that head h reads KV head h // group).
+    q = query.view(num_seqs, num_kv_heads, group, head_dim)
     pos = torch.arange(padded_len, device=query.device)
     valid = pos[None, :] < seq_lens.to(query.device)[:, None]              # (num_seqs, padded_len)
-    q = query.view(num_seqs, num_heads, 1, head_dim)
     out = F.scaled_dot_product_attention(q.float(), k.float(), v.float(), attn_mask=valid[:, None, None, :],
-                                         scale=scale, enable_gqa=num_heads != num_kv_heads)
-    return out.view(num_seqs, num_heads, head_dim).to(query.dtype)           # (num_seqs, heads, head_dim)
+                                         scale=scale)                     # (num_seqs, kv_heads, group, head_dim)
+    return out.reshape(num_seqs, num_heads, head_dim).to(query.dtype)     # (num_seqs, heads, head_dim)
 
 
 def paged_prefill_attention(query: torch.Tensor, key_cache: torch.Tensor, value_cache: torch.Tensor,

@@ -55,12 +55,24 @@ class TorchAttentionBackend(AttentionBackend):
 
     name = "torch"
 
+    def __init__(self):
+        self.kv_buffer: torch.Tensor | None = None     # decode's gathered K and V, reused by every layer
+
+    def _buffer(self, numel: int, like: torch.Tensor) -> torch.Tensor:
+        if self.kv_buffer is None or self.kv_buffer.numel() < numel or self.kv_buffer.dtype != like.dtype:
+            self.kv_buffer = torch.empty(int(numel * 1.25), dtype=like.dtype, device=like.device)   # room to grow
+        return self.kv_buffer
+
     def forward(self, q, k, v, key_cache, value_cache, meta, scale):
         ref = kernels.reference
         ref.store_kv_cache(k, v, key_cache, value_cache, meta.slot_mapping)
         if meta.is_pure_decode:
+            block_size = key_cache.shape[1]
+            max_blocks = -(-meta.max_seq_len // block_size)
+            numel = 2 * len(meta.seq_lens_cpu) * max_blocks * key_cache[0].numel()
             return ref.paged_decode_attention(q, key_cache, value_cache, meta.block_tables,
-                                              meta.seq_lens, scale, seq_lens_cpu=meta.seq_lens_cpu)
+                                              meta.seq_lens, scale, seq_lens_cpu=meta.seq_lens_cpu,
+                                              kv_buffer=self._buffer(numel, key_cache))
         return ref.paged_prefill_attention(q, key_cache, value_cache, meta.block_tables,
                                            meta.cu_seqlens_q, meta.seq_lens, scale,
                                            q_lens_cpu=meta.q_lens_cpu, seq_lens_cpu=meta.seq_lens_cpu)
