@@ -71,15 +71,10 @@ def error_response(err: APIError) -> JSONResponse:
 
 
 # ---------------------------------------------------------------------- reading request fields
-_MISSING = object()
-
-
-def _field(body: dict, name: str, kind: str, default=None, *, required: bool = False):
+def _field(body: dict, name: str, kind: str, default=None):
     """body[name] checked against `kind` (int, number, bool, string, list, object); null counts as absent."""
-    value = body.get(name, _MISSING)
-    if value is _MISSING or value is None:
-        if required:
-            raise APIError(f"'{name}' is required.", param=name)
+    value = body.get(name)
+    if value is None:
         return default
     ok = {
         "int": isinstance(value, int) and not isinstance(value, bool),
@@ -156,10 +151,10 @@ def sampling_params_from_body(body: dict, chat: bool, default_max_tokens: int) -
                        else field_name if field_name in kwargs else None) from None
 
 
-@dataclass
+@dataclass(frozen=True)
 class ParsedRequest:
     """A request body checked and turned into engine terms; what the completion routes share."""
-    prompt: str | list[int] | dict
+    prompt: str | list[int]
     body: dict
     stream: bool
     include_usage: bool
@@ -197,6 +192,12 @@ def build_api_server(async_engine: AsyncLLMEngine, served_model_name: str | None
     async def _http_error(request: Request, err: StarletteHTTPException):
         kind = "not_found_error" if err.status_code == 404 else "invalid_request_error"
         return error_response(APIError(str(err.detail), status_code=err.status_code, type=kind))
+
+    @app.exception_handler(Exception)
+    async def _internal_error(request: Request, err: Exception):
+        # A bug, not bad input (bad input is a 400 above). Starlette logs the traceback after this answer.
+        return error_response(APIError(f"internal error: {type(err).__name__}: {err}", status_code=500,
+                                       type="internal_server_error"))
 
     def check_api_key(request: Request) -> None:
         if api_key is None:
@@ -257,10 +258,10 @@ def build_api_server(async_engine: AsyncLLMEngine, served_model_name: str | None
 
     # ------------------------------------------------------------------ running a request
     async def serve(request: Request, parsed: ParsedRequest, chat: bool):
-        params = await make_request_params(parsed, chat)
+        prompt, params = await prepare(parsed, chat)
         request_id = f"{'chatcmpl' if chat else 'cmpl'}-{uuid.uuid4().hex[:16]}"
         try:
-            stream = await async_engine.add_request(parsed.prompt, params, request_id)
+            stream = await async_engine.add_request(prompt, params, request_id)
         except ValueError as e:                    # the engine's own checks: length, pool size, token ids
             raise APIError(str(e), param=parsed.prompt_param) from None
         except RequestError as e:
@@ -273,20 +274,20 @@ def build_api_server(async_engine: AsyncLLMEngine, served_model_name: str | None
                                      media_type="text/event-stream", background=BackgroundTask(close_async, stream))
         return await until_disconnect(request, full_response(stream, meta), stream)
 
-    async def make_request_params(parsed: ParsedRequest, chat: bool) -> SamplingParams:
-        """Completions default to 16 tokens (OpenAI's default). Chat defaults to the rest of the context,
-        which needs the prompt's token count: then tokenize first (on the engine thread) and pass the ids
-        on, so the prompt is tokenized once."""
+    async def prepare(parsed: ParsedRequest, chat: bool) -> tuple[str | list[int] | dict, SamplingParams]:
+        """The prompt and SamplingParams to add. Completions default to 16 tokens (OpenAI's default). Chat
+        defaults to the rest of the context, which needs the prompt's token count: then the prompt is
+        tokenized first (on the engine thread) and passed on as ids, so it is tokenized once."""
         if not chat or requested_max_tokens(parsed.body, chat)[1] is not None:
-            return sampling_params_from_body(parsed.body, chat, default_max_tokens=16)
+            return parsed.prompt, sampling_params_from_body(parsed.body, chat, default_max_tokens=16)
         sampling_params_from_body(parsed.body, chat, default_max_tokens=1)   # bad fields first: no engine work
         try:
             text, ids = await async_engine.tokenize(parsed.prompt)
         except ValueError as e:
             raise APIError(str(e), param=parsed.prompt_param) from None
-        parsed.prompt = {"prompt": text, "prompt_token_ids": ids}
         room = max(1, async_engine.max_request_tokens - len(ids))
-        return sampling_params_from_body(parsed.body, chat, default_max_tokens=room)
+        return ({"prompt": text, "prompt_token_ids": ids},
+                sampling_params_from_body(parsed.body, chat, default_max_tokens=room))
 
     return app
 

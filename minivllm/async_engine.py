@@ -321,11 +321,14 @@ class AsyncLLMEngine:
     # ------------------------------------------------------------------ the engine thread
     def _run_loop(self) -> None:
         while True:
-            self._run_commands(wait=not self._can_step())
-            if self._stopping:
-                break
-            if self._can_step():
-                self._step()
+            try:
+                self._run_commands(wait=not self._can_step())
+                if self._stopping:
+                    break
+                if self._can_step():
+                    self._step()
+            except Exception:                    # a bug of ours: log it, keep serving
+                logger.exception("unexpected error in the engine loop")
         self._close_all("the engine is shutting down.")
         self.engine.remove_trace_listener(self._on_trace)
         shutdown = getattr(self.engine, "shutdown", None)   # tensor-parallel workers, where there are any
@@ -376,7 +379,11 @@ class AsyncLLMEngine:
             return
         now = time.time()
         for out in outputs:
-            self._deliver(out, now)
+            try:
+                self._deliver(out, now)
+            except Exception as e:               # only this request fails; the others get their outputs
+                logger.exception("delivering the output of %r failed", out.request_id)
+                self._fail(out.request_id, f"delivering its output failed: {type(e).__name__}: {e}")
         self._publish_stats()
 
     def _deliver(self, out: RequestOutput, now: float) -> None:
@@ -418,19 +425,24 @@ class AsyncLLMEngine:
             except RuntimeError:
                 pass
 
-    def _close_all(self, message: str) -> None:
-        """End every open request with a RequestError (after a failed step, at shutdown)."""
-        for request_id, tracked in list(self._tracked.items()):
-            del self._tracked[request_id]
-            try:
-                self.engine.abort_request(request_id)
-            except Exception:
-                logger.exception("abort_request(%r) failed", request_id)
-            self._record_finish(request_id, "error")
+    def _fail(self, request_id: str, message: str) -> None:
+        """End one request with a RequestError: abort it in the engine (freeing its blocks), tell its reader."""
+        tracked = self._tracked.pop(request_id, None)
+        try:
+            self.engine.abort_request(request_id)
+        except Exception:
+            logger.exception("abort_request(%r) failed", request_id)
+        self._record_finish(request_id, "error")
+        if tracked is not None:
             try:
                 tracked.stream.put(RequestError(f"request {request_id}: {message}"))
-            except RuntimeError:
+            except Exception:                    # its event loop is closed, or its stream is broken
                 pass
+
+    def _close_all(self, message: str) -> None:
+        """End every open request with a RequestError (after a failed step, at shutdown)."""
+        for request_id in list(self._tracked):
+            self._fail(request_id, message)
         self._log(message)
 
     def _record_finish(self, request_id: str, reason: str | None) -> None:

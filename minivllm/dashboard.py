@@ -158,7 +158,7 @@ def render_stats(snap: EngineSnapshot) -> str:
     state = "PAUSED" if snap.paused else ("running" if snap.loop_alive else "STOPPED")
     finished = ", ".join(f"{k} {v}" for k, v in sorted(snap.finished.items())) or "-"
     return (
-        f'<div class="mv-stats" data-paused="{int(snap.paused)}">'
+        f'<div class="mv-stats" data-paused="{int(snap.paused)}" data-in-flight="{snap.num_requests}">'
         f"engine: <b>{state}</b>, step {s.num_steps}, requests in flight {snap.num_requests}<br>"
         f'KV usage <span class="mv-bar"><div style="width:{100 * s.kv_usage:.1f}%"></div></span> '
         f"{100 * s.kv_usage:.1f}% ({s.num_kv_blocks - s.num_free_blocks} / {s.num_kv_blocks} blocks held)<br>"
@@ -232,6 +232,7 @@ def build_dashboard(async_engine: AsyncLLMEngine, title: str = "minivllm"):
 
     async def chat(message: str, history: list, max_tokens: int, temperature: float):
         """Stream one assistant answer into the chat, a token at a time."""
+        history = history or []
         if not message.strip():
             yield "", history
             return

@@ -1,0 +1,111 @@
+"""`python app.py`: the minivllm server: an OpenAI-compatible API and a live dashboard on one engine.
+
+    python app.py                                   # http://127.0.0.1:8000/ the dashboard, /v1 the API
+    python app.py --port 8001 --num-kv-blocks 256 --api-key secret
+    python app.py --model /path/to/checkpoint --attention-backend triton      # on a GPU
+
+Owns: the command line and wiring: EngineConfig -> LLMEngine -> AsyncLLMEngine -> FastAPI app (OpenAI
+routes, /health, /metrics) with the Gradio dashboard mounted at "/", run by uvicorn. `build_app` does the
+same in-process for tests.
+"""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import logging
+import sys
+
+from minivllm.api_server import build_api_server
+from minivllm.async_engine import AsyncLLMEngine
+from minivllm.config import EngineConfig
+
+logger = logging.getLogger("minivllm.app")
+
+
+def build_parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(prog="python app.py", description="Serve minivllm: an OpenAI-compatible API "
+                                "under /v1 and a live dashboard at /, on one engine.")
+    p.add_argument("--model", default=None, help="local Hugging Face checkpoint directory "
+                   "(default: the embedded SmolLM2-135M-Instruct)")
+    p.add_argument("--served-model-name", default=None, help="the name /v1/models lists (default: the "
+                   "checkpoint directory's name)")
+    p.add_argument("--host", default="127.0.0.1", help="address to bind (default 127.0.0.1: this machine only)")
+    p.add_argument("--port", type=int, default=8000)
+    p.add_argument("--api-key", default=None, help="require 'Authorization: Bearer <key>' on /v1/*")
+    p.add_argument("--no-dashboard", action="store_true", help="serve the API only")
+    p.add_argument("--num-kv-blocks", type=int, default=None)
+    p.add_argument("--block-size", type=int, default=16)
+    p.add_argument("--tensor-parallel-size", type=int, default=1)
+    p.add_argument("--attention-backend", default="auto", choices=["auto", "torch", "triton"])
+    p.add_argument("--device", default="auto")
+    p.add_argument("--dtype", default="auto", choices=["auto", "float32", "float16", "bfloat16"])
+    p.add_argument("--max-num-seqs", type=int, default=256)
+    p.add_argument("--max-num-batched-tokens", type=int, default=8192)
+    p.add_argument("--max-model-len", type=int, default=None)
+    p.add_argument("--no-prefix-caching", action="store_true")
+    p.add_argument("--threads", type=int, default=None, help="torch CPU threads (default: torch's choice)")
+    return p
+
+
+def engine_config_from_args(args: argparse.Namespace) -> EngineConfig:
+    return EngineConfig.from_kwargs(
+        model=args.model, dtype=args.dtype, device=args.device, block_size=args.block_size,
+        num_kv_blocks=args.num_kv_blocks, max_num_seqs=args.max_num_seqs,
+        max_num_batched_tokens=args.max_num_batched_tokens, max_model_len=args.max_model_len,
+        enable_prefix_caching=not args.no_prefix_caching, tensor_parallel_size=args.tensor_parallel_size,
+        attention_backend=args.attention_backend)
+
+
+def build_app(config: EngineConfig, api_key: str | None = None, served_model_name: str | None = None,
+              dashboard: bool = True):
+    """Load the engine and build the app: returns (fastapi_app, async_engine). The app's shutdown shuts the
+    engine down (`async_engine.shutdown()` may be called again; the second call does nothing)."""
+    from fastapi import FastAPI
+
+    from minivllm.engine import LLMEngine
+
+    async_engine = AsyncLLMEngine(LLMEngine(config))
+
+    @contextlib.asynccontextmanager
+    async def lifespan(app):
+        yield
+        # uvicorn's graceful shutdown (Ctrl-C, SIGTERM) runs this before it re-raises the signal.
+        async_engine.shutdown()
+        logger.info("engine shut down")
+
+    app = FastAPI(title="minivllm", docs_url=None, redoc_url=None, lifespan=lifespan)
+    app = build_api_server(async_engine, served_model_name=served_model_name, api_key=api_key, app=app)
+    if dashboard:
+        from minivllm.dashboard import mount_dashboard
+        app = mount_dashboard(app, async_engine, path="/", api_key=api_key)
+    return app, async_engine
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = build_parser()
+    args = parser.parse_args(argv)
+    if args.threads is not None:
+        import torch
+        torch.set_num_threads(args.threads)
+    try:
+        config = engine_config_from_args(args)
+        app, async_engine = build_app(config, api_key=args.api_key, served_model_name=args.served_model_name,
+                                      dashboard=not args.no_dashboard)
+    except (ValueError, FileNotFoundError) as e:
+        parser.error(str(e))
+
+    import uvicorn
+
+    logging.basicConfig(level=logging.INFO, format="%(levelname)s %(name)s: %(message)s", force=True)
+    print(f"minivllm: serving {async_engine.engine.model_path.name} on http://{args.host}:{args.port}/ "
+          f"(dashboard at /, OpenAI API at /v1, metrics at /metrics)", file=sys.stderr, flush=True)
+    try:
+        uvicorn.run(app, host=args.host, port=args.port, log_level="warning", timeout_graceful_shutdown=3)
+    finally:
+        async_engine.shutdown()
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,421 @@
+# ---
+# jupyter:
+#   jupytext:
+#     formats: ipynb,py:percent
+#     text_representation:
+#       extension: .py
+#       format_name: percent
+#       format_version: '1.3'
+#       jupytext_version: 1.19.6
+#   kernelspec:
+#     display_name: Python 3 (ipykernel)
+#     language: python
+#     name: python3
+# ---
+
+# %% [markdown]
+# # Lesson 06: serving: the async engine, streaming, and the OpenAI API
+#
+# Until now we drove the engine by hand: `add_request`, then `step()` in a loop until nothing is left. A
+# server cannot work like that. Clients arrive whenever they like, each wants its tokens *as they are made*,
+# some hang up halfway, and some send nonsense. Yet `LLMEngine` is a plain, single-threaded object: one
+# `step()` at a time, and nothing else may touch it while a step runs.
+#
+# `minivllm/async_engine.py` (vLLM's `AsyncLLMEngine`) squares that circle with one rule: **only one thread
+# ever calls the engine**. Everybody else talks to that thread through a command queue and gets outputs back
+# through per-request streams:
+#
+# ```
+# asyncio loop (HTTP handlers, the dashboard)           engine thread
+# add_request() ── command ──> command queue ─────────> engine.add_request(...)
+# stream  <── RequestOutput ── call_soon_threadsafe <── engine.step() outputs
+# client gone: stream closed ── command ─────────────> engine.abort_request(id)
+# dashboard <── snapshot() <── lock ────────────────── a StepTrace per step, stats
+# ```
+#
+# The engine thread's loop: run every queued command (add, abort, pause, ...), then one step, and sleep on
+# the queue when there is nothing to step. Continuous batching needs nothing more: a request added between
+# two steps simply joins the next one.
+#
+# On top of it, `minivllm/api_server.py` is an OpenAI-compatible HTTP server, and `minivllm/dashboard.py` a
+# Gradio page; `python app.py` runs both on one engine. This lesson uses the async engine directly, then
+# starts the HTTP server inside the notebook and talks to it with the official `openai` client.
+
+# %%
+import warnings
+
+warnings.filterwarnings("ignore", message="IProgress not found")   # tqdm's notice when ipywidgets is absent
+
+import asyncio
+import json
+
+import httpx
+import matplotlib.pyplot as plt
+import openai
+import torch
+from IPython.display import HTML, display
+from matplotlib.ticker import MaxNLocator
+
+from minivllm import SamplingParams
+from minivllm.api_server import build_api_server, run_server_in_thread
+from minivllm.async_engine import AsyncLLMEngine
+from minivllm.dashboard import DASHBOARD_CSS, render_block_grid, render_queues
+
+torch.manual_seed(0)
+torch.set_num_threads(1)   # one thread: faster on a busy 2-core CPU, and the same float sums everywhere
+
+# %% [markdown]
+# ## 1. An engine with a thread of its own
+#
+# `AsyncLLMEngine.from_engine_args(...)` builds an `LLMEngine` (any `EngineConfig` field) and starts the
+# engine thread. A small pool (64 blocks) keeps the block pictures readable.
+
+# %%
+async_engine = AsyncLLMEngine.from_engine_args(num_kv_blocks=64, seed=0)
+tokenizer = async_engine.tokenizer
+snap = async_engine.snapshot()
+print("engine thread running:", async_engine.is_running)
+print("KV blocks:", snap.stats.num_kv_blocks, "free:", snap.stats.num_free_blocks)
+
+# %% [markdown]
+# ### Streaming one request
+#
+# `async_engine.generate(prompt, params)` is an async generator: one `RequestOutput` per new token, whose
+# `delta_text` is the text added since the previous one; the last has `finished=True`. A notebook cell can
+# `await` directly, so `async for` works at the top level.
+
+# %%
+question = async_engine.chat_prompt([{"role": "user", "content": "What is the capital of France?"}])
+greedy = SamplingParams(temperature=0, max_tokens=16)
+
+deltas = []
+async for out in async_engine.generate(question, greedy):
+    deltas.append(out.delta_text)
+print(deltas)
+print("final text:   ", repr(out.outputs[0].text))
+print("finish reason:", out.outputs[0].finish_reason)
+
+# %% [markdown]
+# Each delta is one token's worth of text (a token that completes no character yet would give an empty
+# delta, and the detokenizer holds back text that might still turn into a stop string). Joined, the deltas
+# are exactly the final text: that is all a streaming client has to do.
+
+# %%
+assert "".join(deltas) == out.outputs[0].text and out.finished
+
+# %% [markdown]
+# ## 2. Many clients, one step at a time
+#
+# The engine thread steps as fast as it can, so whom a step batches depends on when requests arrive. To
+# look at it calmly we use the dashboard's teaching controls: `pause()` stops stepping (commands still run),
+# `step_once()` runs exactly one step, `resume()` lets it go.
+#
+# Three clients ask three questions behind the same system prompt. Each `add_request` validates and queues a
+# request and returns its `RequestStream`; nothing runs while the engine is paused.
+
+# %%
+SYSTEM = ("You are a patient teacher. Answer in one short sentence, in plain words, for a curious child who "
+          "likes examples.")
+QUESTIONS = {"sky": "Why is the sky blue?", "ice": "Why does ice float?", "bees": "How do bees make honey?"}
+
+
+def chat(text):
+    return async_engine.chat_prompt([{"role": "system", "content": SYSTEM}, {"role": "user", "content": text}])
+
+
+async def wait_for_step(n):
+    while async_engine.snapshot().stats.num_steps < n:
+        await asyncio.sleep(0.01)
+
+
+async_engine.pause()
+streams = {rid: await async_engine.add_request(chat(q), greedy, request_id=rid) for rid, q in QUESTIONS.items()}
+await asyncio.sleep(0.2)
+snap = async_engine.snapshot()
+print("paused:", snap.paused, "| steps so far:", snap.stats.num_steps, "| waiting:", snap.stats.num_waiting)
+
+# %% [markdown]
+# Now one step. The snapshot is what the dashboard reads: a copy taken under a lock, so another thread can
+# read it while the engine keeps going. Its `trace` is the last step's `StepTrace` (lessons 02 and 03).
+
+
+# %%
+def describe(t):
+    ran = ", ".join(f"{r.request_id} {r.kind} {r.num_scheduled_tokens}" for r in t.requests if r.kind)
+    return f"step {t.step}: {ran} | blocks held {t.num_kv_blocks - t.num_free_blocks}"
+
+
+first_step = async_engine.snapshot().stats.num_steps + 1
+async_engine.step_once()
+await wait_for_step(first_step)
+trace = async_engine.snapshot().trace
+print(describe(trace))
+print("prefix hits on blocks:", trace.prefix_hit_blocks)
+
+# %% [markdown]
+# All three prompts ran as one prefill batch. They share the system prompt, so the second and third found its
+# full blocks in the prefix cache *within the same step* (lesson 01). The dashboard draws the pool as a grid:
+# one cell per block, colored by the request holding it, with the ref count written in shared blocks. The
+# same render function, in the notebook:
+
+# %%
+display(HTML(f"<style>{DASHBOARD_CSS}</style>" + render_block_grid(trace, trace.num_kv_blocks)
+             + render_queues(trace)))
+
+# %% [markdown]
+# Two more single steps: every request decodes one token per step.
+
+# %%
+for n in (first_step + 1, first_step + 2):
+    async_engine.step_once()
+    await wait_for_step(n)
+    print(describe(async_engine.snapshot().trace))
+
+# %% [markdown]
+# Now let the engine run and read the three streams at once. Each stream already holds the outputs of the
+# steps we took (a stream is a queue: nothing is lost while nobody reads).
+
+
+# %%
+async def read(stream):
+    text = ""
+    async with stream:                 # leaving this block early would abort the request
+        async for out in stream:
+            text += out.delta_text
+    return text, out.outputs[0].finish_reason
+
+
+async_engine.resume()
+answers = dict(zip(streams, await asyncio.gather(*(read(s) for s in streams.values()))))
+for rid, (text, reason) in answers.items():
+    print(f"{rid:5} {reason:6} {text!r}")
+
+# %% [markdown]
+# ## 3. A client that hangs up
+#
+# A client that stops reading must not leave its request running: it would spend steps and hold blocks for
+# nobody. Leaving `async for` early (with `break`, an exception or a cancelled task) closes the generator, and
+# closing it sends an abort command; the engine thread frees the request's blocks before its next step.
+
+# %%
+long_params = SamplingParams(temperature=0, max_tokens=200, ignore_eos=True)
+gen = async_engine.generate(chat("Tell me a very long story about the sea."), long_params, request_id="story")
+async for out in gen:
+    if len(out.outputs[0].token_ids) == 3:
+        break
+await gen.aclose()                      # what the HTTP server does when the connection drops
+
+while async_engine.snapshot().num_requests:
+    await asyncio.sleep(0.01)
+snap = async_engine.snapshot()
+print("story ended with:", async_engine.finish_reason_of("story"))
+print("free blocks:", snap.stats.num_free_blocks, "of", snap.stats.num_kv_blocks)
+print("last event:", snap.events[-1].split(": ", 1)[1])
+
+# %% [markdown]
+# ## 4. The OpenAI-compatible API
+#
+# `build_api_server(async_engine)` returns a FastAPI app with `GET /v1/models`, `POST /v1/completions`,
+# `POST /v1/chat/completions` (streamed or not), `GET /health` and `GET /metrics`. `python app.py` serves it
+# with uvicorn on port 8000; here we run uvicorn on a thread, on a free port, against the engine we already
+# have.
+
+# %%
+# NBVAL_IGNORE_OUTPUT
+server = run_server_in_thread(build_api_server(async_engine))
+print("serving on", server.url)
+
+# %% [markdown]
+# The official `openai` client needs only the base URL. Any API key will do: this server was started without
+# `api_key=` (with one, every `/v1` route wants `Authorization: Bearer <key>`, as vLLM's `--api-key`).
+
+# %%
+client = openai.OpenAI(base_url=server.url + "/v1", api_key="none")
+print([m.id for m in client.models.list().data])
+
+response = client.chat.completions.create(
+    model="SmolLM2-135M-Instruct", messages=[{"role": "user", "content": "What is the capital of France?"}],
+    max_tokens=16, temperature=0)
+print(response.choices[0].message.content)
+print(response.choices[0].finish_reason, response.usage.prompt_tokens, response.usage.completion_tokens)
+
+# %% [markdown]
+# With `stream=True` the server answers with server-sent events: one `data: {...}` line per chunk, and a
+# final `data: [DONE]`. The client turns them into chunk objects. `stream_options={"include_usage": True}`
+# adds a last chunk with the token counts and no choices.
+
+# %%
+stream = client.chat.completions.create(
+    model="SmolLM2-135M-Instruct", messages=[{"role": "user", "content": "Name three primary colors."}],
+    max_tokens=24, temperature=0, stream=True, stream_options={"include_usage": True})
+pieces = []
+for chunk in stream:
+    if chunk.choices:
+        pieces.append(chunk.choices[0].delta.content or "")
+        reason = chunk.choices[0].finish_reason
+    else:
+        usage = chunk.usage
+print(pieces)
+print("finish reason:", reason, "| completion tokens:", usage.completion_tokens)
+
+# %% [markdown]
+# The same thing without a client library: the raw events of a completion (`curl -N` shows the same).
+
+# %%
+body = {"model": "SmolLM2-135M-Instruct", "prompt": "The capital of France is", "max_tokens": 4, "temperature": 0,
+        "stream": True}
+with httpx.stream("POST", server.url + "/v1/completions", json=body) as r:
+    for line in r.iter_lines():
+        if line:
+            data = line.removeprefix("data: ")
+            print(data if data == "[DONE]" else {k: v for k, v in json.loads(data)["choices"][0].items()
+                                                 if k in ("text", "finish_reason")})
+
+# %% [markdown]
+# ### Bad requests
+#
+# Everything a client sends is checked before the engine sees it. A bad value is a 400 with OpenAI's error
+# body, which the client raises as `BadRequestError`; the engine never notices.
+
+# %%
+for bad in ({"temperature": -1}, {"top_p": 1.5}, {"n": 2}, {"max_tokens": 0}):
+    try:
+        client.chat.completions.create(model="SmolLM2-135M-Instruct", messages=[{"role": "user", "content": "hi"}],
+                                       **bad)
+    except openai.BadRequestError as e:
+        print(e.status_code, e.body["param"], "|", e.body["message"])
+
+# %% [markdown]
+# ### Sixteen clients at once
+#
+# Sixteen clients stream at the same time, each with its own HTTP connection. The server turns every one into
+# an engine request, and the engine batches whoever is there at each step. We record the steps (a trace
+# listener added *on the engine thread*, through `call`) and count the requests running in each.
+
+# %%
+traces = []
+async_engine.call(lambda engine: engine.add_trace_listener(traces.append)).result()
+
+
+async def one_client(aclient, i):
+    stream = await aclient.completions.create(model="SmolLM2-135M-Instruct", prompt=f"A fun fact about the number {i}:",
+                                              max_tokens=12, temperature=0, stream=True)
+    return "".join([chunk.choices[0].text async for chunk in stream])
+
+
+async with openai.AsyncOpenAI(base_url=server.url + "/v1", api_key="none") as aclient:
+    texts = await asyncio.gather(*(one_client(aclient, i) for i in range(16)))
+async_engine.call(lambda engine: engine.remove_trace_listener(traces.append)).result()
+print(len(texts), "answers; the first two:", texts[:2])
+
+# %%
+# NBVAL_IGNORE_OUTPUT
+fig, ax = plt.subplots(figsize=(9, 2.6))
+batch_sizes = [sum(1 for r in t.requests if r.kind) for t in traces]     # requests the step computed for
+ax.bar(range(1, len(traces) + 1), batch_sizes, color="tab:blue")
+ax.set_xlabel("engine step (while the 16 clients were connected)")
+ax.set_ylabel("requests in the batch")
+ax.xaxis.set_major_locator(MaxNLocator(integer=True))
+ax.yaxis.set_major_locator(MaxNLocator(integer=True))
+ax.set_title("Sixteen HTTP clients, one batch per step")
+plt.show()
+
+# %% [markdown]
+# The requests arrive a few milliseconds apart. If a step starts before the last of them is in, it runs the
+# early ones and the rest join at the next step; either way they are soon all in one batch, and they finish
+# together (unless one stops early, at EOS). That is the point of serving through one engine: sixteen clients cost
+# little more per step than one.
+#
+# ### /metrics
+#
+# `GET /metrics` is the Prometheus text format, with vLLM's metric names wherever vLLM has the same metric:
+# queue lengths, KV usage, prefix-cache hits, preemptions, finished requests by reason, and histograms of
+# time-to-first-token and inter-token latency. A Prometheus server scrapes it every few seconds.
+
+# %%
+metrics = httpx.get(server.url + "/metrics").text
+for line in metrics.splitlines():
+    if line.startswith(("vllm:num_requests_running", "vllm:num_free_kv_blocks", 'vllm:request_success_total')):
+        print(line)
+
+# %% [markdown]
+# ## 5. The dashboard
+#
+# `python app.py` serves this API and, at `/`, the Gradio dashboard: a chat that streams tokens, a "burst N
+# requests" button, and panels refreshed twice a second from `async_engine.snapshot()`: the block grid above,
+# each request's block table, the queues, KV usage and prefix-cache hit rate, tokens per step, and the event
+# log, with Pause / Single step / Resume buttons that call the methods used in section 2. The panels are the
+# pure functions of `minivllm/dashboard.py`, so you can render any snapshot yourself, as we did.
+#
+# ```bash
+# python app.py --num-kv-blocks 256           # then open http://127.0.0.1:8000/
+# curl http://127.0.0.1:8000/v1/chat/completions -H "Content-Type: application/json" \
+#      -d '{"messages": [{"role": "user", "content": "Hi"}], "max_tokens": 16}'
+# ```
+#
+# Done with the server: stop uvicorn, then the engine thread.
+
+# %%
+server.stop()
+async_engine.shutdown()
+print("engine thread running:", async_engine.is_running)
+
+# %% [markdown]
+# ## Check yourself
+#
+# Run this cell. It starts a fresh async engine and server and replays the lesson's claims: streamed deltas
+# add up to the answer, a paused engine runs exactly the steps it is given, a client that leaves early is
+# aborted and its blocks come back, the API answers a streamed chat and refuses a bad one with a 400, and
+# concurrent clients share steps.
+
+
+# %%
+async def self_check():
+    ae = AsyncLLMEngine.from_engine_args(num_kv_blocks=64, seed=0)
+    srv = run_server_in_thread(build_api_server(ae))
+    try:
+        outs = [o async for o in ae.generate(question, greedy)]
+        assert "".join(o.delta_text for o in outs) == outs[-1].outputs[0].text == answer_text
+
+        ae.pause()
+        s = await ae.add_request(chat(QUESTIONS["sky"]), greedy, request_id="check")
+        steps = ae.snapshot().stats.num_steps
+        ae.step_once()
+        await wait_for_step(steps + 1)
+        await asyncio.sleep(0.2)
+        assert ae.snapshot().stats.num_steps == steps + 1, "a paused engine runs only the steps it is given"
+        ae.resume()
+        async with s:
+            async for o in s:
+                break                                   # leave early: aborted
+        while ae.snapshot().num_requests:
+            await asyncio.sleep(0.01)
+        assert ae.finish_reason_of("check") == "abort"
+        assert ae.snapshot().stats.num_free_blocks == 64
+
+        c = openai.AsyncOpenAI(base_url=srv.url + "/v1", api_key="none")
+        chunks = [ch async for ch in await c.chat.completions.create(
+            model="SmolLM2-135M-Instruct", messages=[{"role": "user", "content": "Name three primary colors."}],
+            max_tokens=24, temperature=0, stream=True)]
+        assert [ch.choices[0].delta.content or "" for ch in chunks] == pieces
+        try:
+            await c.completions.create(model="SmolLM2-135M-Instruct", prompt="hi", top_p=0)
+            raise AssertionError("top_p=0 must be refused")
+        except openai.BadRequestError as e:
+            assert e.status_code == 400 and e.body["param"] == "top_p"
+
+        recorded = []
+        ae.call(lambda engine: engine.add_trace_listener(recorded.append)).result()
+        await asyncio.gather(*(c.completions.create(model="SmolLM2-135M-Instruct", prompt=f"Fact {i}:",
+                                                    max_tokens=12, temperature=0) for i in range(8)))
+        assert max(sum(1 for r in t.requests if r.kind) for t in recorded) >= 4, "concurrent clients share steps"
+        await c.close()
+        ae.call(lambda engine: engine.check_integrity()).result()
+    finally:
+        srv.stop()
+        ae.shutdown()
+    return "all checks passed"
+
+
+answer_text = "".join(deltas)
+await self_check()

@@ -1,0 +1,517 @@
+"""The OpenAI-compatible server, tested as a client sees it: a real uvicorn server on a free port, the official
+`openai` client (and raw httpx for what the client refuses to send), concurrent and disconnecting clients.
+
+The app is the one `python app.py` serves (`app.build_app`: API + dashboard on one engine) with a small KV
+pool, so the load tests also run the engine near its limits.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import logging
+import random
+import time
+
+import httpx
+import openai
+import pytest
+import torch
+from prometheus_client.parser import text_string_to_metric_families
+from transformers import AutoTokenizer
+
+from minivllm.api_server import build_api_server, run_server_in_thread
+from minivllm.config import EngineConfig
+
+MODEL = "SmolLM2-135M-Instruct"
+NUM_KV_BLOCKS = 256
+CHAT = [{"role": "user", "content": "What is the capital of France?"}]
+
+
+@pytest.fixture(scope="module")
+def server():
+    from app import build_app
+
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)        # the engine thread gets one core, the clients and the HTTP loop the other
+    app, async_engine = build_app(EngineConfig(num_kv_blocks=NUM_KV_BLOCKS, device="cpu", dtype="float32"))
+    srv = run_server_in_thread(app)
+    srv.engine = async_engine
+    yield srv
+    srv.stop()
+    async_engine.shutdown()
+    torch.set_num_threads(threads)
+    assert not async_engine.is_running
+
+
+class ErrorLog(logging.Handler):
+    """Collects ERROR records: the server must not log a single exception while these tests run."""
+
+    def __init__(self):
+        super().__init__(logging.ERROR)
+        self.records: list[logging.LogRecord] = []
+
+    def emit(self, record: logging.LogRecord) -> None:
+        self.records.append(record)
+
+
+@pytest.fixture(autouse=True)
+def no_server_errors():
+    log = ErrorLog()
+    watched = [logging.getLogger(name) for name in ("uvicorn.error", "minivllm")]
+    for logger in watched:
+        logger.addHandler(log)
+    yield
+    for logger in watched:
+        logger.removeHandler(log)
+    assert not log.records, "the server logged errors:\n" + "\n".join(
+        f"{r.name}: {r.getMessage()}\n{r.exc_text or ''}" for r in log.records)
+
+
+@pytest.fixture(scope="module")
+def client(server):
+    return openai.OpenAI(base_url=server.url + "/v1", api_key="unused", max_retries=0, timeout=120)
+
+
+@pytest.fixture(scope="module")
+def hf_tokenizer(model_dir):
+    return AutoTokenizer.from_pretrained(model_dir)
+
+
+def drained(server, timeout: float = 60.0):
+    """Wait until the engine holds no request and every block is free again; returns the last snapshot."""
+    deadline = time.time() + timeout
+    while True:
+        snap = server.engine.snapshot()
+        if snap.num_requests == 0 and snap.stats.num_free_blocks == snap.stats.num_kv_blocks:
+            return snap
+        assert time.time() < deadline, f"not drained: {snap.num_requests} requests, {snap.stats}"
+        time.sleep(0.05)
+
+
+def check_integrity(server):
+    server.engine.call(lambda engine: engine.check_integrity()).result(timeout=30)
+
+
+def record_traces(server):
+    """Start recording StepTraces (the listener is added on the engine thread); returns (traces, stop)."""
+    traces = []
+    server.engine.call(lambda engine: engine.add_trace_listener(traces.append)).result(timeout=30)
+    return traces, lambda: server.engine.call(lambda e: e.remove_trace_listener(traces.append)).result(timeout=30)
+
+
+# ---------------------------------------------------------------------- the basics, with the official client
+def test_lists_the_served_model(client, server):
+    models = client.models.list().data
+    assert [m.id for m in models] == [MODEL]
+    assert models[0].max_model_len == server.engine.max_model_len
+    # The model's path is accepted as its name too, as in vLLM.
+    out = client.completions.create(model=models[0].root, prompt="Hello", max_tokens=2, temperature=0)
+    assert out.model == MODEL
+
+
+def test_completion_is_the_engines_greedy_continuation(client, hf_model, hf_tokenizer):
+    from conftest import hf_greedy
+
+    out = client.completions.create(model=MODEL, prompt="The capital of France is", max_tokens=8, temperature=0,
+                                    extra_body={"ignore_eos": True})
+    ids = hf_tokenizer.encode("The capital of France is", add_special_tokens=False)
+    expected = hf_tokenizer.decode(hf_greedy(hf_model, ids, 8), skip_special_tokens=True)
+    choice = out.choices[0]
+    assert choice.text == expected
+    assert choice.finish_reason == "length"
+    assert out.object == "text_completion" and out.id.startswith("cmpl-")
+    assert (out.usage.prompt_tokens, out.usage.completion_tokens, out.usage.total_tokens) == (len(ids), 8,
+                                                                                             len(ids) + 8)
+
+
+def test_chat_uses_the_chat_template_and_stops_at_eos(client, hf_tokenizer):
+    out = client.chat.completions.create(model=MODEL, messages=CHAT, max_tokens=32, temperature=0)
+    prompt_ids = hf_tokenizer.apply_chat_template(CHAT, tokenize=True, add_generation_prompt=True)
+    if not isinstance(prompt_ids, list):                 # newer transformers return a BatchEncoding
+        prompt_ids = prompt_ids["input_ids"]
+    assert out.usage.prompt_tokens == len(prompt_ids)
+    msg = out.choices[0].message
+    assert msg.role == "assistant" and "Paris" in msg.content
+    assert out.choices[0].finish_reason == "stop" and out.usage.completion_tokens < 32   # EOS, not the limit
+    assert out.object == "chat.completion" and out.id.startswith("chatcmpl-")
+
+
+def test_streamed_chat_adds_up_to_the_unstreamed_answer(client):
+    kwargs = dict(model=MODEL, messages=CHAT, max_tokens=12, temperature=0)
+    whole = client.chat.completions.create(**kwargs)
+    chunks = list(client.chat.completions.create(**kwargs, stream=True, stream_options={"include_usage": True}))
+    assert chunks[0].choices[0].delta.role == "assistant"
+    with_choices = [c for c in chunks if c.choices]
+    assert "".join(c.choices[0].delta.content or "" for c in with_choices) == whole.choices[0].message.content
+    assert [c.choices[0].finish_reason for c in with_choices][-1] == whole.choices[0].finish_reason
+    assert all(c.choices[0].finish_reason is None for c in with_choices[:-1])
+    assert len({c.id for c in chunks}) == 1 and chunks[0].object == "chat.completion.chunk"
+    usage_chunk = chunks[-1]                             # OpenAI: a last chunk with usage and no choices
+    assert usage_chunk.choices == [] and usage_chunk.usage.completion_tokens == whole.usage.completion_tokens
+    assert all(c.usage is None for c in chunks[:-1])
+
+
+def test_server_sent_events_end_with_done(server):
+    body = {"model": MODEL, "prompt": "One, two, three,", "max_tokens": 4, "temperature": 0, "stream": True}
+    with httpx.stream("POST", server.url + "/v1/completions", json=body, timeout=60) as r:
+        assert r.status_code == 200 and r.headers["content-type"].startswith("text/event-stream")
+        events = [line for line in r.iter_lines() if line]
+    assert events[-1] == "data: [DONE]"
+    assert all(e.startswith("data: ") for e in events)
+    payloads = [json.loads(e[len("data: "):]) for e in events[:-1]]
+    assert payloads[-1]["choices"][0]["finish_reason"] == "length"
+    assert all("usage" not in p for p in payloads)       # no stream_options: no usage chunk
+
+
+def test_stop_strings_seed_top_k_and_top_p(client):
+    out = client.completions.create(model=MODEL, prompt="1, 2, 3, 4,", max_tokens=16, temperature=0, stop=[" 7"])
+    assert out.choices[0].finish_reason == "stop" and out.choices[0].stop_reason == " 7"
+    assert " 7" not in out.choices[0].text and out.choices[0].text.startswith(" 5, 6,")
+    sampled = dict(model=MODEL, prompt="Once upon a time", max_tokens=6, temperature=1.0, top_p=0.9, seed=7,
+                   extra_body={"top_k": 40})
+    first = client.completions.create(**sampled).choices[0].text
+    assert client.completions.create(**sampled).choices[0].text == first      # a seed makes it reproducible
+    other = {client.completions.create(**{**sampled, "seed": s}).choices[0].text for s in (8, 9)}
+    assert other - {first}                                                     # and other seeds differ
+
+
+# ---------------------------------------------------------------------- concurrency and disconnects
+def test_sixteen_concurrent_streams_are_batched_together(server):
+    traces, stop_recording = record_traces(server)
+
+    async def one(client, i):
+        stream = await client.chat.completions.create(
+            model=MODEL, messages=[{"role": "user", "content": f"Count from {i} to {i + 20}."}], max_tokens=12,
+            temperature=0, stream=True, extra_body={"ignore_eos": True})
+        text, reason = "", None
+        async for chunk in stream:
+            if chunk.choices:
+                text += chunk.choices[0].delta.content or ""
+                reason = chunk.choices[0].finish_reason or reason
+        return text, reason
+
+    async def main():
+        async with openai.AsyncOpenAI(base_url=server.url + "/v1", api_key="x", max_retries=0) as client:
+            return await asyncio.gather(*(one(client, i) for i in range(16)))
+
+    try:
+        results = asyncio.run(main())
+    finally:
+        stop_recording()
+    assert [reason for _, reason in results] == ["length"] * 16 and all(text for text, _ in results)
+    assert max(t.num_running for t in traces) >= 8, [t.num_running for t in traces]
+    drained(server)
+    check_integrity(server)
+
+
+def test_a_client_that_hangs_up_mid_stream_is_aborted_and_its_blocks_freed(client, server):
+    stream = client.chat.completions.create(model=MODEL, messages=CHAT, max_tokens=300, temperature=0,
+                                            stream=True, extra_body={"ignore_eos": True})
+    request_id, seen = None, 0
+    for chunk in stream:
+        request_id = chunk.id
+        seen += bool(chunk.choices and chunk.choices[0].delta.content)
+        if seen == 3:
+            break
+    assert server.engine.snapshot().stats.num_free_blocks < NUM_KV_BLOCKS     # it holds blocks now
+    stream.close()                                                            # hang up
+    snap = drained(server)
+    assert server.engine.finish_reason_of(request_id) == "abort"
+    assert snap.stats.num_free_blocks == snap.stats.num_kv_blocks
+    check_integrity(server)
+
+
+def test_a_client_that_gives_up_on_a_non_streamed_answer_is_aborted(server):
+    before = server.engine.snapshot().finished.get("abort", 0)
+    body = {"model": MODEL, "prompt": "Tell me a long story.", "max_tokens": 400, "ignore_eos": True}
+    with pytest.raises(httpx.ReadTimeout):
+        httpx.post(server.url + "/v1/completions", json=body, timeout=1.0)
+    snap = drained(server)
+    assert snap.finished.get("abort", 0) == before + 1
+    assert snap.stats.num_generated_tokens < 10_000      # it did not run to 400 tokens unseen
+    check_integrity(server)
+
+
+def test_load_64_clients_a_quarter_hanging_up(server):
+    """64 clients at once; 16 hang up at random moments (mid-stream, or while waiting for an answer). Every
+    other request must come back exactly as it does alone (greedy, same text and finish reason), nothing
+    may leak, and the server must answer normally afterwards."""
+    rng = random.Random(6)
+    hangers = set(rng.sample(range(64), 16))
+    prompts = ["The three primary colors are", "A good breakfast has", "Rivers flow into", "My favorite book is"]
+    questions = ["Name a fruit.", "What is 2 + 2?", "Say hello in French.", "What color is the sky?"]
+
+    def request_of(i: int) -> dict:
+        """The i-th client's request. Its kind (chat / completion) and prompt decide the answer; whether it
+        is streamed must not change it."""
+        kind, p = ("chat", "completion")[i % 2], i // 2 % 4
+        body = {"model": MODEL, "temperature": 0, "max_tokens": (6, 8, 10, 12)[p], "stream": i % 4 >= 2}
+        if kind == "chat":
+            body["messages"] = [{"role": "user", "content": questions[p]}]
+        else:
+            body.update(prompt=prompts[p], stop=["\n"] if p % 2 == 0 else None)
+        if i in hangers:
+            body.update(max_tokens=200, ignore_eos=True)
+        return {"kind": kind, "body": body, "key": (kind, p)}
+
+    async def run(client: openai.AsyncOpenAI, i: int, hang_up: bool) -> dict:
+        req = request_of(i)
+        body = dict(req["body"])
+        create = client.chat.completions.create if req["kind"] == "chat" else client.completions.create
+        stream = body.pop("stream")
+        extra = {"ignore_eos": body.pop("ignore_eos")} if "ignore_eos" in body else None
+        if not stream:
+            call = create(**body, extra_body=extra)
+            if hang_up:              # give up at a random moment while the answer is being computed
+                with pytest.raises(asyncio.TimeoutError):
+                    await asyncio.wait_for(call, timeout=rng.uniform(0.05, 1.5))
+                return {"hung_up": True}
+            out = await call
+            c = out.choices[0]
+            text = c.message.content if req["kind"] == "chat" else c.text
+            return {"text": text, "finish_reason": c.finish_reason, "tokens": out.usage.completion_tokens}
+        response = await create(**body, extra_body=extra, stream=True)
+        text, reason, chunks, stop_after = "", None, 0, rng.randint(1, 4)
+        async for chunk in response:
+            c = chunk.choices[0]
+            text += (c.delta.content or "") if req["kind"] == "chat" else c.text
+            reason = c.finish_reason or reason
+            chunks += 1
+            if hang_up and chunks == stop_after:
+                await response.close()
+                return {"hung_up": True, "id": chunk.id}
+        return {"text": text, "finish_reason": reason}
+
+    async def main():
+        async with openai.AsyncOpenAI(base_url=server.url + "/v1", api_key="x", max_retries=0,
+                                      timeout=300) as client:
+            loaded = await asyncio.gather(*(run(client, i, i in hangers) for i in range(64)))
+            drained(server)                    # every hang-up has been noticed and aborted by now
+            # The oracle: each distinct request once more, alone, after the load.
+            alone = {}
+            for i in range(64):
+                key = request_of(i)["key"]
+                if i not in hangers and key not in alone:
+                    alone[key] = await run(client, i, hang_up=False)
+            return loaded, alone
+
+    finished_before = server.engine.snapshot().finished
+    traces, stop_recording = record_traces(server)
+    try:
+        loaded, alone = asyncio.run(main())
+    finally:
+        stop_recording()
+    snap = drained(server)
+    print(f"load: {len(traces)} steps, at most {max(t.num_running for t in traces)} running, "
+          f"{snap.stats.num_preemptions} preemptions so far, finished {snap.finished}")
+    assert max(t.num_running for t in traces) >= 32          # the clients really were served together
+    for i, result in enumerate(loaded):
+        if i in hangers:
+            assert result["hung_up"]
+            if "id" in result:                 # a stream we hung up on: its request was aborted
+                assert server.engine.finish_reason_of(result["id"]) == "abort", i
+            continue
+        expected = alone[request_of(i)["key"]]
+        assert (result["text"], result["finish_reason"]) == (expected["text"], expected["finish_reason"]), i
+        assert result["finish_reason"] in ("stop", "length")
+        if "tokens" in result:
+            max_tokens = request_of(i)["body"]["max_tokens"]
+            assert (result["finish_reason"] == "length") == (result["tokens"] == max_tokens)
+    done = {reason: snap.finished.get(reason, 0) - finished_before.get(reason, 0) for reason in snap.finished}
+    assert done.get("stop", 0) + done.get("length", 0) == 48 + len(alone)    # every answer ended once
+    # A client that gave up before its request reached the engine leaves no request to abort.
+    streamed_hangers = sum("id" in r for r in loaded)
+    assert streamed_hangers <= done.get("abort", 0) <= 16
+    assert done.get("error", 0) == 0
+    assert snap.stats.num_free_blocks == NUM_KV_BLOCKS and snap.stats.num_running == snap.stats.num_waiting == 0
+    check_integrity(server)
+    assert httpx.get(server.url + "/health").status_code == 200
+
+
+# ---------------------------------------------------------------------- bad input: 400, OpenAI's error body
+LONG_IDS = list(range(100, 9100))         # 9,000 tokens: over max_model_len (8,192)
+
+BAD_REQUESTS = [
+    # (case, route, body (bytes are sent raw), the "param" OpenAI's body must name)
+    ("malformed_json", "completions", b'{"prompt": "hi", ', None),
+    ("body_not_an_object", "completions", b'["hi"]', None),
+    ("body_not_utf8", "completions", b'\xff\xfe{"prompt"', None),
+    ("missing_prompt", "completions", {"model": MODEL}, "prompt"),
+    ("prompt_wrong_type", "completions", {"prompt": 42}, "prompt"),
+    ("batched_prompts", "completions", {"prompt": ["a", "b"]}, "prompt"),
+    ("empty_prompt", "completions", {"prompt": ""}, "prompt"),
+    ("prompt_over_the_context", "completions", {"prompt": LONG_IDS}, "prompt"),
+    ("prompt_plus_max_tokens_over_the_kv_pool", "completions", {"prompt": "hi", "max_tokens": 5000}, "prompt"),
+    ("token_id_out_of_vocab", "completions", {"prompt": [1, 2, 10 ** 9]}, "prompt"),
+    ("unknown_model", "completions", {"model": "gpt-4", "prompt": "hi"}, "model"),
+    ("model_wrong_type", "completions", {"model": 7, "prompt": "hi"}, "model"),
+    ("max_tokens_zero", "completions", {"prompt": "hi", "max_tokens": 0}, "max_tokens"),
+    ("max_tokens_negative", "chat", {"messages": CHAT, "max_tokens": -5}, "max_tokens"),
+    ("max_completion_tokens_zero", "chat", {"messages": CHAT, "max_completion_tokens": 0},
+     "max_completion_tokens"),
+    ("max_tokens_string", "completions", {"prompt": "hi", "max_tokens": "10"}, "max_tokens"),
+    ("max_tokens_float", "completions", {"prompt": "hi", "max_tokens": 2.5}, "max_tokens"),
+    ("max_tokens_bool", "completions", {"prompt": "hi", "max_tokens": True}, "max_tokens"),
+    ("temperature_negative", "completions", {"prompt": "hi", "temperature": -0.5}, "temperature"),
+    ("temperature_string", "chat", {"messages": CHAT, "temperature": "hot"}, "temperature"),
+    ("temperature_nan", "completions", b'{"prompt": "hi", "temperature": NaN}', "temperature"),
+    ("top_p_zero", "completions", {"prompt": "hi", "top_p": 0}, "top_p"),
+    ("top_p_above_one", "chat", {"messages": CHAT, "top_p": 1.5}, "top_p"),
+    ("top_k_below_minus_one", "completions", {"prompt": "hi", "top_k": -2}, "top_k"),
+    ("top_k_huge", "completions", {"prompt": "hi", "top_k": 10 ** 30}, "top_k"),
+    ("seed_string", "completions", {"prompt": "hi", "seed": "abc"}, "seed"),
+    ("n_above_one", "chat", {"messages": CHAT, "n": 2}, "n"),
+    ("stop_wrong_type", "completions", {"prompt": "hi", "stop": 5}, "stop"),
+    ("stop_list_with_a_number", "completions", {"prompt": "hi", "stop": ["x", 1]}, "stop"),
+    ("stop_empty_string", "completions", {"prompt": "hi", "stop": [""]}, "stop"),
+    ("stream_wrong_type", "chat", {"messages": CHAT, "stream": "yes"}, "stream"),
+    ("stream_options_without_stream", "chat", {"messages": CHAT, "stream_options": {"include_usage": True}},
+     "stream_options"),
+    ("logprobs_unsupported", "completions", {"prompt": "hi", "logprobs": 5}, "logprobs"),
+    ("presence_penalty_unsupported", "chat", {"messages": CHAT, "presence_penalty": 0.5}, "presence_penalty"),
+    ("missing_messages", "chat", {"model": MODEL}, "messages"),
+    ("empty_messages", "chat", {"messages": []}, "messages"),
+    ("messages_not_a_list", "chat", {"messages": "hello"}, "messages"),
+    ("message_not_an_object", "chat", {"messages": ["hello"]}, "messages[0]"),
+    ("unknown_role", "chat", {"messages": [{"role": "wizard", "content": "hi"}]}, "messages[0].role"),
+    ("missing_role", "chat", {"messages": [{"content": "hi"}]}, "messages[0].role"),
+    ("content_wrong_type", "chat", {"messages": [{"role": "user", "content": 3}]}, "messages[0].content"),
+    ("image_content_part", "chat", {"messages": [{"role": "user", "content": [
+        {"type": "image_url", "image_url": {"url": "http://x/y.png"}}]}]}, "messages[0].content"),
+    ("chat_over_the_context", "chat", {"messages": [{"role": "user", "content": "hello " * 9000}]}, "messages"),
+]
+
+
+@pytest.mark.parametrize("case,route,body,param", BAD_REQUESTS, ids=[c[0] for c in BAD_REQUESTS])
+def test_bad_input_is_a_400_with_an_openai_error_body(server, case, route, body, param):
+    url = f"{server.url}/v1/{'chat/completions' if route == 'chat' else 'completions'}"
+    content = body if isinstance(body, bytes) else json.dumps(body).encode()
+    r = httpx.post(url, content=content, headers={"content-type": "application/json"}, timeout=60)
+    assert r.status_code == 400, r.text
+    error = r.json()["error"]
+    assert set(error) == {"message", "type", "param", "code"}
+    assert error["type"] == "invalid_request_error"
+    assert error["param"] == param
+    assert len(error["message"]) > 20                    # a sentence naming the value and the fix
+
+
+def test_the_official_client_raises_bad_request_and_the_server_keeps_serving(client, server):
+    with pytest.raises(openai.BadRequestError) as e:
+        client.chat.completions.create(model=MODEL, messages=CHAT, temperature=-1)
+    assert e.value.status_code == 400 and "temperature" in e.value.message
+    with pytest.raises(openai.BadRequestError):
+        client.completions.create(model="not-this-one", prompt="hi")
+    assert client.completions.create(model=MODEL, prompt="hi", max_tokens=2).choices[0].finish_reason
+    assert httpx.get(server.url + "/health").status_code == 200
+
+
+def test_no_field_value_makes_a_500(server):
+    """Every field, every JSON type: the answer is a 200 or a 400, never a 500, and the engine lives on."""
+    values = [None, True, -1, 0, 3, 2.5, 1e308, "x", [], [1], ["x"], {}, {"a": 1}]
+    fields = ["prompt", "max_tokens", "temperature", "top_p", "top_k", "seed", "stop", "stop_token_ids", "n",
+              "stream", "stream_options", "ignore_eos", "skip_special_tokens", "model", "logprobs", "echo"]
+    bodies = [("completions", {"model": MODEL, "prompt": "Hi", "max_tokens": 1, name: value})
+              for name in fields for value in values]
+    bodies += [("chat/completions", {"messages": value, "max_tokens": 1}) for value in values]
+    bodies += [("chat/completions", {"messages": [{"role": "user", "content": value}], "max_tokens": 1})
+               for value in values]
+
+    async def main():                     # all at once: the valid ones are batched, so this stays quick
+        async with httpx.AsyncClient(base_url=server.url + "/v1", timeout=120) as http:
+            return await asyncio.gather(*(http.post("/" + route, json=body) for route, body in bodies))
+
+    responses = asyncio.run(main())
+    statuses = set()
+    for (route, body), r in zip(bodies, responses):
+        statuses.add(r.status_code)
+        assert r.status_code in (200, 400), (route, body, r.status_code, r.text)
+        if r.status_code == 400:
+            assert r.json()["error"]["type"] == "invalid_request_error"
+        if route == "chat/completions" and not isinstance(body["messages"], list):
+            assert r.status_code == 400
+    assert statuses == {200, 400}
+    drained(server)
+    check_integrity(server)
+    assert server.engine.snapshot().num_step_errors == 0
+
+
+def test_fastapi_validation_errors_and_unknown_routes_get_openai_bodies(server):
+    app = build_api_server(server.engine)
+
+    @app.get("/v1/typed")                # a typed parameter: FastAPI itself would answer 422
+    async def typed(n: int):
+        return {"n": n}
+
+    srv = run_server_in_thread(app)
+    try:
+        r = httpx.get(srv.url + "/v1/typed", params={"n": "seven"})
+        assert r.status_code == 400
+        assert r.json()["error"]["type"] == "invalid_request_error" and r.json()["error"]["param"] == "n"
+        r = httpx.get(srv.url + "/v1/no-such-route")
+        assert r.status_code == 404 and r.json()["error"]["message"]
+        r = httpx.get(srv.url + "/v1/completions")                      # a POST route
+        assert r.status_code == 405 and r.json()["error"]["message"]
+    finally:
+        srv.stop()
+
+
+# ---------------------------------------------------------------------- API key, health, metrics
+def test_api_key_is_required_on_v1_when_set(server):
+    from minivllm.dashboard import mount_dashboard
+
+    app = mount_dashboard(build_api_server(server.engine, api_key="sekret"), server.engine, api_key="sekret")
+    keyed = run_server_in_thread(app)
+    try:
+        for headers in ({}, {"Authorization": "Bearer wrong"}, {"Authorization": "sekret"}):
+            r = httpx.get(keyed.url + "/v1/models", headers=headers)
+            assert r.status_code == 401
+            assert r.json()["error"]["type"] == "authentication_error"
+            r = httpx.post(keyed.url + "/v1/completions", headers=headers, json={"prompt": "hi"})
+            assert r.status_code == 401
+        with pytest.raises(openai.AuthenticationError):
+            openai.OpenAI(base_url=keyed.url + "/v1", api_key="wrong", max_retries=0).models.list()
+        good = openai.OpenAI(base_url=keyed.url + "/v1", api_key="sekret", max_retries=0)
+        assert good.completions.create(model=MODEL, prompt="Hi", max_tokens=2).usage.completion_tokens == 2
+        assert httpx.get(keyed.url + "/health").status_code == 200          # outside /v1: open, as vLLM
+        assert httpx.get(keyed.url + "/metrics").status_code == 200
+        # The dashboard asks for a login: any user name, the API key as password.
+        with httpx.Client(base_url=keyed.url) as browser:
+            assert browser.get("/config").status_code == 401
+            assert browser.post("/login", data={"username": "me", "password": "wrong"}).status_code == 400
+            assert browser.post("/login", data={"username": "me", "password": "sekret"}).status_code == 200
+            assert browser.get("/config").status_code == 200
+    finally:
+        keyed.stop()
+
+
+def test_metrics_are_prometheus_text_that_matches_the_engine(client, server):
+    before = server.engine.snapshot()
+    for _ in range(3):
+        client.completions.create(model=MODEL, prompt="Metrics, metrics", max_tokens=4, temperature=0,
+                                  extra_body={"ignore_eos": True})
+    drained(server)
+    r = httpx.get(server.url + "/metrics")
+    assert r.status_code == 200 and r.headers["content-type"].startswith("text/plain")
+    families = {f.name: f for f in text_string_to_metric_families(r.text)}    # the reference parser
+    value = {(s.name, tuple(sorted((k, v) for k, v in s.labels.items() if k != "model_name"))): s.value
+             for f in families.values() for s in f.samples}
+    snap = server.engine.snapshot()
+    assert value[("vllm:num_requests_running", ())] == 0
+    assert value[("vllm:num_requests_waiting", ())] == 0
+    assert value[("vllm:kv_cache_usage_perc", ())] == 0.0
+    assert value[("vllm:num_free_kv_blocks", ())] == NUM_KV_BLOCKS
+    assert value[("vllm:prefix_cache_hit_rate", ())] == pytest.approx(snap.stats.prefix_cache_hit_rate)
+    assert value[("vllm:num_preemptions_total", ())] == snap.stats.num_preemptions
+    assert value[("vllm:generation_tokens_total", ())] == snap.stats.num_generated_tokens
+    assert value[("vllm:request_success_total", (("finished_reason", "length"),))] == \
+        before.finished.get("length", 0) + 3
+    for name in ("vllm:time_to_first_token_seconds", "vllm:inter_token_latency_seconds"):
+        assert families[name].type == "histogram"
+        buckets = [s.value for s in families[name].samples if s.name == name + "_bucket"]
+        assert buckets == sorted(buckets)                                      # cumulative
+        assert buckets[-1] == value[(name + "_count", ())] > 0
+    ttft_count = value[("vllm:time_to_first_token_seconds_count", ())]
+    assert ttft_count - before.ttft.count == 3                                 # one first token per request
+    itl_count = value[("vllm:inter_token_latency_seconds_count", ())]
+    assert itl_count - before.itl.count == 3 * 3                               # 4 tokens: 3 gaps each

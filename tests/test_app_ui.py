@@ -1,0 +1,250 @@
+"""The dashboard: its pure render functions against real engine traces, and `python app.py` in a real
+headless Chromium (Debian's package, driven by Playwright): chat, streamed text, a changing block grid."""
+
+from __future__ import annotations
+
+import html
+import os
+import re
+import shutil
+import signal
+import socket
+import subprocess
+import sys
+import time
+from html.parser import HTMLParser
+from pathlib import Path
+
+import httpx
+import openai
+import pytest
+
+from minivllm import SamplingParams
+from minivllm.dashboard import (
+    message_text,
+    render_block_grid,
+    render_block_tables,
+    render_event_log,
+    render_queues,
+    render_tokens_per_step,
+    request_color,
+)
+
+REPO = Path(__file__).resolve().parent.parent
+CHROMIUM = "/usr/bin/chromium"
+CHROMIUM_ARGS = ["--no-sandbox", "--disable-gpu", "--disable-background-networking", "--disable-component-update",
+                 "--disable-sync", "--no-first-run"]
+
+
+class Elements(HTMLParser):
+    """Every start tag as (tag, attributes, text directly inside it)."""
+
+    def __init__(self, markup: str):
+        super().__init__()
+        self.found: list[tuple[str, dict, str]] = []
+        self.feed(markup)
+
+    def handle_starttag(self, tag, attrs):
+        self.found.append((tag, dict(attrs), ""))
+
+    def handle_data(self, data):
+        if self.found:
+            tag, attrs, text = self.found[-1]
+            self.found[-1] = (tag, attrs, text + data)
+
+    def cells(self) -> dict[int, tuple[dict, str]]:
+        return {int(a["data-block"]): (a, text) for tag, a, text in self.found if "data-block" in a}
+
+
+# ---------------------------------------------------------------------- render functions, on real traces
+SHARED = ("You are a careful assistant. Read the question, think about what it really asks, and then answer "
+          "it in one short and friendly sentence that a child could follow. Use plain words, give one "
+          "example if it helps, and never make anything up. Here is the question: ")
+
+
+@pytest.fixture(scope="module")
+def traces(llm):
+    """Two requests sharing a prefix of several blocks, stepped until both run; then run to the end."""
+    engine = llm.llm_engine
+    engine.block_manager.reset_prefix_cache()      # the session's engine: start from a known cache
+    params = SamplingParams(temperature=0, max_tokens=6, ignore_eos=True)
+    with engine.record_traces() as recorded:
+        engine.add_request(SHARED + "why is the sky blue?", params, request_id="sky")
+        engine.step()
+        engine.add_request(SHARED + "why is <grass> green?", params, request_id="<grass>")
+        engine.step()
+        both = recorded[-1]
+        ref_counts = [b.ref_count for b in engine.block_manager.blocks]
+        while engine.has_unfinished_requests():
+            engine.step()
+    return both, ref_counts, list(recorded), engine
+
+
+def test_block_grid_shows_owners_shared_blocks_and_cached_free_blocks(traces):
+    both, ref_counts, recorded, engine = traces
+    cells = Elements(render_block_grid(both, both.num_kv_blocks)).cells()
+    assert sorted(cells) == list(range(both.num_kv_blocks))
+    tables = {r.request_id: r.block_table for r in both.requests}
+    shared = set(tables["sky"]) & set(tables["<grass>"])
+    assert len(shared) >= 2                                       # the common prefix is in shared blocks
+    for b, (attrs, text) in cells.items():
+        ref = ref_counts[b]                                       # the block manager's own count
+        assert attrs["data-state"] == ("shared" if ref > 1 else "used" if ref == 1 else
+                                       "cached" if b in both.cached_free_blocks else "free")
+        assert text == (str(ref) if ref > 1 else "")
+        if ref:
+            owner = "sky" if b in tables["sky"] else "<grass>"
+            assert request_color(owner) in attrs["style"]
+            assert owner in attrs["title"]
+    assert {b for b, (a, _) in cells.items() if a["data-state"] == "shared"} == shared
+    assert {b for b, (a, _) in cells.items() if "mv-new" in a["class"]} == set(both.blocks_allocated)
+
+    after = recorded[-1]                                          # both finished: their full blocks stay cached
+    cells = Elements(render_block_grid(after, after.num_kv_blocks)).cells()
+    cached = {b for b, (a, _) in cells.items() if a["data-state"] == "cached"}
+    assert cached == set(engine.block_manager.cached_free) and cached >= shared
+    assert all(a["data-state"] in ("cached", "free") for a, _ in cells.values())
+
+
+def test_block_grid_before_any_step_is_all_free():
+    cells = Elements(render_block_grid(None, 12)).cells()
+    assert sorted(cells) == list(range(12)) and {a["data-state"] for a, _ in cells.values()} == {"free"}
+
+
+def test_block_tables_and_queues_list_every_request(traces):
+    both, _, recorded, _ = traces
+    table = render_block_tables(both)
+    rows = re.findall(r"<tr><td>(.*?)</td>(.*?)</tr>", table)
+    chips = {html.unescape(rid): [int(c) for c in re.findall(r'class="mv-chip"[^>]*>(\d+)<', rest)]
+             for rid, rest in rows}
+    assert chips == {r.request_id: list(r.block_table) for r in both.requests}
+    assert "<grass>" not in table and "&lt;grass&gt;" in table               # ids are escaped
+    queues = render_queues(both)
+    assert "running (2)" in queues and "waiting (0)" in queues
+    waiting_trace = recorded[0]                                               # step 1: only "sky" had arrived
+    assert "running (1)" in render_queues(waiting_trace)
+
+
+def test_tokens_per_step_chart_stacks_prefill_on_decode(traces):
+    _, _, recorded, _ = traces
+    svg = render_tokens_per_step(recorded)
+    rects = [a for tag, a, _ in Elements(svg).found if tag == "rect"]
+    prefill = [float(a["height"]) for a in rects if a["data-kind"] == "prefill"]
+    decode = [float(a["height"]) for a in rects if a["data-kind"] == "decode"]
+    assert len(prefill) == len(decode) == len(recorded)
+    tallest = max(t.num_prefill_tokens + t.num_decode_tokens for t in recorded)
+    plot_height = max(p + d for p, d in zip(prefill, decode))                # the tallest bar fills the plot
+    for t, p, d in zip(recorded, prefill, decode):                            # heights are token counts
+        assert p == pytest.approx(plot_height * t.num_prefill_tokens / tallest, abs=0.1)
+        assert d == pytest.approx(plot_height * t.num_decode_tokens / tallest, abs=0.1)
+    assert render_tokens_per_step([]) == '<p class="mv-stats">no steps yet</p>'
+
+
+def test_event_log_is_newest_first_and_escaped():
+    log = render_event_log(["step 1: admit a", "step 2: finish <b> (length)"])
+    assert log.index("finish &lt;b&gt;") < log.index("admit a") and "<b>" not in log
+
+
+def test_message_text_reads_gradio_6_content_blocks():
+    assert message_text([{"type": "text", "text": "Hello "}, {"type": "text", "text": "there"}]) == "Hello there"
+    assert message_text("plain") == "plain" and message_text(None) == ""
+
+
+# ---------------------------------------------------------------------- `python app.py` in a browser
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+@pytest.fixture
+def app_process(tmp_path):
+    port = free_port()
+    env = dict(os.environ, GRADIO_ANALYTICS_ENABLED="False", OMP_NUM_THREADS="1")
+    log = open(tmp_path / "app.log", "w")
+    proc = subprocess.Popen([sys.executable, "app.py", "--port", str(port), "--num-kv-blocks", "128",
+                             "--threads", "1"], cwd=REPO, env=env, stdout=log, stderr=subprocess.STDOUT)
+    url = f"http://127.0.0.1:{port}"
+    deadline = time.time() + 120
+    while True:
+        try:
+            if httpx.get(url + "/health", timeout=2).status_code == 200:
+                break
+        except httpx.HTTPError:
+            pass
+        if proc.poll() is not None or time.time() > deadline:
+            proc.kill()
+            pytest.fail("app.py did not come up:\n" + (tmp_path / "app.log").read_text())
+        time.sleep(0.25)
+    yield url, proc
+    proc.terminate()            # SIGTERM: uvicorn shuts down gracefully (the engine too), then re-raises it
+    try:
+        code = proc.wait(timeout=30)
+    finally:
+        proc.kill()
+        log.close()
+    text = (tmp_path / "app.log").read_text()
+    assert code in (0, -signal.SIGTERM) and "engine shut down" in text, text
+    assert "Traceback" not in text, text
+
+
+def test_the_dashboard_streams_a_chat_and_the_block_grid_changes(app_process, tmp_path):
+    if not shutil.which(CHROMIUM):
+        pytest.fail(f"{CHROMIUM} is missing: install Debian's chromium (apt-get install -y chromium).")
+    from playwright.sync_api import sync_playwright
+
+    url, _ = app_process
+    # app.py serves the OpenAI API beside the page.
+    client = openai.OpenAI(base_url=url + "/v1", api_key="unused", max_retries=0)
+    assert [m.id for m in client.models.list().data] == ["SmolLM2-135M-Instruct"]
+
+    with sync_playwright() as pw:
+        browser = pw.chromium.launch(executable_path=CHROMIUM, args=CHROMIUM_ARGS)
+        try:
+            page = browser.new_page(viewport={"width": 1400, "height": 1100})
+            page.goto(url + "/")
+            page.wait_for_selector("#mv-grid .mv-blk", timeout=60_000)
+            grid = page.locator("#mv-grid .mv-blk")
+            assert grid.count() == 128
+            assert page.locator('#mv-grid .mv-blk[data-state="free"]').count() == 128     # nothing ran yet
+
+            box = page.locator("#mv-msg textarea")
+            box.fill("Write a short poem about the sea.")
+            box.press("Enter")
+            answer = page.locator('#mv-chatbot [data-testid="bot"]')
+            answer.first.wait_for(timeout=60_000)
+            lengths = []
+            deadline = time.time() + 90
+            while time.time() < deadline:          # watch the answer grow, token by token
+                lengths.append(len(answer.last.inner_text()))
+                if len(set(lengths)) >= 4 and lengths[-1] > 40:
+                    break
+                time.sleep(0.05)
+            grown = sorted({n for n in lengths if n})
+            assert len(grown) >= 3, f"the answer did not stream: lengths seen {lengths}"
+
+            # The timer-refreshed grid now shows blocks held by (or cached for) the chat's request.
+            page.wait_for_selector('#mv-grid .mv-blk:not([data-state="free"])', timeout=30_000)
+            held = page.locator('#mv-grid .mv-blk[data-state="used"], #mv-grid .mv-blk[data-state="cached"]')
+            assert held.count() > 0
+            assert "chat-1" in page.locator("#mv-tables").inner_text() + page.locator("#mv-grid").inner_text()
+
+            # A second turn: the history (Gradio 6 content blocks) goes back through the chat template.
+            page.wait_for_selector('#mv-stats [data-in-flight="0"]', timeout=90_000)     # the answer is done
+            box.fill("Now say it in one word.")
+            box.press("Enter")
+            page.wait_for_function(
+                "() => { const m = document.querySelectorAll('#mv-chatbot [data-testid=\"bot\"]');"
+                " return m.length === 2 && m[1].innerText.trim().length > 0; }", timeout=90_000)
+            page.locator("#mv-tables").get_by_text("chat-2").wait_for(timeout=30_000)   # a new request
+
+            page.locator("#mv-pause").click()
+            page.wait_for_selector('#mv-stats [data-paused="1"]', timeout=30_000)
+            page.locator("#mv-resume").click()
+            page.wait_for_selector('#mv-stats [data-paused="0"]', timeout=30_000)
+
+            shot = tmp_path / "dashboard.png"
+            page.screenshot(path=str(shot), full_page=True)
+            assert shot.stat().st_size > 20_000
+        finally:
+            browser.close()
