@@ -6,6 +6,7 @@ Every check runs in `__post_init__`, so a bad value fails where it is written, b
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass, fields
 
 
@@ -81,10 +82,18 @@ class SamplingParams:
         return cls(**d)
 
 
+INT64_MAX = 2 ** 63 - 1
+
+
 def _check_number(name: str, value, types: tuple) -> None:
+    """A real number (not a bool, not NaN or infinite); ints must fit in int64, as tensors hold them."""
     if isinstance(value, bool) or not isinstance(value, types):
         kind = "an int" if types == (int,) else "a number"
         raise ValueError(f"{name} is {value!r} ({type(value).__name__}); it must be {kind}.")
+    if not math.isfinite(value):
+        raise ValueError(f"{name} is {value!r}; it must be a finite number.")
+    if isinstance(value, int) and abs(value) > INT64_MAX:
+        raise ValueError(f"{name} is {value}; it must fit in a signed 64-bit int (|{name}| <= {INT64_MAX}).")
 
 
 __all__ = ["SamplingParams"]

@@ -16,6 +16,10 @@ from minivllm import LLM, SamplingParams
     (dict(max_tokens=2.5), ["max_tokens is 2.5", "int"]),
     (dict(n=2), ["n is 2"]),
     (dict(stop=[""]), ["stop contains ''"]),
+    (dict(temperature=float("nan")), ["temperature is nan", "finite"]),
+    (dict(top_p=float("inf")), ["top_p is inf", "finite"]),
+    (dict(top_k=10 ** 30), ["top_k is 1000000000000000000000000000000", "64-bit"]),
+    (dict(seed=-(2 ** 64)), ["seed is -18446744073709551616", "64-bit"]),
 ])
 def test_bad_sampling_params_are_refused(kwargs, words):
     with pytest.raises(ValueError) as e:
