@@ -729,7 +729,7 @@ if __name__ == "__main__":
 
 
 def main_serve(args: argparse.Namespace) -> int:
-    """Output lengths are fixed at --output-len-max (ignore_eos); prompts are --input-len-min..max words."""
+    """Output lengths U[--output-len-min, --output-len-max] (ignore_eos); prompts of --input-len-min..max words."""
     import asyncio
 
     import httpx
@@ -740,7 +740,8 @@ def main_serve(args: argparse.Namespace) -> int:
         args.parser.error(f"--request-rate is {args.request_rate}; it must be > 0 (or inf).")
     try:
         rep = asyncio.run(run_serve_benchmark(args.base_url, args.num_requests, args.request_rate,
-                                              args.output_len_max, (args.input_len_min, args.input_len_max),
+                                              (args.output_len_min, args.output_len_max),
+                                              (args.input_len_min, args.input_len_max),
                                               args.seed, args.served_model, args.api_key))
     except (OSError, httpx.HTTPError) as e:
         args.parser.error(f"cannot reach {args.base_url} ({type(e).__name__}: {e}); start the server first: "

@@ -106,8 +106,8 @@ async def _one_request(client, url: str, model: str, prompt: str, max_tokens: in
     return result
 
 
-async def run_serve_benchmark(base_url: str, num_requests: int, request_rate: float, max_tokens: int,
-                              input_words: tuple[int, int] = (16, 64), seed: int = 0, model: str | None = None,
+async def run_serve_benchmark(base_url: str, num_requests: int, request_rate: float,
+                              output_len: tuple[int, int], input_words: tuple[int, int] = (16, 64), seed: int = 0, model: str | None = None,
                               api_key: str | None = None) -> ServeReport:
     import httpx
 
@@ -120,11 +120,12 @@ async def run_serve_benchmark(base_url: str, num_requests: int, request_rate: fl
             model = resp.json()["data"][0]["id"]
         prompts = make_prompts(num_requests, input_words, seed)
         rng = random.Random(seed + 1)
+        max_tokens = [rng.randint(*output_len) for _ in prompts]        # U[a, b], exactly (ignore_eos)
         tasks = []
         start = time.perf_counter()
-        for prompt in prompts:
+        for prompt, n in zip(prompts, max_tokens):
             tasks.append(asyncio.create_task(
-                _one_request(client, f"{base}/v1/completions", model, prompt, max_tokens, headers)))
+                _one_request(client, f"{base}/v1/completions", model, prompt, n, headers)))
             if request_rate != float("inf"):
                 await asyncio.sleep(rng.expovariate(request_rate))        # Poisson arrivals
         results = await asyncio.gather(*tasks)

@@ -515,3 +515,20 @@ def test_metrics_are_prometheus_text_that_matches_the_engine(client, server):
     assert ttft_count - before.ttft.count == 3                                 # one first token per request
     itl_count = value[("vllm:inter_token_latency_seconds_count", ())]
     assert itl_count - before.itl.count == 3 * 3                               # 4 tokens: 3 gaps each
+
+
+def test_bench_serve_streams_poisson_requests_and_reports_latencies(server, tmp_path):
+    """`python -m minivllm.bench serve` against this server: every request completes with exactly the
+    tokens it asked for (ignore_eos), and TTFT / ITL / E2E percentiles come out ordered."""
+    from minivllm import bench
+
+    out = tmp_path / "serve.json"
+    rc = bench.main(["serve", "--base-url", server.url, "--num-requests", "8", "--request-rate", "20",
+                     "--input-len-min", "4", "--input-len-max", "12", "--output-len-min", "8", "--output-len-max", "8",
+                     "--json", str(out)])
+    report = json.loads(out.read_text())
+    assert rc == 0 and report["num_ok"] == 8 and report["errors"] == []
+    assert report["output_tokens"] == 8 * 8
+    assert 0 < report["ttft_p50_ms"] <= report["ttft_p99_ms"] <= report["e2e_p99_ms"]
+    assert 0 < report["itl_p50_ms"] <= report["itl_p99_ms"]
+    drained(server)
