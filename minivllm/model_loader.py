@@ -102,11 +102,26 @@ def load_model(path: Path, cfg: ModelConfig, dtype: torch.dtype, device: torch.d
                     continue
                 if model.load_param(name, st.get_slice(name)):      # lazy: read on indexing
                     loaded.add(name.removeprefix("model."))
+    if device.type == "cpu":
+        use_column_major_linear_weights(model)
     expected = {_checkpoint_name(n) for n, _ in model.named_parameters()}
     missing = sorted(expected - {_checkpoint_name(n) for n in loaded})
     if missing:
         raise ValueError(f"{path} is missing weights {missing[:5]}{' ...' if len(missing) > 5 else ''}.")
     return model.eval()
+
+
+def use_column_major_linear_weights(model: torch.nn.Module) -> None:
+    """Store each linear weight (out, in) column-major, i.e. as a contiguous (in, out) matrix seen through
+    .t(). Same shape and values; F.linear(x, W) computes x @ W.t(), which is then a plain row-major matmul,
+    and on a CPU MKL's kernel for that is 1.4-2x faster at decode's few rows than the transposed one
+    (measured on the CI machines; equal at prefill sizes). The tied embedding / LM head keeps row-major
+    rows, which the embedding lookup gathers."""
+    from minivllm.layers import ColumnParallelLinear, RowParallelLinear
+
+    for module in model.modules():
+        if isinstance(module, (ColumnParallelLinear, RowParallelLinear)):
+            module.weight.data = module.weight.data.t().contiguous().t()
 
 
 def _checkpoint_name(name: str) -> str:
