@@ -14,7 +14,10 @@ from __future__ import annotations
 import argparse
 import contextlib
 import logging
+import signal
 import sys
+
+import uvicorn
 
 from minivllm.api_server import build_api_server
 from minivllm.async_engine import AsyncLLMEngine
@@ -95,16 +98,26 @@ def main(argv: list[str] | None = None) -> int:
     except (ValueError, FileNotFoundError) as e:
         parser.error(str(e))
 
-    import uvicorn
-
     logging.basicConfig(level=logging.INFO, format="%(levelname)s %(name)s: %(message)s", force=True)
     print(f"minivllm: serving {async_engine.engine.model_path.name} on http://{args.host}:{args.port}/ "
           f"(dashboard at /, OpenAI API at /v1, metrics at /metrics)", file=sys.stderr, flush=True)
+    config = uvicorn.Config(app, host=args.host, port=args.port, log_level="warning", timeout_graceful_shutdown=3)
     try:
-        uvicorn.run(app, host=args.host, port=args.port, log_level="warning", timeout_graceful_shutdown=3)
+        QuietServer(config).run()
     finally:
         async_engine.shutdown()
     return 0
+
+
+class QuietServer(uvicorn.Server):
+    """uvicorn's Server, but Ctrl-C / SIGTERM is an ordinary shutdown: uvicorn re-raises the signal after its
+    graceful shutdown, and that KeyboardInterrupt cancels the app's lifespan with a logged traceback."""
+
+    @contextlib.contextmanager
+    def capture_signals(self):
+        for sig in (signal.SIGINT, signal.SIGTERM):
+            signal.signal(sig, self.handle_exit)
+        yield
 
 
 if __name__ == "__main__":
