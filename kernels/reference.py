@@ -99,8 +99,9 @@ def paged_prefill_attention(query: torch.Tensor, key_cache: torch.Tensor, value_
         # Query row r is at position seq_len - q_len + r and sees keys 0 .. that position.
         q_pos = torch.arange(seq_len - q_len, seq_len, device=query.device)
         mask = torch.arange(seq_len, device=query.device)[None, :] <= q_pos[:, None]  # (q_len, seq_len)
-        o = F.scaled_dot_product_attention(q, k, v, attn_mask=mask, scale=scale,       # (num_heads, q_len, d)
-                                           enable_gqa=num_heads != num_kv_heads)
+        # 4-D (a batch of one): PyTorch's fused CPU kernel takes only 4-D inputs; 3-D falls back to plain math.
+        o = F.scaled_dot_product_attention(q[None], k[None], v[None], attn_mask=mask, scale=scale,
+                                           enable_gqa=num_heads != num_kv_heads)[0]  # (num_heads, q_len, d)
         out[start:start + q_len] = o.transpose(0, 1).to(query.dtype)
         start += q_len
     return out
