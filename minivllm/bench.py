@@ -529,6 +529,9 @@ def build_parser() -> argparse.ArgumentParser:
     c.add_argument("--compare", choices=["hf"], help="also run Hugging Face generate on the same requests")
     c.add_argument("--hf-batch-size", type=positive_int, default=16)
     c.add_argument("--json", metavar="PATH", help="write every number to PATH as JSON")
+    c.add_argument("--decode-batch", type=positive_int, default=None,
+                   help="report the decode steps of this batch size (the closest in the run) against their "
+                        "memory floor; default: the fullest")
     c.add_argument("--no-ceiling", action="store_true",
                    help="skip measuring the hardware ceiling (matmul rate, copy bandwidth) after the run")
     c.add_argument("--threads", type=positive_int,
@@ -573,7 +576,8 @@ def print_report(workload: Workload, mv: ThroughputResult, latency: LatencyResul
         print(f"minivllm / HF:        {mv.output_tokens_per_s / hf.output_tokens_per_s:.2f}x")
 
 
-def measure_hardware(cfg, device, dtype, workload: Workload, steps: list[StepWork], skip: bool) -> dict | None:
+def measure_hardware(cfg, device, dtype, workload: Workload, steps: list[StepWork], skip: bool,
+                     decode_batch: int | None = None) -> dict | None:
     """The ceilings, measured after the run on the same machine (roofline.py):
     - matmul: the workload's FLOPs at the model's matmul rate, as output tokens/s;
     - roofline: each step of this run at max(FLOPs / matmul rate, bytes / copy bandwidth), summed;
@@ -594,7 +598,9 @@ def measure_hardware(cfg, device, dtype, workload: Workload, steps: list[StepWor
           "num_steps": len(steps), "decode": None}
     decode = [(st, f) for st, f in zip(steps, floors) if st.decode_only]
     if decode:
-        batch = max(st.num_decode for st, _ in decode)         # the fullest decode steps of the run
+        batches = sorted({st.num_decode for st, _ in decode})
+        # the fullest decode steps of the run, or those closest to --decode-batch
+        batch = batches[-1] if decode_batch is None else min(batches, key=lambda b: abs(b - decode_batch))
         full = [(st, f) for st, f in decode if st.num_decode == batch]
         hw["decode"] = {"batch": batch, "num_steps": len(full),
                         "median_step_s": percentile([st.duration_s for st, _ in full], 50),
@@ -676,7 +682,7 @@ def main(argv=None) -> int:
         hf = bench_hf(model, workload, args.hf_batch_size)
         del model
         gc.collect()
-    hw = measure_hardware(model_cfg, device, dtype, workload, steps, args.no_ceiling)
+    hw = measure_hardware(model_cfg, device, dtype, workload, steps, args.no_ceiling, args.decode_batch)
     host_end = host_info()
 
     print_report(workload, mv, latency, hf, kv_utilization)
