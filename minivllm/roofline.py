@@ -19,7 +19,6 @@ measured copy bandwidth a decode step (a few rows, every weight) cannot beat
 from __future__ import annotations
 
 import time
-from dataclasses import dataclass
 
 import torch
 import torch.nn.functional as F
@@ -50,22 +49,6 @@ def workload_flops(cfg: ModelConfig, prompt_lens: list[int], output_lens: list[i
     return total
 
 
-@dataclass
-class MatmulCeiling:
-    flops_per_s: float            # measured on the model's layer shapes
-    batch_tokens: int
-    workload_flops: float
-    num_output_tokens: int
-
-    @property
-    def time_s(self) -> float:
-        return self.workload_flops / self.flops_per_s
-
-    @property
-    def output_tokens_per_s(self) -> float:
-        return self.num_output_tokens / self.time_s
-
-
 def measure_matmul_rate(cfg: ModelConfig, dtype=torch.float32, device="cpu", batch_tokens: int = 256,
                         min_time_s: float = 1.0) -> float:
     """FLOP/s of one decoder layer's four matmuls at `batch_tokens` rows, repeated for about min_time_s."""
@@ -87,12 +70,6 @@ def measure_matmul_rate(cfg: ModelConfig, dtype=torch.float32, device="cpu", bat
             torch.cuda.synchronize()
         elapsed = time.perf_counter() - start
     return flops * reps / elapsed
-
-
-def matmul_ceiling(cfg: ModelConfig, prompt_lens: list[int], output_lens: list[int],
-                   batch_tokens: int = 256) -> MatmulCeiling:
-    rate = measure_matmul_rate(cfg, batch_tokens=batch_tokens)
-    return MatmulCeiling(rate, batch_tokens, workload_flops(cfg, prompt_lens, output_lens), sum(output_lens))
 
 
 def weight_bytes(cfg: ModelConfig, itemsize: int) -> int:

@@ -7,6 +7,7 @@ The oracle is tensor_parallel_size=1 (itself checked against Hugging Face in tes
 from __future__ import annotations
 
 import gc
+import multiprocessing
 import os
 import signal
 import subprocess
@@ -127,13 +128,13 @@ def prompt_ids_with_shared_prefix(tokenizer):
 
 
 def test_tp_size_that_does_not_divide_the_heads_is_refused_before_any_process_starts(model_dir):
-    before = set(p.pid for p in __import__("multiprocessing").active_children())
+    before = {p.pid for p in multiprocessing.active_children()}
     with pytest.raises(ValueError) as e:
         LLM(str(model_dir), device="cpu", tensor_parallel_size=2)
     msg = str(e.value)
     assert "tensor_parallel_size 2" in msg and "9 query heads" in msg and "3 KV heads" in msg
     assert "sizes that work for this model: 1, 3" in msg
-    assert set(p.pid for p in __import__("multiprocessing").active_children()) == before
+    assert {p.pid for p in multiprocessing.active_children()} == before
 
 
 def test_each_rank_reads_only_its_own_shard(model_dir, monkeypatch):
