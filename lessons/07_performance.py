@@ -687,3 +687,29 @@ self_check()
 # The profile is the map: re-run section 1 after any change you make to minivllm, and the roofline of
 # section 2 tells you how much is left to win. `python -m minivllm.bench` does the same for whole runs, and
 # `python -m minivllm.bench kernels` for the Triton decode kernel against a GPU's copy bandwidth.
+#
+# ### What did not help on these 2-core CPUs (and why)
+#
+# Measured on the CI machines, 2026-11-22; each idea was tried, timed, and left out of minivllm:
+#
+# - **A C++ decode-attention kernel** that walks the block table itself (no gather copy, no padding).
+#   On a cache that fits in L3 it was 1.7x faster than the reference; inside the engine, at batch 32 and
+#   300 tokens of context, 1.33 ms vs 1.56 ms a layer, and the whole benchmark did not get faster
+#   (147.1 vs 154.7 output tokens/s, within the machine's noise). The KV of a decode step (about 440 MB at
+#   batch 32 over 30 layers) comes from DRAM either way: the gather's copy lands in cache and SDPA reads it
+#   from there, so removing it saves little.
+# - **A small-batch matmul kernel** that reads each weight row once for all rows of the batch: on 30
+#   layers of weights (425 MB), 31.7 vs MKL's 38.8 ms at 8 rows, but 92 vs 50 ms at 32 rows. MKL at one row
+#   already runs at the DRAM floor (18.5 ms at 23 GB/s).
+# - **MKL's packed weights and oneDNN's prepacked linear** (PyTorch's private ops that `torch.compile`
+#   uses): 1.0-1.4x at 8-16 rows in microbenchmarks; MKL's, swapped into the engine, about 8% on a decode
+#   step at batch 32 (within the machine's noise), and its packed copy takes 3x the weight memory.
+# - **Fused RMSNorm** (`F.rms_norm`): bit-identical here, but 44 us vs 32 us at 32 rows.
+# - **Smaller token budgets** (chunked prefill mixed into decode steps): 121.8 and 125.4 output tokens/s
+#   at 512 and 1,024 tokens a step, vs about 150 with the whole prefill in one step.
+#
+# The reason is the same each time: a decode step reads every weight (540 MB in fp32) and the KV of its
+# batch from DRAM, which gives these 2 cores about 23 GB/s, so a step costs at least 23 ms at any batch,
+# and the 256-row matmul rate that the ceiling assumes is out of reach at 1-32 rows. The roofline of the
+# default benchmark run (section 2's floor for each of its steps) came to 374.5 output tokens/s, 6.0x
+# Hugging Face `generate` in the same run: a 6x target would need every step at its floor.
