@@ -643,13 +643,60 @@ print(f"running {stats.num_running}, waiting {stats.num_waiting}, KV usage {stat
       f"steps {stats.num_steps}")
 
 # %% [markdown]
+# ## 5. CUDA graphs, rehearsed on a CPU
+#
+# On a GPU a decode step of a small model is a few hundred small kernels, and launching them from Python
+# can take longer than running them. A **CUDA graph** records one step's launches once and replays them
+# with a single call (`minivllm/cuda_graph.py`, on by default on CUDA; `enforce_eager=True` turns it off, as
+# in vLLM). A replay repeats the recorded kernels on the same memory with the same shapes, which shapes the
+# whole design:
+#
+# - one graph per **capture size** (vLLM's 1, 2, 4, 8, 16, 24, ...); a batch of 5 runs the graph of 8;
+# - the inputs live in **static buffers**; each step copies its inputs in, and the 3 rows of padding get slot
+#   -1 (the KV store skips them) and a context of 1 on block 0 (a harmless read); their outputs are dropped;
+# - the block table has a fixed width (`max_model_len / block_size`), and the attention kernel reads each
+#   sequence's length from device memory, so one graph serves every context length;
+# - prefill and mixed steps run eagerly.
+#
+# There is nothing to capture on a CPU, but everything else can be rehearsed: `capture=False` runs the same
+# padded, static-buffer path eagerly. Below, five requests that finish one after another make decode batches
+# of 5, 4, 3, 2 and 1, which run in the graphs of 8, 4, 4, 2 and 1, and the tokens must be the plain eager
+# path's. (The test suite holds the same path against Hugging Face; on a GPU it also captures for real and
+# compares with `enforce_eager=True`.)
+
+# %%
+from minivllm.cuda_graph import DecodeGraphs, capture_sizes
+
+print("capture sizes for max_num_seqs=256:", capture_sizes(256))
+runner = engine.model_runner
+graph_prompts = [[100 + i] * (8 + 4 * i) for i in range(5)]                  # 5 prompts of 8-24 tokens
+graph_params = [SamplingParams(temperature=0, max_tokens=n, ignore_eos=True) for n in (4, 8, 12, 16, 20)]
+graph_requests = [{"prompt_token_ids": ids} for ids in graph_prompts]
+eager_tokens = [o.outputs[0].token_ids for o in llm.generate(graph_requests, graph_params, use_tqdm=False)]
+graphs = DecodeGraphs(runner.forward, cfg.hidden_size, max_num_seqs=16, max_model_len=engine.max_model_len,
+                      block_size=runner.block_size, device=runner.device, dtype=runner.dtype, capture=False)
+runner.graphs = graphs                          # what allocate_kv_cache does on CUDA, with capture=True
+try:
+    graph_tokens = [o.outputs[0].token_ids for o in llm.generate(graph_requests, graph_params, use_tqdm=False)]
+finally:
+    runner.graphs = None
+print(f"same tokens as the eager path: {graph_tokens == eager_tokens}")
+print(f"decode steps through the static buffers: {graphs.stats.replays}, padding rows run: "
+      f"{graphs.stats.padded_rows}, steps run eagerly (prefill): {graphs.stats.eager_steps}")
+
+# %% [markdown]
+# On a GPU, `python -m minivllm.bench` prints a `CUDA graphs:` line (how many decode steps were replayed);
+# run it once more with `--enforce-eager` to see what the graphs are worth.
+
+# %% [markdown]
 # ## Check yourself
 #
 # Run this cell. It re-checks the lesson's claims: the old and new decode attention agree; the FLOPs and
 # bytes we charged each step are `roofline.step_floor_s`'s; prefill is far more intense than decode; no step
 # ran below its roofline floor; both hardware rates were measured; the linear layers' matmuls were the
 # biggest op of a decode step; the profile saw the gather change from `index` to `index_select`; the patched
-# function is back; and the engine let go of every block.
+# function is back; the engine let go of every block; and the CUDA graphs' static path gave the eager path's
+# tokens.
 
 # %%
 def self_check():
@@ -676,6 +723,9 @@ def self_check():
     assert per_token[0] > per_token[-1]
     # the engine
     assert stats.num_running == stats.num_waiting == 0 and stats.kv_usage == 0
+    # 5. the CUDA graphs' static path: same tokens, and it ran (with padding)
+    assert graph_tokens == eager_tokens and graphs.stats.replays > 0 and graphs.stats.padded_rows > 0
+    assert engine.block_manager.num_free_blocks == engine.block_manager.num_blocks
     return "all checks passed"
 
 

@@ -523,6 +523,9 @@ def build_parser() -> argparse.ArgumentParser:
     e.add_argument("--num-kv-blocks", type=positive_int)
     e.add_argument("--block-size", type=positive_int)
     e.add_argument("--no-prefix-caching", action="store_true")
+    e.add_argument("--enforce-eager", action="store_true",
+                   help="CUDA: run decode steps eagerly, without CUDA graphs (run once with, once without, "
+                        "to see what the graphs are worth)")
     e.add_argument("--attention-backend", choices=["auto", "torch", "triton"])
     e.add_argument("--tensor-parallel-size", type=positive_int)
     c = p.add_argument_group("comparison and output")
@@ -556,6 +559,8 @@ def engine_kwargs(args: argparse.Namespace) -> dict:
     kwargs = {field: getattr(args, flag) for flag, field in ENGINE_ARGS.items() if getattr(args, flag) is not None}
     if args.no_prefix_caching:
         kwargs["enable_prefix_caching"] = False
+    if args.enforce_eager:
+        kwargs["enforce_eager"] = True
     return kwargs
 
 
@@ -670,6 +675,11 @@ def main(argv=None) -> int:
     steps: list[StepWork] = []
     mv, latency, kv_utilization = bench_minivllm(llm, workload, steps)
     after = llm.get_stats()
+    graphs = engine.model_runner.graphs
+    graph_note = (None if engine.device.type != "cuda" else
+                  "off" if graphs is None else
+                  f"on ({graphs.stats.replays} decode steps replayed, {graphs.stats.eager_steps} eager steps, "
+                  f"{len(graphs.sizes)} batch sizes captured)")
     llm.shutdown()                                         # tensor-parallel workers, if any
     model_cfg, device, dtype = engine.model_config, engine.device, engine.model_runner.dtype
 
@@ -686,6 +696,8 @@ def main(argv=None) -> int:
     host_end = host_info()
 
     print_report(workload, mv, latency, hf, kv_utilization)
+    if graph_note is not None:
+        print(f"CUDA graphs:          {graph_note}")
     print_hardware(hw, mv, hf)
     print(f"load average (1 min): {host_start['loadavg_1min']:.2f} at start, {host_end['loadavg_1min']:.2f} "
           f"at end, on {host_start['cpu_count']} CPUs, {host_start['torch_threads']} torch threads")
@@ -699,6 +711,7 @@ def main(argv=None) -> int:
                          "output_lens": workload.output_lens},
             "engine_config": engine_config,
             "host": {"start": host_start, "end": host_end},
+            "cuda_graphs": graph_note,
             "minivllm": {**throughput_json(mv), **asdict(latency), "kv_slot_utilization": kv_utilization,
                          "num_steps": after.num_steps - before.num_steps,
                          "num_preemptions": after.num_preemptions - before.num_preemptions},

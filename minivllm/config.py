@@ -27,6 +27,7 @@ class EngineConfig:
     tensor_parallel_size: int = 1           # ranks; each holds 1/tp of the heads, the MLP and the vocabulary
     distributed_executor_backend: str = "auto"   # auto | uni | mp | external_launcher (see executor.py)
     attention_backend: str = "auto"         # auto | torch | triton
+    enforce_eager: bool = False             # CUDA: True runs decode steps eagerly, without CUDA graphs
     seed: int = 0                           # for requests without their own seed
 
     @classmethod
@@ -52,5 +53,7 @@ class EngineConfig:
         if self.distributed_executor_backend not in backends:
             raise ValueError(f"distributed_executor_backend is {self.distributed_executor_backend!r}; "
                              f"choose one of {', '.join(backends)}.")
+        if not isinstance(self.enforce_eager, bool):
+            raise ValueError(f"enforce_eager is {self.enforce_eager!r}; it must be True or False.")
         if not 0 < self.gpu_memory_utilization <= 1:
             raise ValueError(f"gpu_memory_utilization is {self.gpu_memory_utilization}; it must be in (0, 1].")

@@ -44,6 +44,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--max-num-batched-tokens", type=int, default=8192)
     p.add_argument("--max-model-len", type=int, default=None)
     p.add_argument("--no-prefix-caching", action="store_true")
+    p.add_argument("--enforce-eager", action="store_true", help="CUDA: no CUDA graphs for decode steps")
     return p
 
 
@@ -77,7 +78,8 @@ def main(argv: list[str] | None = None) -> int:
                   num_kv_blocks=args.num_kv_blocks, max_num_seqs=args.max_num_seqs,
                   max_num_batched_tokens=args.max_num_batched_tokens, max_model_len=args.max_model_len,
                   enable_prefix_caching=not args.no_prefix_caching,
-                  tensor_parallel_size=args.tensor_parallel_size, attention_backend=args.attention_backend)
+                  tensor_parallel_size=args.tensor_parallel_size, attention_backend=args.attention_backend,
+                  enforce_eager=args.enforce_eager)
     except (ValueError, FileNotFoundError) as e:
         parser.error(str(e))
 

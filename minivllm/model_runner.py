@@ -21,6 +21,7 @@ import torch
 
 from minivllm.attention import AttentionMetadata, get_attention_backend
 from minivllm.config import EngineConfig
+from minivllm.cuda_graph import DecodeGraphs
 from minivllm.layers import TPGroup
 from minivllm.model import ModelConfig
 from minivllm.model_loader import load_model, resolve_dtype
@@ -64,6 +65,7 @@ class ModelRunner:
         self.block_size = config.block_size
         self.num_kv_heads = model_cfg.num_key_value_heads // tp.size     # this rank's share
         self.num_kv_blocks = 0                                           # set by allocate_kv_cache
+        self.graphs: DecodeGraphs | None = None                          # set by allocate_kv_cache on CUDA
 
     def allocate_kv_cache(self, num_kv_blocks: int) -> None:
         c = self.model_cfg
@@ -81,6 +83,33 @@ class ModelRunner:
         self.cpu_kv_cache = torch.empty((2, c.num_hidden_layers, self.num_cpu_blocks)
                                         + tuple(self.kv_cache.shape[3:]), dtype=self.dtype,
                                         pin_memory=self.device.type == "cuda" and self.num_cpu_blocks > 0)
+        self.graphs = self._capture_cuda_graphs()
+
+    def _capture_cuda_graphs(self) -> DecodeGraphs | None:
+        """CUDA graphs for decode steps (cuda_graph.py), checked against the eager forward before use.
+        None (every step eager) off CUDA, with enforce_eager, under tensor parallelism (NCCL inside a
+        graph was never tried here), with the PyTorch reference attention (it reads host-side lengths),
+        or when capture or the check fails (with a warning)."""
+        if (self.device.type != "cuda" or self.config.enforce_eager or self.tp.size > 1
+                or self.backend.name != "triton"):
+            return None
+        max_model_len = self.config.max_model_len or self.model_cfg.max_position_embeddings
+        graphs = DecodeGraphs(self.forward, self.model_cfg.hidden_size, self.config.max_num_seqs, max_model_len,
+                              self.block_size, self.device, self.dtype)
+        try:
+            graphs.capture_all()
+            atol = 1e-3 if self.dtype == torch.float32 else 5e-2
+            for size in (graphs.sizes[0], graphs.sizes[-1]):
+                graphs.check_against_eager(size, seq_len=2 * self.block_size + 3, atol=atol)
+        except Exception as exc:
+            import warnings
+            warnings.warn(f"CUDA graphs are off, decode steps run eagerly: {type(exc).__name__}: {exc}")
+            return None
+        return graphs
+
+    def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, meta: AttentionMetadata) -> torch.Tensor:
+        """The model on this rank's KV cache: hidden (num_tokens, hidden_size). What a CUDA graph captures."""
+        return self.model(input_ids, positions, self.kv_caches, meta, self.backend)
 
     @property
     def bytes_per_block(self) -> int:
@@ -165,8 +194,12 @@ class ModelRunner:
         self.swap_blocks(mi)
         if not mi.q_lens:
             return None
-        input_ids, positions, meta = self._to_tensors(mi)
-        hidden = self.model(input_ids, positions, self.kv_caches, meta, self.backend)   # (num_tokens, hidden)
+        if self.graphs is not None and self.graphs.can_run(mi.q_lens, mi.block_tables):
+            hidden = self.graphs.run(mi.input_ids, mi.positions, mi.slot_mapping, mi.seq_lens, mi.block_tables)
+        else:
+            if self.graphs is not None:
+                self.graphs.stats.eager_steps += 1
+            hidden = self.forward(*self._to_tensors(mi))                        # (num_tokens, hidden)
         if not mi.sample_rows:
             return None
         return self.model.compute_logits(hidden[mi.sample_rows])                   # (num_sampling, vocab)
