@@ -429,13 +429,13 @@ def main_kernels(args: argparse.Namespace) -> int:
 
 
 # ---------------------------------------------------------------------------------------------- HF
-def load_hf_model(model_dir):
+def load_hf_model(model_dir, dtype=None, device=None):
+    """HF's model on the same device and in the same dtype as minivllm's run (fp32 on a CPU, bf16 on a GPU)."""
     import torch
     from transformers import AutoModelForCausalLM
 
-    model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32)
-    model.eval()
-    return model
+    model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=dtype or torch.float32)
+    return model.to(device or "cpu").eval()
 
 
 def hf_generate_batch(model, prompts: list[list[int]], max_new_tokens: int) -> list[int]:
@@ -449,10 +449,11 @@ def hf_generate_batch(model, prompts: list[list[int]], max_new_tokens: int) -> l
     eos = cfg.eos_token_id if cfg.eos_token_id is not None else model.config.eos_token_id
     eos = eos[0] if isinstance(eos, list) else eos
     pad = cfg.pad_token_id if cfg.pad_token_id is not None else eos
+    pad = 0 if pad is None else pad                       # a checkpoint with neither: any id will do
     width = max(len(p) for p in prompts)
     # Left padding: the last column is every row's last prompt token, so new tokens line up.
-    input_ids = torch.tensor([[pad] * (width - len(p)) + p for p in prompts])          # (batch, width)
-    attention_mask = torch.tensor([[0] * (width - len(p)) + [1] * len(p) for p in prompts])
+    input_ids = torch.tensor([[pad] * (width - len(p)) + p for p in prompts], device=model.device)  # (batch, width)
+    attention_mask = torch.tensor([[0] * (width - len(p)) + [1] * len(p) for p in prompts], device=model.device)
     with torch.inference_mode():
         out = model.generate(input_ids=input_ids, attention_mask=attention_mask, do_sample=False,
                              max_new_tokens=max_new_tokens, min_new_tokens=max_new_tokens,
@@ -687,7 +688,7 @@ def main(argv=None) -> int:
     if args.compare == "hf":
         del llm, engine                                    # free minivllm's weights and KV cache first
         gc.collect()
-        model = load_hf_model(model_dir)
+        model = load_hf_model(model_dir, dtype, device)
         hf_generate_batch(model, [[TOKEN_ID_LOW] * 8], 2)   # untimed warmup, like minivllm's
         hf = bench_hf(model, workload, args.hf_batch_size)
         del model
