@@ -133,10 +133,8 @@ class DecodeGraphs:
         self.slot_mapping[:size].copy_(torch.tensor(slot_mapping + [-1] * pad), non_blocking=True)
         self.seq_lens[:size].copy_(torch.tensor(seq_lens + [1] * pad, dtype=torch.int32), non_blocking=True)
         width = max(len(t) for t in block_tables)
-        table = torch.zeros(size, width, dtype=torch.int32)
-        for i, t in enumerate(block_tables):
-            table[i, :len(t)] = torch.tensor(t, dtype=torch.int32)
-        self.block_tables[:size, :width].copy_(table, non_blocking=True)
+        rows = [t + [0] * (width - len(t)) for t in block_tables] + [[0] * width] * pad   # one host tensor
+        self.block_tables[:size, :width].copy_(torch.tensor(rows, dtype=torch.int32), non_blocking=True)
         self.block_tables[:size, width:].zero_()       # columns a longer earlier batch left behind
 
     def _run_static(self, size: int, seq_lens_cpu: list[int]) -> torch.Tensor:
