@@ -106,3 +106,26 @@ def test_cuda_graphs_on_a_gpu_match_eager(model_dir):
             else:
                 assert graphs is not None and graphs.capture and graphs.stats.replays > 0
     assert out[True] == out[False]
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="host syncs are a GPU matter")
+@pytest.mark.parametrize("enforce_eager", [True, False])
+def test_a_gpu_decode_step_does_not_sync_with_the_host(model_dir, enforce_eager):
+    """The model's part of a step (inputs -> logits) queues GPU work without waiting for it; the one sync
+    of a step is the sampler reading the tokens back."""
+    with LLM(str(model_dir), device="cuda", enforce_eager=enforce_eager, max_num_seqs=8) as llm:
+        engine = llm.llm_engine
+        for i, prompt in enumerate(PROMPTS[:4]):
+            engine.add_request(prompt, SamplingParams(temperature=0, max_tokens=8, ignore_eos=True),
+                               request_id=f"s{i}")
+        engine.step()                                    # the prefill
+        sched = engine.scheduler.schedule()              # the next step's plan, run by hand below
+        runner = engine.model_runner
+        mi, _ = runner.prepare_inputs(sched)
+        assert max(mi.q_lens) == 1                       # a pure decode step
+        torch.cuda.synchronize()
+        torch.cuda.set_sync_debug_mode("error")
+        try:
+            runner.execute_model(mi)
+        finally:
+            torch.cuda.set_sync_debug_mode(0)
