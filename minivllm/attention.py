@@ -68,15 +68,41 @@ class TorchAttentionBackend(AttentionBackend):
         ref = kernels.reference
         ref.store_kv_cache(k, v, key_cache, value_cache, meta.slot_mapping)
         if meta.is_pure_decode:
-            block_size = key_cache.shape[1]
-            max_blocks = -(-meta.max_seq_len // block_size)
-            numel = 2 * len(meta.seq_lens_cpu) * max_blocks * key_cache[0].numel()
-            return ref.paged_decode_attention(q, key_cache, value_cache, meta.block_tables,
-                                              meta.seq_lens, scale, seq_lens_cpu=meta.seq_lens_cpu,
-                                              kv_buffer=self._buffer(numel, key_cache))
-        return ref.paged_prefill_attention(q, key_cache, value_cache, meta.block_tables,
-                                           meta.cu_seqlens_q, meta.seq_lens, scale,
-                                           q_lens_cpu=meta.q_lens_cpu, seq_lens_cpu=meta.seq_lens_cpu)
+            return self._decode(q, key_cache, value_cache, meta.block_tables, meta.seq_lens, meta.seq_lens_cpu,
+                                scale)
+        singles = [i for i, n in enumerate(meta.q_lens_cpu) if n == 1]
+        if not singles:
+            return ref.paged_prefill_attention(q, key_cache, value_cache, meta.block_tables,
+                                               meta.cu_seqlens_q, meta.seq_lens, scale,
+                                               q_lens_cpu=meta.q_lens_cpu, seq_lens_cpu=meta.seq_lens_cpu)
+        # A mixed step (decodes beside prefill chunks, as chunked prefill and a busy server make): the
+        # sequences with one new token are decodes, whatever their context, so they go through the batched
+        # decode path together rather than one by one through the prefill loop. Rows are the flat batch's.
+        multis = [i for i, n in enumerate(meta.q_lens_cpu) if n > 1]
+        starts = [0]
+        for n in meta.q_lens_cpu:
+            starts.append(starts[-1] + n)
+        single_rows = torch.tensor([starts[i] for i in singles], device=q.device)
+        multi_rows = torch.tensor([r for i in multis for r in range(starts[i], starts[i + 1])], device=q.device)
+        single_seqs = torch.tensor(singles, device=q.device)
+        multi_seqs = torch.tensor(multis, device=q.device)
+        out = torch.empty_like(q)
+        out[single_rows] = self._decode(q[single_rows], key_cache, value_cache, meta.block_tables[single_seqs],
+                                        meta.seq_lens[single_seqs], [meta.seq_lens_cpu[i] for i in singles], scale)
+        multi_q_lens = [meta.q_lens_cpu[i] for i in multis]
+        cu = torch.tensor([0] + multi_q_lens, device=q.device).cumsum(0).to(torch.int32)
+        out[multi_rows] = ref.paged_prefill_attention(
+            q[multi_rows], key_cache, value_cache, meta.block_tables[multi_seqs], cu, meta.seq_lens[multi_seqs],
+            scale, q_lens_cpu=multi_q_lens, seq_lens_cpu=[meta.seq_lens_cpu[i] for i in multis])
+        return out
+
+    def _decode(self, q, key_cache, value_cache, block_tables, seq_lens, seq_lens_cpu, scale):
+        block_size = key_cache.shape[1]
+        max_blocks = -(-max(seq_lens_cpu) // block_size)
+        numel = 2 * len(seq_lens_cpu) * max_blocks * key_cache[0].numel()
+        return kernels.reference.paged_decode_attention(q, key_cache, value_cache, block_tables, seq_lens, scale,
+                                                        seq_lens_cpu=seq_lens_cpu,
+                                                        kv_buffer=self._buffer(numel, key_cache))
 
 
 class TritonAttentionBackend(AttentionBackend):
