@@ -740,7 +740,8 @@ self_check()
 #
 # ### What did not help on these 2-core CPUs (and why)
 #
-# Measured on the CI machines, 2026-11-22; each idea was tried, timed, and left out of minivllm:
+# Measured on the CI machines, 2026-11-22; each idea was tried, timed, and left out of minivllm
+# (the machine's noise is large: runs of the same command differ by up to 20%):
 #
 # - **A C++ decode-attention kernel** that walks the block table itself (no gather copy, no padding).
 #   On a cache that fits in L3 it was 1.7x faster than the reference; inside the engine, at batch 32 and
@@ -755,8 +756,14 @@ self_check()
 #   uses): 1.0-1.4x at 8-16 rows in microbenchmarks; MKL's, swapped into the engine, about 8% on a decode
 #   step at batch 32 (within the machine's noise), and its packed copy takes 3x the weight memory.
 # - **Fused RMSNorm** (`F.rms_norm`): bit-identical here, but 44 us vs 32 us at 32 rows.
-# - **Smaller token budgets** (chunked prefill mixed into decode steps): 121.8 and 125.4 output tokens/s
-#   at 512 and 1,024 tokens a step, vs about 150 with the whole prefill in one step.
+# - **Smaller token budgets** (chunked prefill mixed into decode steps, so that prefill rows ride along
+#   with the decodes' weight reads): 155-159 output tokens/s at 512 tokens a step vs 128-159 at the default
+#   8,192, three alternating runs each: no clear change. (A mixed step itself did get faster: see below.)
+#
+# One thing found on the way did help. In a mixed step the PyTorch backend used to send every sequence,
+# decodes included, one at a time through the prefill loop; now the sequences with one new token take the
+# batched decode path together. A step of 31 decodes (300 tokens of context) beside a 64-token prefill went
+# from 244-260 ms to 165-171 ms. A busy server makes such steps all the time.
 #
 # The reason is the same each time: a decode step reads every weight (540 MB in fp32) and the KV of its
 # batch from DRAM, which gives these 2 cores about 23 GB/s, so a step costs at least 23 ms at any batch,
