@@ -744,9 +744,6 @@ def main_prefix(args: argparse.Namespace) -> int:
     return 0
 
 
-if __name__ == "__main__":
-    sys.exit(main())
-
 
 def main_serve(args: argparse.Namespace) -> int:
     """Output lengths U[--output-len-min, --output-len-max] (ignore_eos); prompts of --input-len-min..max words."""
@@ -771,3 +768,7 @@ def main_serve(args: argparse.Namespace) -> int:
         with open(args.json, "w") as f:
             json.dump({"mode": "serve", "base_url": args.base_url, **rep.to_json()}, f, indent=2)
     return 0 if rep.num_ok == rep.num_requests else 1
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -60,6 +60,15 @@ def test_bad_arguments_are_usage_errors(argv, capsys):
     assert "usage:" in capsys.readouterr().err
 
 
+def test_every_mode_runs_from_the_command_line():
+    """As `python -m minivllm.bench MODE`: every mode's function is defined before the module's main runs."""
+    import subprocess
+    import sys
+    run = subprocess.run([sys.executable, "-m", "minivllm.bench", "serve", "--base-url", "http://127.0.0.1:9"],
+                         capture_output=True, text=True, timeout=120)
+    assert run.returncode == 2 and "cannot reach http://127.0.0.1:9" in run.stderr, run.stderr[-500:]
+
+
 @pytest.mark.skipif(__import__("torch").cuda.is_available(), reason="checks the message a machine without CUDA gets")
 def test_kernels_mode_without_cuda_is_a_usage_error_that_names_cuda(capsys):
     with pytest.raises(SystemExit) as exc:
