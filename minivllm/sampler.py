@@ -17,7 +17,19 @@ from minivllm.request import Request
 
 class Sampler:
     def __init__(self, seed: int = 0):
+        self.seed = seed
         self.generator = torch.Generator().manual_seed(seed)   # for requests without their own seed
+
+    def _shared_generator(self, device: torch.device) -> torch.Generator:
+        if self.generator.device != device:       # first draw on a GPU: a generator there, same seed
+            self.generator = torch.Generator(device=device).manual_seed(self.seed)
+        return self.generator
+
+    @staticmethod
+    def _request_generator(request: Request, device: torch.device) -> torch.Generator:
+        if request.generator.device != device:    # requests start with a CPU generator (request.py)
+            request.generator = torch.Generator(device=device).manual_seed(request.sampling_params.seed)
+        return request.generator
 
     def __call__(self, logits: torch.Tensor, requests: list[Request]) -> list[int]:
         # logits (num_rows, vocab_size) fp32, one row per request that samples this step
@@ -35,15 +47,17 @@ class Sampler:
             logits = apply_top_k_top_p(logits, top_k, top_p)
         probs = logits.softmax(dim=-1)                                      # (num_rows, vocab)
 
-        # Exp(1) noise, drawn on the CPU: per-request generators for seeded rows, the shared one otherwise.
-        noise = torch.empty(probs.shape, dtype=torch.float32)
+        # Exp(1) noise, drawn where the logits are (a GPU draws a whole vocabulary per row far faster than
+        # a CPU, and nothing crosses the bus): per-request generators for seeded rows, the shared one otherwise.
+        noise = torch.empty(probs.shape, dtype=torch.float32, device=device)
         shared = [i for i, r in enumerate(requests) if r.generator is None]
         if shared:
-            noise[shared] = torch.empty(len(shared), probs.shape[1]).exponential_(generator=self.generator)
+            noise[shared] = torch.empty(len(shared), probs.shape[1], device=device).exponential_(
+                generator=self._shared_generator(device))
         for i, r in enumerate(requests):
             if r.generator is not None:
-                noise[i].exponential_(generator=r.generator)
-        sampled = (probs / noise.to(device)).argmax(dim=-1)
+                noise[i].exponential_(generator=self._request_generator(r, device))
+        sampled = (probs / noise).argmax(dim=-1)
         greedy_ids = logits.argmax(dim=-1)
         return torch.where(greedy.to(device), greedy_ids, sampled).tolist()
 

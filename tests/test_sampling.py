@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import pytest
 import torch
 
 from minivllm import SamplingParams
@@ -67,3 +68,20 @@ def test_sampler_mixes_greedy_and_random_rows():
     reqs = _requests(3, temperature=0) + _requests(3, temperature=1.0, seed=1)
     out = Sampler(0)(logits, reqs)
     assert out[:3] == logits[:3].argmax(-1).tolist()
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="device-side noise is a GPU matter")
+def test_on_a_gpu_noise_is_drawn_there_and_seeds_still_repeat():
+    logits = torch.randn(4, 1000, generator=torch.Generator().manual_seed(0)).cuda()
+    reqs = _requests(2, temperature=1.0, seed=5) + _requests(2, temperature=1.0)
+    a = Sampler(0)(logits, reqs)
+    assert all(r.generator.device.type == "cuda" for r in reqs[:2])
+    b = Sampler(0)(logits, _requests(2, temperature=1.0, seed=5) + _requests(2, temperature=1.0))
+    assert a == b
+
+
+def test_a_seeded_request_keeps_its_cpu_generator_on_a_cpu():
+    reqs = _requests(1, temperature=1.0, seed=5)
+    g = reqs[0].generator
+    Sampler(0)(torch.randn(1, 50), reqs)
+    assert reqs[0].generator is g                  # no new generator: the same random stream as before
