@@ -769,4 +769,5 @@ self_check()
 # batch from DRAM, which gives these 2 cores about 23 GB/s, so a step costs at least 23 ms at any batch,
 # and the 256-row matmul rate that the ceiling assumes is out of reach at 1-32 rows. The roofline of the
 # default benchmark run (section 2's floor for each of its steps) came to 374.5 output tokens/s, 6.0x
-# Hugging Face `generate` in the same run: a 6x target would need every step at its floor.
+# Hugging Face `generate` at batch 16 in the same run, and to 5.2x HF at its faster batch of 32 in another:
+# a 6x target would need every step at its floor, or more.
