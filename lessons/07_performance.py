@@ -28,7 +28,9 @@
 #    `kernels/reference.py`: the old version next to the new, the same output, both timed and profiled,
 #    alone and inside a whole decode step,
 # 4. **what bounds a decode step here**, and what would move it (bf16, bigger batches, a GPU), as
-#    `python -m minivllm.bench` reports it.
+#    `python -m minivllm.bench` reports it,
+# 5. **CUDA graphs**, the GPU's answer to launch overhead (`minivllm/cuda_graph.py`), rehearsed on a CPU:
+#    capture sizes, static buffers and padding rows, checked against the eager path.
 #
 # Read it next to `minivllm/roofline.py` (the ceilings), `minivllm/bench.py` (the benchmark that prints
 # them), `kernels/reference.py` and `minivllm/attention.py` (the decode attention of section 3).
