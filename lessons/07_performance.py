@@ -675,8 +675,8 @@ graph_prompts = [[100 + i] * (8 + 4 * i) for i in range(5)]                  # 5
 graph_params = [SamplingParams(temperature=0, max_tokens=n, ignore_eos=True) for n in (4, 8, 12, 16, 20)]
 graph_requests = [{"prompt_token_ids": ids} for ids in graph_prompts]
 eager_tokens = [o.outputs[0].token_ids for o in llm.generate(graph_requests, graph_params, use_tqdm=False)]
-graphs = DecodeGraphs(runner.forward, cfg.hidden_size, max_num_seqs=16, max_model_len=engine.max_model_len,
-                      block_size=runner.block_size, device=runner.device, dtype=runner.dtype, capture=False)
+graphs = DecodeGraphs(runner.forward, max_num_seqs=16, max_model_len=engine.max_model_len,
+                      block_size=runner.block_size, device=runner.device, capture=False)
 runner.graphs = graphs                          # what allocate_kv_cache does on CUDA, with capture=True
 try:
     graph_tokens = [o.outputs[0].token_ids for o in llm.generate(graph_requests, graph_params, use_tqdm=False)]

@@ -532,7 +532,7 @@ def build_parser() -> argparse.ArgumentParser:
     c = p.add_argument_group("comparison and output")
     c.add_argument("--compare", choices=["hf"], help="also run Hugging Face generate on the same requests")
     c.add_argument("--hf-batch-size", type=positive_int, default=32,
-                   help="HF's static batch size (default 32: on the default workload HF is 15-25%% faster at 32 "
+                   help="HF's static batch size (default 32: on the default workload HF is 14-26%% faster at 32 "
                         "than at 16 on the CI machines; pick HF's best for a fair ratio)")
     c.add_argument("--json", metavar="PATH", help="write every number to PATH as JSON")
     c.add_argument("--decode-batch", type=positive_int, default=None,
@@ -744,7 +744,6 @@ def main_prefix(args: argparse.Namespace) -> int:
         with open(args.json, "w") as f:
             json.dump({"mode": "prefix", **asdict(r), "shared_reduction": r.shared_reduction}, f, indent=2)
     return 0
-
 
 
 def main_serve(args: argparse.Namespace) -> int:

@@ -57,8 +57,8 @@ class DecodeGraphs:
     forward_fn(input_ids, positions, meta) -> hidden (num_tokens, hidden_size) is the model's forward on
     this rank's KV cache (model_runner.py passes it in)."""
 
-    def __init__(self, forward_fn, hidden_size: int, max_num_seqs: int, max_model_len: int, block_size: int,
-                 device: torch.device, dtype: torch.dtype, capture: bool = True):
+    def __init__(self, forward_fn, max_num_seqs: int, max_model_len: int, block_size: int,
+                 device: torch.device, capture: bool = True):
         self.forward_fn = forward_fn
         self.sizes = capture_sizes(max_num_seqs)
         self.max_batch = self.sizes[-1]
@@ -75,7 +75,6 @@ class DecodeGraphs:
         self.block_tables = torch.zeros(n, self.max_blocks, dtype=i32, device=device)
         self.graphs: dict[int, torch.cuda.CUDAGraph] = {}
         self.outputs: dict[int, torch.Tensor] = {}        # size -> the graph's output (size, hidden)
-        self.hidden_size, self.dtype = hidden_size, dtype
 
     def _meta(self, size: int, seq_lens_cpu: list[int]) -> AttentionMetadata:
         """Metadata over the first `size` rows of the static buffers (views: a replay sees new values)."""

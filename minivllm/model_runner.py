@@ -94,8 +94,7 @@ class ModelRunner:
                 or self.backend.name != "triton"):
             return None
         max_model_len = self.config.max_model_len or self.model_cfg.max_position_embeddings
-        graphs = DecodeGraphs(self.forward, self.model_cfg.hidden_size, self.config.max_num_seqs, max_model_len,
-                              self.block_size, self.device, self.dtype)
+        graphs = DecodeGraphs(self.forward, self.config.max_num_seqs, max_model_len, self.block_size, self.device)
         try:
             graphs.capture_all()
             atol = 1e-3 if self.dtype == torch.float32 else 5e-2
