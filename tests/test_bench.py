@@ -60,8 +60,8 @@ def test_bad_arguments_are_usage_errors(argv, capsys):
     assert "usage:" in capsys.readouterr().err
 
 
-def test_every_mode_runs_from_the_command_line():
-    """As `python -m minivllm.bench MODE`: every mode's function is defined before the module's main runs."""
+def test_serve_mode_runs_from_the_command_line():
+    """As `python -m minivllm.bench serve`: main_serve must be defined before the module runs main()."""
     import subprocess
     import sys
     run = subprocess.run([sys.executable, "-m", "minivllm.bench", "serve", "--base-url", "http://127.0.0.1:9"],
