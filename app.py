@@ -19,8 +19,8 @@ import sys
 
 import uvicorn
 
-from minivllm.api_server import build_api_server
-from minivllm.async_engine import AsyncLLMEngine
+from minivllm.entrypoints.api_server import build_api_server
+from minivllm.engine.async_llm import AsyncLLMEngine
 from minivllm.config import EngineConfig
 
 logger = logging.getLogger("minivllm.app")
@@ -67,7 +67,7 @@ def build_app(config: EngineConfig, api_key: str | None = None, served_model_nam
     engine down (`async_engine.shutdown()` may be called again; the second call does nothing)."""
     from fastapi import FastAPI
 
-    from minivllm.engine import LLMEngine
+    from minivllm.engine.llm_engine import LLMEngine
 
     async_engine = AsyncLLMEngine(LLMEngine(config))
 
@@ -81,7 +81,7 @@ def build_app(config: EngineConfig, api_key: str | None = None, served_model_nam
     app = FastAPI(title="minivllm", docs_url=None, redoc_url=None, lifespan=lifespan)
     app = build_api_server(async_engine, served_model_name=served_model_name, api_key=api_key, app=app)
     if dashboard:
-        from minivllm.dashboard import mount_dashboard
+        from minivllm.entrypoints.dashboard import mount_dashboard
         app = mount_dashboard(app, async_engine, path="/", api_key=api_key)
     return app, async_engine
 

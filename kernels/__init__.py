@@ -1,4 +1,4 @@
-"""minivllm's kernels (imported as `minivllm_kernels`; see minivllm/_kernels.py for why not `kernels`).
+"""minivllm's kernels (imported as `minivllm_kernels`; see minivllm/model/_kernels.py for why not `kernels`).
 
     reference    plain PyTorch: the CPU serving path and the oracle every kernel is tested against
     triton_ops   Triton kernels with the same signatures (GPU, or CPU under TRITON_INTERPRET=1)

@@ -17,7 +17,7 @@
 # # Lesson 01: the block manager and prefix caching
 #
 # Lesson 00 showed that the KV cache is one big tensor cut into fixed-size **blocks**, and that each request
-# owns a list of block ids, its **block table**. This lesson opens `minivllm/block_manager.py`, the module that
+# owns a list of block ids, its **block table**. This lesson opens `minivllm/core/kv_cache_manager.py`, the module that
 # decides which block goes to whom. It owns three things and nobody else touches them:
 #
 # - which blocks are free,
@@ -50,8 +50,8 @@ import torch
 from matplotlib.patches import Patch, Rectangle
 
 from minivllm import LLM, SamplingParams
-from minivllm.block_manager import ROOT_HASH, BlockManager, hash_block_tokens
-from minivllm.request import Request
+from minivllm.core.kv_cache_manager import ROOT_HASH, BlockManager, hash_block_tokens
+from minivllm.core.request import Request
 
 torch.manual_seed(0)
 torch.set_num_threads(1)   # one thread: faster on a busy 2-core CPU, and the same float sums everywhere

@@ -17,7 +17,7 @@
 # # Lesson 02: the scheduler, continuous batching and chunked prefill
 #
 # Every engine step starts with one question: *which requests run now, and how many tokens each?*
-# `minivllm/scheduler.py` answers it. This lesson drives the engine one step at a time, records what the
+# `minivllm/core/scheduler.py` answers it. This lesson drives the engine one step at a time, records what the
 # scheduler decided, and draws it.
 #
 # The whole scheduler rests on one rule (vLLM v1's "unified" scheduler). Each scheduled request gets
@@ -114,7 +114,7 @@ for rid, prompt in PROMPTS.items():
 # ## 2. Step by step
 #
 # `with engine.record_traces() as traces:` gives a list that every step run inside the `with` block appends a
-# `StepTrace` to: plain data copied out of the engine (see `minivllm/trace.py`). Recording stops when the block
+# `StepTrace` to: plain data copied out of the engine (see `minivllm/core/trace.py`). Recording stops when the block
 # ends. We add three requests, then step until everything is done, adding `late` after step 4.
 
 # %%

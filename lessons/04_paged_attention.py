@@ -30,7 +30,7 @@
 #    running on the CPU under Triton's interpreter against `kernels/reference.py`,
 # 7. the whole engine with `attention_backend="triton"`: the same greedy tokens as the PyTorch backend.
 #
-# Read it next to `minivllm/attention.py` (which backend runs) and `kernels/` (what they run).
+# Read it next to `minivllm/model/attention.py` (which backend runs) and `kernels/` (what they run).
 #
 # Triton normally compiles for a GPU. With `TRITON_INTERPRET=1` it runs the same kernel code on the CPU with
 # NumPy, one program at a time: slow, but exact enough to test against, and it needs no GPU. The variable is
@@ -51,7 +51,7 @@ import torch
 import torch.nn.functional as F
 from matplotlib.patches import FancyArrowPatch, Rectangle
 
-from minivllm._kernels import kernels
+from minivllm.model._kernels import kernels
 
 ref = kernels.reference          # plain PyTorch: the CPU serving path and the kernels' oracle
 torch.set_num_threads(1)
@@ -412,7 +412,7 @@ print(f"prefill: max abs error {err_pre:.1e}")
 # ## 7. The whole engine on the Triton backend
 #
 # `attention_backend="triton"` makes every layer's attention call the kernels above (`TritonAttentionBackend`
-# in `minivllm/attention.py`); `"torch"` calls the reference. Run one prompt for 4 greedy tokens with both, in
+# in `minivllm/model/attention.py`); `"torch"` calls the reference. Run one prompt for 4 greedy tokens with both, in
 # fp32 on the CPU. Under the interpreter this is slow (seconds: 30 layers x 5 steps of kernels run by
 # NumPy), which is why the pool is tiny and the answer short. On a GPU leave `attention_backend="auto"`,
 # which picks Triton there.

@@ -60,10 +60,10 @@ from matplotlib.lines import Line2D
 from matplotlib.patches import Patch, Rectangle
 
 from minivllm import LLM, SamplingParams
-from minivllm.default_model import default_model_dir
-from minivllm.distributed import check_tp_size, destroy_distributed, get_open_port, init_distributed
-from minivllm.layers import ColumnParallelLinear, QKVParallelLinear, RowParallelLinear, TPGroup
-from minivllm.model import LlamaForCausalLM, ModelConfig
+from minivllm.model.default_model import default_model_dir
+from minivllm.worker.distributed import check_tp_size, destroy_distributed, get_open_port, init_distributed
+from minivllm.model.layers import ColumnParallelLinear, QKVParallelLinear, RowParallelLinear, TPGroup
+from minivllm.model.llama import LlamaForCausalLM, ModelConfig
 
 torch.manual_seed(0)
 torch.set_num_threads(1)   # one thread: faster on a busy 2-core CPU, and the same float sums everywhere

@@ -21,7 +21,7 @@
 # some hang up halfway, and some send nonsense. Yet `LLMEngine` is a plain, single-threaded object: one
 # `step()` at a time, and nothing else may touch it while a step runs.
 #
-# `minivllm/async_engine.py` (vLLM's `AsyncLLMEngine`) squares that circle with one rule: **only one thread
+# `minivllm/engine/async_llm.py` (vLLM's `AsyncLLMEngine`) squares that circle with one rule: **only one thread
 # ever calls the engine**. Everybody else talks to that thread through a command queue and gets outputs back
 # through per-request streams:
 #
@@ -37,7 +37,7 @@
 # the queue when there is nothing to step. Continuous batching needs nothing more: a request added between
 # two steps simply joins the next one.
 #
-# On top of it, `minivllm/api_server.py` is an OpenAI-compatible HTTP server, and `minivllm/dashboard.py` a
+# On top of it, `minivllm/entrypoints/api_server.py` is an OpenAI-compatible HTTP server, and `minivllm/entrypoints/dashboard.py` a
 # Gradio page; `python app.py` runs both on one engine. This lesson uses the async engine directly, then
 # starts the HTTP server inside the notebook and talks to it with the official `openai` client.
 
@@ -57,9 +57,9 @@ from IPython.display import HTML, display
 from matplotlib.ticker import MaxNLocator
 
 from minivllm import SamplingParams
-from minivllm.api_server import build_api_server, run_server_in_thread
-from minivllm.async_engine import AsyncLLMEngine
-from minivllm.dashboard import DASHBOARD_CSS, render_block_grid, render_queues
+from minivllm.entrypoints.api_server import build_api_server, run_server_in_thread
+from minivllm.engine.async_llm import AsyncLLMEngine
+from minivllm.entrypoints.dashboard import DASHBOARD_CSS, render_block_grid, render_queues
 
 torch.manual_seed(0)
 torch.set_num_threads(1)   # one thread: faster on a busy 2-core CPU, and the same float sums everywhere
@@ -345,7 +345,7 @@ for line in metrics.splitlines():
 # requests" button, and panels refreshed twice a second from `async_engine.snapshot()`: the block grid above,
 # each request's block table, the queues, KV usage and prefix-cache hit rate, tokens per step, and the event
 # log, with Pause / Single step / Resume buttons that call the methods used in section 2. The panels are the
-# pure functions of `minivllm/dashboard.py`, so you can render any snapshot yourself, as we did.
+# pure functions of `minivllm/entrypoints/dashboard.py`, so you can render any snapshot yourself, as we did.
 #
 # ```bash
 # python app.py --num-kv-blocks 256           # then open http://127.0.0.1:8000/

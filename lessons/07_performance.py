@@ -22,18 +22,18 @@
 #
 # 1. **measure first**: profile the engine's steps with `torch.profiler`: where does a prefill step's time
 #    go, and where does a decode step's?
-# 2. **the ceiling**: time this machine's matmul rate and memory bandwidth (`minivllm/roofline.py`), turn
+# 2. **the ceiling**: time this machine's matmul rate and memory bandwidth (`minivllm/bench/roofline.py`), turn
 #    them into a floor for each step, and place the engine's real steps on a *roofline* picture,
 # 3. **before and after**: one optimisation that the profile pointed at, the CPU decode attention in
 #    `kernels/reference.py`: the old version next to the new, the same output, both timed and profiled,
 #    alone and inside a whole decode step,
 # 4. **what bounds a decode step here**, and what would move it (bf16, bigger batches, a GPU), as
 #    `python -m minivllm.bench` reports it,
-# 5. **CUDA graphs**, the GPU's answer to launch overhead (`minivllm/cuda_graph.py`), rehearsed on a CPU:
+# 5. **CUDA graphs**, the GPU's answer to launch overhead (`minivllm/worker/cuda_graph.py`), rehearsed on a CPU:
 #    capture sizes, static buffers and padding rows, checked against the eager path.
 #
-# Read it next to `minivllm/roofline.py` (the ceilings), `minivllm/bench.py` (the benchmark that prints
-# them), `kernels/reference.py` and `minivllm/attention.py` (the decode attention of section 3).
+# Read it next to `minivllm/bench/roofline.py` (the ceilings), `minivllm/bench/offline.py` (the benchmark that prints
+# them), `kernels/reference.py` and `minivllm/model/attention.py` (the decode attention of section 3).
 #
 # **Every number below is measured when the notebook runs**, on whatever machine runs it; none is typed in.
 # So the prose talks about what to look for, and the printouts say what this machine did. On a busy shared
@@ -61,10 +61,10 @@ from matplotlib.patches import Patch
 from torch.profiler import ProfilerActivity, profile
 
 from minivllm import LLM, SamplingParams, roofline
-from minivllm._kernels import kernels
-from minivllm.bench import StepWork, Workload, step_work
+from minivllm.model._kernels import kernels
+from minivllm.bench.offline import StepWork, Workload, step_work
 
-ref = kernels.reference      # the plain PyTorch kernels, the CPU serving path, reached as minivllm/attention.py does
+ref = kernels.reference      # the plain PyTorch kernels, the CPU serving path, reached as minivllm/model/attention.py does
 torch.manual_seed(0)
 torch.set_num_threads(1)     # one thread: on a busy 2-core machine two threads stall each other, and every
                              # number below is then "one core's worth" (python -m minivllm.bench --threads N)
@@ -350,7 +350,7 @@ assert rate > 0 and rate_batch > 0 and bandwidth > 0
 #
 # In the decode profile, after the matmuls, the next ops were attention's: the K/V **gather** and **SDPA**.
 # Their cost grows with the context, and with it their share of the step. `kernels/reference.py`'s
-# `paged_decode_attention` (the CPU serving path; `TorchAttentionBackend` in `minivllm/attention.py` calls it
+# `paged_decode_attention` (the CPU serving path; `TorchAttentionBackend` in `minivllm/model/attention.py` calls it
 # for every decode step) was changed in two ways. Here is the old version, re-implemented inline:
 
 # %%
@@ -649,7 +649,7 @@ print(f"running {stats.num_running}, waiting {stats.num_waiting}, KV usage {stat
 #
 # On a GPU a decode step of a small model is a few hundred small kernels, and launching them from Python
 # can take longer than running them. A **CUDA graph** records one step's launches once and replays them
-# with a single call (`minivllm/cuda_graph.py`, on by default on CUDA; `enforce_eager=True` turns it off, as
+# with a single call (`minivllm/worker/cuda_graph.py`, on by default on CUDA; `enforce_eager=True` turns it off, as
 # in vLLM). A replay repeats the recorded kernels on the same memory with the same shapes, which shapes the
 # whole design:
 #
@@ -667,7 +667,7 @@ print(f"running {stats.num_running}, waiting {stats.num_waiting}, KV usage {stat
 # compares with `enforce_eager=True`.)
 
 # %%
-from minivllm.cuda_graph import DecodeGraphs, capture_sizes
+from minivllm.worker.cuda_graph import DecodeGraphs, capture_sizes
 
 print("capture sizes for max_num_seqs=256:", capture_sizes(256))
 runner = engine.model_runner

@@ -1,8 +1,8 @@
 """minivllm: a compact, readable re-implementation of vLLM's core."""
 
-from minivllm.llm import LLM
+from minivllm.entrypoints.llm import LLM
 from minivllm.outputs import CompletionOutput, RequestOutput
-from minivllm.sampling_params import SamplingParams
+from minivllm.core.sampling_params import SamplingParams
 
 __all__ = ["LLM", "SamplingParams", "RequestOutput", "CompletionOutput"]
 __version__ = "0.1.0"

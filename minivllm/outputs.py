@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
-from minivllm.request import RequestMetrics
+from minivllm.core.request import RequestMetrics
 
 
 @dataclass

@@ -28,7 +28,7 @@ PROMPTS = [
 
 @pytest.fixture(scope="session")
 def model_dir():
-    from minivllm.default_model import default_model_dir
+    from minivllm.model.default_model import default_model_dir
     return default_model_dir()
 
 

@@ -20,7 +20,7 @@ import torch
 from prometheus_client.parser import text_string_to_metric_families
 from transformers import AutoTokenizer
 
-from minivllm.api_server import build_api_server, run_server_in_thread
+from minivllm.entrypoints.api_server import build_api_server, run_server_in_thread
 from minivllm.config import EngineConfig
 
 MODEL = "SmolLM2-135M-Instruct"
@@ -458,7 +458,7 @@ def test_fastapi_validation_errors_and_unknown_routes_get_openai_bodies(server):
 
 # ---------------------------------------------------------------------- API key, health, metrics
 def test_api_key_is_required_on_v1_when_set(server):
-    from minivllm.dashboard import mount_dashboard
+    from minivllm.entrypoints.dashboard import mount_dashboard
 
     app = mount_dashboard(build_api_server(server.engine, api_key="sekret"), server.engine, api_key="sekret")
     keyed = run_server_in_thread(app)
@@ -520,7 +520,7 @@ def test_metrics_are_prometheus_text_that_matches_the_engine(client, server):
 def test_bench_serve_streams_poisson_requests_and_reports_latencies(server, tmp_path):
     """`python -m minivllm.bench serve` against this server: every request completes with exactly the
     tokens it asked for (ignore_eos), and TTFT / ITL / E2E percentiles come out ordered."""
-    from minivllm import bench
+    from minivllm.bench import offline as bench
 
     out = tmp_path / "serve.json"
     rc = bench.main(["serve", "--base-url", server.url, "--num-requests", "8", "--request-rate", "20",

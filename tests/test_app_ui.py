@@ -20,7 +20,7 @@ import openai
 import pytest
 
 from minivllm import SamplingParams
-from minivllm.dashboard import (
+from minivllm.entrypoints.dashboard import (
     message_text,
     render_block_grid,
     render_block_tables,

@@ -14,9 +14,9 @@ import pytest
 import torch
 
 from minivllm import SamplingParams
-from minivllm.async_engine import AsyncLLMEngine, RequestError
+from minivllm.engine.async_llm import AsyncLLMEngine, RequestError
 from minivllm.config import EngineConfig
-from minivllm.engine import LLMEngine
+from minivllm.engine.llm_engine import LLMEngine
 
 NUM_KV_BLOCKS = 64
 

@@ -1,11 +1,11 @@
-"""The PyTorch attention backend on mixed steps: decodes beside prefill chunks (minivllm/attention.py)."""
+"""The PyTorch attention backend on mixed steps: decodes beside prefill chunks (minivllm/model/attention.py)."""
 
 from __future__ import annotations
 
 import torch
 
-from minivllm.attention import AttentionMetadata, TorchAttentionBackend
-from minivllm._kernels import kernels
+from minivllm.model.attention import AttentionMetadata, TorchAttentionBackend
+from minivllm.model._kernels import kernels
 
 ref = kernels.reference
 

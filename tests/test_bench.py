@@ -4,7 +4,7 @@ import json
 
 import pytest
 
-from minivllm import bench
+from minivllm.bench import offline as bench
 
 
 def test_bench_compare_hf_gives_every_request_its_tokens_in_both_engines(tmp_path):
@@ -99,9 +99,9 @@ def test_kernel_rows_report_bandwidth_and_mark_the_target_row():
 
 
 def test_workload_flops_count_every_fed_token_and_every_sampled_row():
-    from minivllm import roofline
+    from minivllm.bench import roofline
     from tests.test_model_loading import TINY
-    from minivllm.model import ModelConfig
+    from minivllm.model.llama import ModelConfig
 
     cfg = ModelConfig("LlamaForCausalLM", TINY["vocab_size"], TINY["hidden_size"], TINY["intermediate_size"],
                       TINY["num_hidden_layers"], TINY["num_attention_heads"], TINY["num_key_value_heads"],

@@ -13,10 +13,10 @@ from hypothesis import HealthCheck, settings
 from hypothesis import strategies as st
 from hypothesis.stateful import RuleBasedStateMachine, initialize, invariant, precondition, rule
 
-from minivllm.block_manager import BlockManager
-from minivllm.request import Request, RequestStatus
-from minivllm.sampling_params import SamplingParams
-from minivllm.scheduler import Scheduler
+from minivllm.core.kv_cache_manager import BlockManager
+from minivllm.core.request import Request, RequestStatus
+from minivllm.core.sampling_params import SamplingParams
+from minivllm.core.scheduler import Scheduler
 
 # A few shared prefixes so that prefix-cache hits (shared blocks, ref counts > 1) are common.
 PREFIXES = [[7] * 12, [1, 2, 3, 4] * 4, list(range(100, 117))]
@@ -110,7 +110,7 @@ def test_prefix_hit_never_covers_the_whole_prompt():
 
 
 def test_hash_collision_cannot_hand_out_wrong_kv(monkeypatch):
-    from minivllm import block_manager as bm_mod
+    from minivllm.core import kv_cache_manager as bm_mod
 
     monkeypatch.setattr(bm_mod, "hash_block_tokens", lambda parent, tokens: 42)   # everything collides
     bm = BlockManager(8, 4)

@@ -1,4 +1,4 @@
-"""CUDA graphs for decode steps (minivllm/cuda_graph.py).
+"""CUDA graphs for decode steps (minivllm/worker/cuda_graph.py).
 
 Without a GPU nothing can be captured, so the CPU tests run the graphs' padded static-buffer path eagerly
 (`capture=False`): the same bucketing, padding, buffer reuse and output slicing a replay uses, held
@@ -12,7 +12,7 @@ import torch
 
 from tests.conftest import PROMPTS, hf_greedy
 from minivllm import LLM, SamplingParams
-from minivllm.cuda_graph import DecodeGraphs, capture_sizes
+from minivllm.worker.cuda_graph import DecodeGraphs, capture_sizes
 
 
 def test_capture_sizes_follow_vllm():

@@ -6,7 +6,7 @@ import random
 
 import pytest
 
-from minivllm.detokenizer import DetokState, detokenize_incrementally, find_stop_string
+from minivllm.engine.detokenizer import DetokState, detokenize_incrementally, find_stop_string
 
 
 @pytest.mark.parametrize("text", [

@@ -24,7 +24,7 @@ if not torch.cuda.is_available():
     os.environ["TRITON_INTERPRET"] = "1"
 triton = pytest.importorskip("triton")
 
-from minivllm._kernels import kernels  # noqa: E402
+from minivllm.model._kernels import kernels  # noqa: E402
 from tests.conftest import PROMPTS  # noqa: E402
 
 INTERPRET = os.environ.get("TRITON_INTERPRET") == "1"

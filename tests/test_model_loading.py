@@ -73,7 +73,7 @@ def test_missing_files_are_named(tmp_path, model_dir):
 def test_missing_default_model_wheel_says_how_to_install(monkeypatch, tmp_path):
     import importlib.util
 
-    from minivllm import default_model
+    from minivllm.model import default_model
 
     monkeypatch.setenv("MINIVLLM_CACHE", str(tmp_path))
     real = importlib.util.find_spec

@@ -1,4 +1,4 @@
-"""Random-weight checkpoints with real models' shapes (minivllm/random_checkpoint.py), for speed runs:
+"""Random-weight checkpoints with real models' shapes (minivllm/model/random_checkpoint.py), for speed runs:
 they must load in minivllm and in Hugging Face alike, and give the same greedy tokens in both."""
 
 from __future__ import annotations
@@ -11,7 +11,7 @@ import pytest
 import torch
 
 from minivllm import LLM, SamplingParams
-from minivllm.random_checkpoint import SHAPES, write_random_checkpoint
+from minivllm.model.random_checkpoint import SHAPES, write_random_checkpoint
 from tests.conftest import hf_greedy
 
 PROMPTS = [[5, 17, 42, 7, 99, 3, 250, 31, 64, 8, 12, 200, 150, 4, 77, 19, 21], [9, 8, 7]]
@@ -59,13 +59,13 @@ def test_errors_name_the_choice(tmp_path):
     write_random_checkpoint("tiny-qwen3", tmp_path / "y")
     with pytest.raises(FileExistsError, match="already holds a checkpoint"):
         write_random_checkpoint("tiny-qwen3", tmp_path / "y")
-    cli = subprocess.run([sys.executable, "-m", "minivllm.random_checkpoint", "tiny-qwen3", str(tmp_path / "y")],
+    cli = subprocess.run([sys.executable, "-m", "minivllm.model.random_checkpoint", "tiny-qwen3", str(tmp_path / "y")],
                          capture_output=True, text=True)
     assert cli.returncode == 2 and "already holds a checkpoint" in cli.stderr
 
 
 def test_bench_runs_hf_in_minivllm_dtype_and_device(tmp_path):
-    from minivllm.bench import hf_generate_batch, load_hf_model
+    from minivllm.bench.offline import hf_generate_batch, load_hf_model
     path = write_random_checkpoint("tiny-qwen3", tmp_path / "t")           # bf16 on disk
     model = load_hf_model(path, torch.float32, torch.device("cpu"))
     assert next(model.parameters()).dtype == torch.float32 and model.device.type == "cpu"

@@ -6,8 +6,8 @@ import pytest
 import torch
 
 from minivllm import SamplingParams
-from minivllm.request import Request
-from minivllm.sampler import Sampler, apply_top_k_top_p
+from minivllm.core.request import Request
+from minivllm.worker.sampler import Sampler, apply_top_k_top_p
 
 
 def test_seeded_sampling_repeats_across_runs(llm):

@@ -20,8 +20,8 @@ import pytest
 import torch
 
 from minivllm import LLM, SamplingParams
-from minivllm.layers import TPGroup
-from minivllm.model import ModelConfig
+from minivllm.model.layers import TPGroup
+from minivllm.model.llama import ModelConfig
 from tests.conftest import PROMPTS
 from tests.test_model_loading import write_tiny_checkpoint
 
@@ -139,8 +139,8 @@ def test_tp_size_that_does_not_divide_the_heads_is_refused_before_any_process_st
 
 def test_each_rank_reads_only_its_own_shard(model_dir, monkeypatch):
     """Count the elements read from the safetensors files: a rank reads exactly what it holds."""
-    import minivllm.model_loader as loader
-    from minivllm.model_loader import load_model
+    import minivllm.model.loader as loader
+    from minivllm.model.loader import load_model
 
     read = []
     real_safe_open = loader.safe_open

@@ -14,7 +14,7 @@ from pathlib import Path
 try:
     import minivllm_kernels as kernels
 except ImportError:  # a checkout that was never pip-installed
-    _folder = Path(__file__).resolve().parent.parent / "kernels"
+    _folder = Path(__file__).resolve().parents[2] / "kernels"
     _spec = importlib.util.spec_from_file_location(
         "minivllm_kernels", _folder / "__init__.py", submodule_search_locations=[str(_folder)])
     kernels = importlib.util.module_from_spec(_spec)

@@ -29,8 +29,8 @@ import bisect
 import itertools
 from dataclasses import dataclass, field
 
-from minivllm.block_manager import BlockManager
-from minivllm.request import Request, RequestStatus
+from minivllm.core.kv_cache_manager import BlockManager
+from minivllm.core.request import Request, RequestStatus
 
 
 @dataclass

@@ -28,7 +28,7 @@ from __future__ import annotations
 from collections import OrderedDict, deque
 from dataclasses import dataclass, field
 
-from minivllm.request import Request
+from minivllm.core.request import Request
 
 
 ROOT_HASH = 0   # the "parent hash" of a sequence's first block

@@ -9,9 +9,9 @@ from __future__ import annotations
 from collections.abc import Sequence
 
 from minivllm.config import EngineConfig
-from minivllm.engine import EngineStats, LLMEngine, PromptType
+from minivllm.engine.llm_engine import EngineStats, LLMEngine, PromptType
 from minivllm.outputs import RequestOutput
-from minivllm.sampling_params import SamplingParams
+from minivllm.core.sampling_params import SamplingParams
 
 
 class LLM:

@@ -10,9 +10,9 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
-from minivllm.block_manager import BlockEvents
-from minivllm.request import Request
-from minivllm.scheduler import SchedulerOutput
+from minivllm.core.kv_cache_manager import BlockEvents
+from minivllm.core.request import Request
+from minivllm.core.scheduler import SchedulerOutput
 
 
 @dataclass(frozen=True)

@@ -37,13 +37,13 @@ import torch
 import torch.distributed as dist
 
 from minivllm.config import EngineConfig
-from minivllm.distributed import (destroy_distributed, get_open_port, init_distributed, launched_by_torchrun,
+from minivllm.worker.distributed import (destroy_distributed, get_open_port, init_distributed, launched_by_torchrun,
                                   tp_device)
-from minivllm.layers import TPGroup
-from minivllm.model import ModelConfig
-from minivllm.model_runner import ModelRunner
-from minivllm.request import Request
-from minivllm.scheduler import SchedulerOutput
+from minivllm.model.layers import TPGroup
+from minivllm.model.llama import ModelConfig
+from minivllm.worker.model_runner import ModelRunner
+from minivllm.core.request import Request
+from minivllm.core.scheduler import SchedulerOutput
 
 
 class Executor:

@@ -34,8 +34,8 @@ import sys
 import time
 from dataclasses import asdict, dataclass
 
-from minivllm.llm import LLM
-from minivllm.sampling_params import SamplingParams
+from minivllm.entrypoints.llm import LLM
+from minivllm.core.sampling_params import SamplingParams
 
 # Random prompt ids are drawn from [TOKEN_ID_LOW, min(TOKEN_ID_HIGH, vocab_size)): SmolLM2's special
 # tokens sit at the bottom of its vocabulary, and the top is left alone for checkpoints with added tokens.
@@ -341,7 +341,7 @@ def bench_decode(batch: int, context: int, num_heads: int, num_kv_heads: int, he
     """Every sequence holds `context` tokens in blocks scattered by a shuffled block table."""
     import torch
 
-    from minivllm._kernels import kernels
+    from minivllm.model._kernels import kernels
 
     triton_ops, reference = kernels.triton_ops, kernels.reference
     gen = torch.Generator(device=device).manual_seed(seed)
@@ -398,7 +398,7 @@ def print_kernels_report(device_name: str, copy: CopyResult, rows: list[DecodeRo
 def main_kernels(args: argparse.Namespace) -> int:
     import torch
 
-    from minivllm._kernels import kernels
+    from minivllm.model._kernels import kernels
 
     if not torch.cuda.is_available():
         args.parser.error("the kernels benchmark needs a CUDA GPU; torch.cuda.is_available() is False here. "
@@ -592,7 +592,7 @@ def measure_hardware(cfg, device, dtype, workload: Workload, steps: list[StepWor
     - decode: the fullest decode-only steps against their memory floor."""
     if skip:
         return None
-    from minivllm import roofline
+    from minivllm.bench import roofline
 
     dev = str(device)
     rate = roofline.measure_matmul_rate(cfg, dtype, dev)
@@ -752,7 +752,7 @@ def main_serve(args: argparse.Namespace) -> int:
 
     import httpx
 
-    from minivllm.bench_serve import print_serve_report, run_serve_benchmark
+    from minivllm.bench.serve import print_serve_report, run_serve_benchmark
 
     if args.request_rate <= 0:
         args.parser.error(f"--request-rate is {args.request_rate}; it must be > 0 (or inf).")

@@ -17,18 +17,18 @@ import contextlib
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 
-from minivllm.block_manager import BlockManager
+from minivllm.core.kv_cache_manager import BlockManager
 from minivllm.config import EngineConfig
-from minivllm.detokenizer import DetokState, detokenize_incrementally, find_stop_string
-from minivllm.distributed import check_tp_size
-from minivllm.executor import make_executor
-from minivllm.model import ModelConfig
-from minivllm.model_loader import check_checkpoint_files, load_tokenizer, resolve_device, resolve_model_path
+from minivllm.engine.detokenizer import DetokState, detokenize_incrementally, find_stop_string
+from minivllm.worker.distributed import check_tp_size
+from minivllm.worker.executor import make_executor
+from minivllm.model.llama import ModelConfig
+from minivllm.model.loader import check_checkpoint_files, load_tokenizer, resolve_device, resolve_model_path
 from minivllm.outputs import CompletionOutput, RequestOutput
-from minivllm.request import Request, RequestStatus
-from minivllm.sampling_params import SamplingParams
-from minivllm.scheduler import Scheduler
-from minivllm.trace import StepTrace, build_step_trace
+from minivllm.core.request import Request, RequestStatus
+from minivllm.core.sampling_params import SamplingParams
+from minivllm.core.scheduler import Scheduler
+from minivllm.core.trace import StepTrace, build_step_trace
 
 PromptType = str | dict | list
 

@@ -53,7 +53,7 @@ class ServeReport:
         return self.output_tokens / self.wall_s if self.wall_s else 0.0
 
     def to_json(self) -> dict:
-        from minivllm.bench import percentile
+        from minivllm.bench.offline import percentile
 
         out = {"num_requests": self.num_requests, "num_ok": self.num_ok, "request_rate": self.request_rate,
                "wall_s": self.wall_s, "output_tokens": self.output_tokens,

@@ -18,8 +18,8 @@ from pathlib import Path
 import torch
 from torch import nn
 
-from minivllm.attention import AttentionBackend, AttentionMetadata
-from minivllm.layers import (MergedColumnParallelLinear, ParallelLMHead, QKVParallelLinear, RMSNorm,
+from minivllm.model.attention import AttentionBackend, AttentionMetadata
+from minivllm.model.layers import (MergedColumnParallelLinear, ParallelLMHead, QKVParallelLinear, RMSNorm,
                              RotaryEmbedding, RowParallelLinear, TPGroup, VocabParallelEmbedding)
 
 SUPPORTED_ARCHITECTURES = ("LlamaForCausalLM", "Qwen2ForCausalLM", "Qwen3ForCausalLM")

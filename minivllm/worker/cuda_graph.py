@@ -32,7 +32,7 @@ from dataclasses import dataclass
 
 import torch
 
-from minivllm.attention import AttentionMetadata
+from minivllm.model.attention import AttentionMetadata
 
 
 def capture_sizes(max_num_seqs: int) -> list[int]:

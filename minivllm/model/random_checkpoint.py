@@ -1,6 +1,6 @@
 """Random-weight checkpoints with a real model's shape, for speed measurements.
 
-    python -m minivllm.random_checkpoint qwen3-0.6b /tmp/qwen3-0.6b-random      # about 1.2 GB in bf16
+    python -m minivllm.model.random_checkpoint qwen3-0.6b /tmp/qwen3-0.6b-random      # about 1.2 GB in bf16
 
 Speed depends on a model's shape, not on its weights, so the performance issue's GPU workload (nano-vllm's:
 256 requests of 100-1024 tokens in and out on Qwen3-0.6B) can run on random weights where the real
@@ -40,7 +40,7 @@ def write_random_checkpoint(shape: str, out: str | Path, dtype: str = "bfloat16"
     greedy text: fine for speed); a larger std redraws every matrix, for parity tests with varied tokens."""
     import transformers
 
-    from minivllm.default_model import default_model_dir
+    from minivllm.model.default_model import default_model_dir
 
     if shape not in SHAPES:
         raise ValueError(f"shape is {shape!r}; choose one of {', '.join(SHAPES)}.")
@@ -72,7 +72,7 @@ def write_random_checkpoint(shape: str, out: str | Path, dtype: str = "bfloat16"
 
 
 def main(argv=None) -> int:
-    p = argparse.ArgumentParser(prog="python -m minivllm.random_checkpoint",
+    p = argparse.ArgumentParser(prog="python -m minivllm.model.random_checkpoint",
                                 description="Write a random-weight checkpoint with a real model's shape.")
     p.add_argument("shape", choices=sorted(SHAPES))
     p.add_argument("out", help="directory to write (config.json, model.safetensors, tokenizer files)")

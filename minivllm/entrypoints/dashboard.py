@@ -24,9 +24,9 @@ import time
 import zlib
 from collections import Counter
 
-from minivllm.async_engine import AsyncLLMEngine, EngineSnapshot
-from minivllm.sampling_params import SamplingParams
-from minivllm.trace import StepTrace
+from minivllm.engine.async_llm import AsyncLLMEngine, EngineSnapshot
+from minivllm.core.sampling_params import SamplingParams
+from minivllm.core.trace import StepTrace
 
 REFRESH_SECONDS = 0.5
 STEPS_SHOWN = 60            # bars in the tokens-per-step chart

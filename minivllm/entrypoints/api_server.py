@@ -37,9 +37,9 @@ from fastapi.responses import JSONResponse, PlainTextResponse, Response, Streami
 from starlette.background import BackgroundTask
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
-from minivllm.async_engine import AsyncLLMEngine, EngineSnapshot, Histogram, RequestError, RequestStream
+from minivllm.engine.async_llm import AsyncLLMEngine, EngineSnapshot, Histogram, RequestError, RequestStream
 from minivllm.outputs import RequestOutput
-from minivllm.sampling_params import SamplingParams
+from minivllm.core.sampling_params import SamplingParams
 
 logger = logging.getLogger(__name__)
 

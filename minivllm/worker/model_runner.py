@@ -19,15 +19,15 @@ from dataclasses import dataclass, field
 
 import torch
 
-from minivllm.attention import AttentionMetadata, get_attention_backend
+from minivllm.model.attention import AttentionMetadata, get_attention_backend
 from minivllm.config import EngineConfig
-from minivllm.cuda_graph import DecodeGraphs
-from minivllm.layers import TPGroup
-from minivllm.model import ModelConfig
-from minivllm.model_loader import load_model, resolve_dtype
-from minivllm.request import Request
-from minivllm.sampler import Sampler
-from minivllm.scheduler import SchedulerOutput
+from minivllm.worker.cuda_graph import DecodeGraphs
+from minivllm.model.layers import TPGroup
+from minivllm.model.llama import ModelConfig
+from minivllm.model.loader import load_model, resolve_dtype
+from minivllm.core.request import Request
+from minivllm.worker.sampler import Sampler
+from minivllm.core.scheduler import SchedulerOutput
 
 
 @dataclass(frozen=True)

@@ -12,15 +12,15 @@ from pathlib import Path
 import torch
 from safetensors import safe_open
 
-from minivllm.layers import TPGroup
-from minivllm.model import LlamaForCausalLM, ModelConfig
+from minivllm.model.layers import TPGroup
+from minivllm.model.llama import LlamaForCausalLM, ModelConfig
 
 DTYPES = {"float32": torch.float32, "float16": torch.float16, "bfloat16": torch.bfloat16}
 
 
 def resolve_model_path(model: str | None) -> Path:
     if model is None:
-        from minivllm.default_model import default_model_dir
+        from minivllm.model.default_model import default_model_dir
         return default_model_dir()
     path = Path(model).expanduser()
     if not path.is_dir():
@@ -117,7 +117,7 @@ def use_column_major_linear_weights(model: torch.nn.Module) -> None:
     and on a CPU MKL's kernel for that is 1.4-2x faster at decode's few rows than the transposed one
     (measured on the CI machines; equal at prefill sizes). The tied embedding / LM head keeps row-major
     rows, which the embedding lookup gathers."""
-    from minivllm.layers import ColumnParallelLinear, RowParallelLinear
+    from minivllm.model.layers import ColumnParallelLinear, RowParallelLinear
 
     for module in model.modules():
         if isinstance(module, (ColumnParallelLinear, RowParallelLinear)):

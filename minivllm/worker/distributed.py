@@ -20,7 +20,7 @@ from datetime import timedelta
 import torch
 import torch.distributed as dist
 
-from minivllm.model import ModelConfig
+from minivllm.model.llama import ModelConfig
 
 
 def get_open_port() -> int:

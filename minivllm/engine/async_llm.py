@@ -33,10 +33,10 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from minivllm.config import EngineConfig
-from minivllm.engine import EngineStats, LLMEngine, PromptType
+from minivllm.engine.llm_engine import EngineStats, LLMEngine, PromptType
 from minivllm.outputs import RequestOutput
-from minivllm.sampling_params import SamplingParams
-from minivllm.trace import StepTrace
+from minivllm.core.sampling_params import SamplingParams
+from minivllm.core.trace import StepTrace
 
 logger = logging.getLogger(__name__)
 

@@ -18,7 +18,7 @@ from dataclasses import dataclass, field
 
 import torch
 
-from minivllm.sampling_params import SamplingParams
+from minivllm.core.sampling_params import SamplingParams
 
 
 class RequestStatus(enum.Enum):

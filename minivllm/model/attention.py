@@ -17,7 +17,7 @@ from dataclasses import dataclass
 
 import torch
 
-from minivllm._kernels import kernels
+from minivllm.model._kernels import kernels
 
 
 @dataclass

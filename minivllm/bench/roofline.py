@@ -23,7 +23,7 @@ import time
 import torch
 import torch.nn.functional as F
 
-from minivllm.model import ModelConfig
+from minivllm.model.llama import ModelConfig
 
 
 def linear_shapes(cfg: ModelConfig) -> list[tuple[int, int]]:

@@ -12,7 +12,7 @@ from __future__ import annotations
 
 import torch
 
-from minivllm.request import Request
+from minivllm.core.request import Request
 
 
 class Sampler:

@@ -1,0 +1,137 @@
+"""`python -m minivllm.generate`: generate from the command line.
+
+    python -m minivllm.generate --chat --temperature 0 --max-tokens 16 "What is the capital of France?"
+    python -m minivllm.generate --prompts-file prompts.txt --max-tokens 64
+    python -m minivllm.generate --stream "Once upon a time"
+    python -m minivllm.generate --tensor-parallel-size 3 "Once upon a time"      (3 ranks, gloo on a CPU)
+    torchrun --nproc-per-node 3 -m minivllm.generate --tensor-parallel-size 3 "Once upon a time"
+
+Bad arguments print a usage error and exit with code 2, without a traceback.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import sys
+import time
+
+from minivllm.core.sampling_params import SamplingParams
+
+
+def build_parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(prog="python -m minivllm.generate",
+                                description="Generate text with minivllm (default model: SmolLM2-135M-Instruct).")
+    p.add_argument("prompts", nargs="*", help="prompts (one request each)")
+    p.add_argument("--prompts-file", help="a file with one prompt per line")
+    p.add_argument("--chat", action="store_true", help="wrap each prompt as a user message in the chat template")
+    p.add_argument("--model", default=None, help="local Hugging Face checkpoint directory (default: embedded SmolLM2)")
+    p.add_argument("--max-tokens", type=int, default=64)
+    p.add_argument("--temperature", type=float, default=0.7)
+    p.add_argument("--top-p", type=float, default=1.0)
+    p.add_argument("--top-k", type=int, default=-1)
+    p.add_argument("--seed", type=int, default=None, help="per-request seed (reproducible sampling)")
+    p.add_argument("--stop", action="append", default=None, help="stop string (repeatable)")
+    p.add_argument("--ignore-eos", action="store_true")
+    p.add_argument("--stream", action="store_true", help="print tokens as they are generated")
+    p.add_argument("--tensor-parallel-size", type=int, default=1)
+    p.add_argument("--device", default="auto")
+    p.add_argument("--dtype", default="auto", choices=["auto", "float32", "float16", "bfloat16"])
+    p.add_argument("--attention-backend", default="auto", choices=["auto", "torch", "triton"])
+    p.add_argument("--num-kv-blocks", type=int, default=None)
+    p.add_argument("--block-size", type=int, default=16)
+    p.add_argument("--max-num-seqs", type=int, default=256)
+    p.add_argument("--max-num-batched-tokens", type=int, default=8192)
+    p.add_argument("--max-model-len", type=int, default=None)
+    p.add_argument("--no-prefix-caching", action="store_true")
+    p.add_argument("--enforce-eager", action="store_true", help="CUDA: no CUDA graphs for decode steps")
+    return p
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = build_parser()
+    args = parser.parse_args(argv)
+    prompts = list(args.prompts)
+    if args.prompts_file:
+        try:
+            with open(args.prompts_file) as f:
+                prompts += [line.rstrip("\n") for line in f if line.strip()]
+        except OSError as e:
+            parser.error(f"--prompts-file: {e.strerror}: {args.prompts_file}")
+    if not prompts:
+        parser.error("give at least one prompt (as an argument or with --prompts-file)")
+    try:
+        params = SamplingParams(temperature=args.temperature, top_p=args.top_p, top_k=args.top_k,
+                                seed=args.seed, max_tokens=args.max_tokens, stop=args.stop,
+                                ignore_eos=args.ignore_eos)
+    except ValueError as e:
+        parser.error(str(e))
+
+    from minivllm.worker.distributed import launched_by_torchrun
+    from minivllm.entrypoints.llm import LLM
+
+    is_rank0 = not launched_by_torchrun() or int(os.environ["RANK"]) == 0
+    if not is_rank0:
+        sys.stdout = open(os.devnull, "w")      # every torchrun rank runs this; rank 0 prints
+    try:
+        llm = LLM(model=args.model, dtype=args.dtype, device=args.device, block_size=args.block_size,
+                  num_kv_blocks=args.num_kv_blocks, max_num_seqs=args.max_num_seqs,
+                  max_num_batched_tokens=args.max_num_batched_tokens, max_model_len=args.max_model_len,
+                  enable_prefix_caching=not args.no_prefix_caching,
+                  tensor_parallel_size=args.tensor_parallel_size, attention_backend=args.attention_backend,
+                  enforce_eager=args.enforce_eager)
+    except (ValueError, FileNotFoundError) as e:
+        parser.error(str(e))
+
+    if args.chat:
+        tok = llm.get_tokenizer()
+        prompts = [tok.apply_chat_template([{"role": "user", "content": p}], tokenize=False,
+                                           add_generation_prompt=True) for p in prompts]
+    start = time.time()
+    try:
+        if args.stream:
+            outputs = _stream(llm, prompts, params)
+        else:
+            outputs = llm.generate(prompts, params, use_tqdm=len(prompts) > 1)
+    except ValueError as e:
+        parser.error(str(e))
+    except KeyboardInterrupt:
+        print("\n[minivllm] interrupted", file=sys.stderr)
+        return 130
+    finally:
+        llm.llm_engine.shutdown()        # stops tensor-parallel workers (they would also stop at exit)
+    elapsed = time.time() - start
+    if not args.stream:
+        for i, out in enumerate(outputs):
+            if len(outputs) > 1:
+                print(f"--- [{i}] {out.outputs[0].finish_reason}")
+            print(out.outputs[0].text)
+    n_out = sum(len(o.outputs[0].token_ids) for o in outputs)
+    n_in = sum(len(o.prompt_token_ids) for o in outputs)
+    if is_rank0:
+        print(f"\n[minivllm] {len(outputs)} request(s), {n_in} prompt + {n_out} output tokens in {elapsed:.2f} s "
+              f"({n_out / elapsed:.1f} output tokens/s)", file=sys.stderr)
+    return 0
+
+
+def _stream(llm, prompts: list[str], params: SamplingParams):
+    """Print each request's new text as soon as a step produces it (requests interleave if several)."""
+    engine = llm.llm_engine
+    for p in prompts:                       # check every prompt before the first one runs
+        engine.validate_request(engine.tokenize(p)[1], params)
+    ids = [engine.add_request(p, params).request_id for p in prompts]
+    finished = {}
+    while engine.has_unfinished_requests():
+        for out in engine.step():
+            if out.delta_text:
+                prefix = f"[{out.request_id}] " if len(prompts) > 1 else ""
+                print(prefix + out.delta_text if prefix else out.delta_text, end="" if not prefix else "\n",
+                      flush=True)
+            if out.finished:
+                finished[out.request_id] = out
+    print()
+    return [finished[i] for i in ids]
+
+
+if __name__ == "__main__":
+    sys.exit(main())
