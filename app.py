@@ -21,7 +21,7 @@ import uvicorn
 
 from minivllm.entrypoints.api_server import build_api_server
 from minivllm.engine.async_llm import AsyncLLMEngine
-from minivllm.config import EngineConfig
+from minivllm.config import EngineConfig, add_engine_args
 
 logger = logging.getLogger("minivllm.app")
 
@@ -29,36 +29,15 @@ logger = logging.getLogger("minivllm.app")
 def build_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog="python app.py", description="Serve minivllm: an OpenAI-compatible API "
                                 "under /v1 and a live dashboard at /, on one engine.")
-    p.add_argument("--model", default=None, help="local Hugging Face checkpoint directory "
-                   "(default: the embedded SmolLM2-135M-Instruct)")
     p.add_argument("--served-model-name", default=None, help="the name /v1/models lists (default: the "
                    "checkpoint directory's name)")
     p.add_argument("--host", default="127.0.0.1", help="address to bind (default 127.0.0.1: this machine only)")
     p.add_argument("--port", type=int, default=8000)
     p.add_argument("--api-key", default=None, help="require 'Authorization: Bearer <key>' on /v1/*")
     p.add_argument("--no-dashboard", action="store_true", help="serve the API only")
-    p.add_argument("--num-kv-blocks", type=int, default=None)
-    p.add_argument("--block-size", type=int, default=16)
-    p.add_argument("--tensor-parallel-size", type=int, default=1)
-    p.add_argument("--attention-backend", default="auto", choices=["auto", "torch", "triton"])
-    p.add_argument("--device", default="auto")
-    p.add_argument("--dtype", default="auto", choices=["auto", "float32", "float16", "bfloat16"])
-    p.add_argument("--max-num-seqs", type=int, default=256)
-    p.add_argument("--max-num-batched-tokens", type=int, default=8192)
-    p.add_argument("--max-model-len", type=int, default=None)
-    p.add_argument("--no-prefix-caching", action="store_true")
-    p.add_argument("--enforce-eager", action="store_true", help="CUDA: no CUDA graphs for decode steps")
     p.add_argument("--threads", type=int, default=None, help="torch CPU threads (default: torch's choice)")
+    add_engine_args(p)
     return p
-
-
-def engine_config_from_args(args: argparse.Namespace) -> EngineConfig:
-    return EngineConfig.from_kwargs(
-        model=args.model, dtype=args.dtype, device=args.device, block_size=args.block_size,
-        num_kv_blocks=args.num_kv_blocks, max_num_seqs=args.max_num_seqs,
-        max_num_batched_tokens=args.max_num_batched_tokens, max_model_len=args.max_model_len,
-        enable_prefix_caching=not args.no_prefix_caching, tensor_parallel_size=args.tensor_parallel_size,
-        attention_backend=args.attention_backend, enforce_eager=args.enforce_eager)
 
 
 def build_app(config: EngineConfig, api_key: str | None = None, served_model_name: str | None = None,
@@ -93,7 +72,7 @@ def main(argv: list[str] | None = None) -> int:
         import torch
         torch.set_num_threads(args.threads)
     try:
-        config = engine_config_from_args(args)
+        config = EngineConfig.from_cli_args(args)
         app, async_engine = build_app(config, api_key=args.api_key, served_model_name=args.served_model_name,
                                       dashboard=not args.no_dashboard)
     except (ValueError, FileNotFoundError) as e:

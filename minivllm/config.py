@@ -1,34 +1,67 @@
-"""EngineConfig: every engine knob in one slotted dataclass (vLLM spreads these over several configs).
+"""EngineConfig: every engine option in one slotted dataclass, and the command-line flags made from it.
 
-`LLM(**kwargs)` and the CLI filter their arguments through these fields, so a misspelled option is
-an error rather than silently ignored.
+Owns: each option's name, default, help text and allowed values, and the checks on them (`validate`).
+Everything that builds an engine goes through here, so an option is written once and a misspelled one
+is an error rather than silently ignored:
+
+    LLM(max_num_seqs=8), AsyncLLMEngine.from_engine_args(...)   -> EngineConfig.from_kwargs(...)
+    python -m minivllm.generate / app.py / -m minivllm.bench     -> add_engine_args(parser)
+                                                                     EngineConfig.from_cli_args(args)
+
+A field becomes a flag by its name and type: `max_num_seqs: int` -> `--max-num-seqs N`; `int | None`
+-> an int flag whose absence means None; a bool that defaults to False -> `--enforce-eager`; a bool
+that defaults to True -> `--no-prefix-caching` (`--no-` plus the name without `enable_`).
+vLLM spreads these options over several config classes and EngineArgs; minivllm keeps one.
 """
 
 from __future__ import annotations
 
-from dataclasses import dataclass, fields
+import argparse
+import types
+import typing
+from collections.abc import Iterable
+from dataclasses import dataclass, field, fields
+
+
+def option(default, help: str, choices: tuple[str, ...] | None = None):
+    """A field with its help text (and, for the command line, its allowed values)."""
+    return field(default=default, metadata={"help": help, "choices": choices})
 
 
 @dataclass(slots=True)
 class EngineConfig:
-    model: str | None = None                # a local HF checkpoint directory; None = embedded SmolLM2
-    dtype: str = "auto"                     # auto: fp32 on CPU, the checkpoint's dtype (bf16 if fp32) on GPU
-    device: str = "auto"                    # auto: cuda if available, else cpu
-    block_size: int = 16                    # tokens per KV block
-    num_kv_blocks: int | None = None        # None: sized from memory (see model_runner.py)
-    kv_cache_memory_gb: float = 1.0         # CPU only, when num_kv_blocks is None
-    gpu_memory_utilization: float = 0.9     # CUDA only, when num_kv_blocks is None
-    max_num_seqs: int = 256                 # most requests in one step
-    max_num_batched_tokens: int = 8192      # token budget of one step (chunked prefill splits longer prompts)
-    max_model_len: int | None = None        # None: the model's max_position_embeddings
-    enable_prefix_caching: bool = True
-    preemption_mode: str = "recompute"      # recompute | swap
-    swap_space: float = 1.0                 # GiB of CPU memory for swapped-out KV (preemption_mode="swap")
-    tensor_parallel_size: int = 1           # ranks; each holds 1/tp of the heads, the MLP and the vocabulary
-    distributed_executor_backend: str = "auto"   # auto | uni | mp | external_launcher (see executor.py)
-    attention_backend: str = "auto"         # auto | torch | triton
-    enforce_eager: bool = False             # CUDA: True runs decode steps eagerly, without CUDA graphs
-    seed: int = 0                           # for requests without their own seed
+    model: str | None = option(
+        None, "a local Hugging Face checkpoint directory (config.json, *.safetensors, tokenizer files); "
+        "default: the embedded SmolLM2-135M-Instruct")
+    dtype: str = option(
+        "auto", "weight and KV cache dtype; auto: float32 on a CPU, the checkpoint's dtype on a GPU "
+        "(bfloat16 if the checkpoint is float32)", ("auto", "float32", "float16", "bfloat16"))
+    device: str = option("auto", "auto: cuda if torch sees a GPU, else cpu; or cpu, cuda, cuda:N")
+    block_size: int = option(16, "tokens per KV block")
+    num_kv_blocks: int | None = option(
+        None, "KV blocks in the pool; default: sized from memory (kv_cache_memory_gb on a CPU, "
+        "gpu_memory_utilization on CUDA)")
+    kv_cache_memory_gb: float = option(1.0, "CPU: GiB for the KV cache when num_kv_blocks is not given")
+    gpu_memory_utilization: float = option(
+        0.9, "CUDA: the fraction of free GPU memory for the KV cache when num_kv_blocks is not given")
+    max_num_seqs: int = option(256, "most requests in one step")
+    max_num_batched_tokens: int = option(
+        8192, "token budget of one step (longer prompts are split across steps: chunked prefill)")
+    max_model_len: int | None = option(
+        None, "longest prompt + output in tokens; default: the model's max_position_embeddings")
+    enable_prefix_caching: bool = option(True, "share the KV blocks of common prompt prefixes across requests")
+    preemption_mode: str = option(
+        "recompute", "when KV blocks run out, a preempted request's KV is recomputed later, or swapped to "
+        "a CPU pool", ("recompute", "swap"))
+    swap_space: float = option(1.0, "GiB of CPU memory for swapped-out KV blocks (preemption_mode swap)")
+    tensor_parallel_size: int = option(1, "ranks; each holds 1/tp of the heads, the MLP and the vocabulary")
+    distributed_executor_backend: str = option(
+        "auto", "how the ranks start (worker/executor.py): auto, uni (one rank), mp (worker processes), "
+        "external_launcher (torchrun)", ("auto", "uni", "mp", "external_launcher"))
+    attention_backend: str = option(
+        "auto", "auto: triton on CUDA, torch (the PyTorch reference) on a CPU", ("auto", "torch", "triton"))
+    enforce_eager: bool = option(False, "CUDA: run decode steps eagerly, without CUDA graphs")
+    seed: int = option(0, "seed of the sampler for requests without a seed of their own")
 
     @classmethod
     def from_kwargs(cls, **kwargs) -> "EngineConfig":
@@ -40,6 +73,15 @@ class EngineConfig:
         cfg.validate()
         return cfg
 
+    @classmethod
+    def from_cli_args(cls, args: argparse.Namespace) -> "EngineConfig":
+        """The config that flags made by `add_engine_args` ask for, checked.
+
+        A field missing from `args` (the command excluded it) or None there keeps its default: so a
+        command may own a flag of a field's name, as generate's `--seed` (default None) does."""
+        given = {f.name: getattr(args, f.name) for f in fields(cls) if getattr(args, f.name, None) is not None}
+        return cls.from_kwargs(**given)
+
     def validate(self) -> None:
         for name in ("block_size", "max_num_seqs", "max_num_batched_tokens", "tensor_parallel_size"):
             value = getattr(self, name)
@@ -49,7 +91,7 @@ class EngineConfig:
             raise ValueError(f"num_kv_blocks is {self.num_kv_blocks!r}; it must be a positive int or None.")
         if self.max_model_len is not None and (not isinstance(self.max_model_len, int) or self.max_model_len < 2):
             raise ValueError(f"max_model_len is {self.max_model_len!r}; it must be an int >= 2 or None.")
-        backends = ("auto", "uni", "mp", "external_launcher")
+        backends = choices_of("distributed_executor_backend")
         if self.distributed_executor_backend not in backends:
             raise ValueError(f"distributed_executor_backend is {self.distributed_executor_backend!r}; "
                              f"choose one of {', '.join(backends)}.")
@@ -57,3 +99,53 @@ class EngineConfig:
             raise ValueError(f"enforce_eager is {self.enforce_eager!r}; it must be True or False.")
         if not 0 < self.gpu_memory_utilization <= 1:
             raise ValueError(f"gpu_memory_utilization is {self.gpu_memory_utilization}; it must be in (0, 1].")
+
+
+def choices_of(name: str) -> tuple[str, ...]:
+    return next(f.metadata["choices"] for f in fields(EngineConfig) if f.name == name)
+
+
+def flag_of(name: str) -> str:
+    """The command-line flag of an EngineConfig field: `--max-num-seqs`, `--enforce-eager`, `--no-prefix-caching`."""
+    f = next(f for f in fields(EngineConfig) if f.name == name)
+    if f.default is True:
+        return "--no-" + name.removeprefix("enable_").replace("_", "-")
+    return "--" + name.replace("_", "-")
+
+
+def add_engine_args(parser: argparse.ArgumentParser, exclude: Iterable[str] = ()) -> argparse._ArgumentGroup:
+    """Add a flag for every EngineConfig field but those in `exclude` to `parser`, in a group of their own.
+
+    Each flag's dest is the field's name and its default the field's default, so with no engine flag
+    given, `EngineConfig.from_cli_args(parser.parse_args(...))` is `EngineConfig()`."""
+    exclude = set(exclude)
+    names = {f.name for f in fields(EngineConfig)}
+    if exclude - names:
+        raise ValueError(f"exclude names {sorted(exclude - names)}, which are not EngineConfig fields; "
+                         f"the fields are {sorted(names)}.")
+    group = parser.add_argument_group("engine options (EngineConfig, minivllm/config.py)")
+    types_ = typing.get_type_hints(EngineConfig)
+    for f in fields(EngineConfig):
+        if f.name in exclude:
+            continue
+        help_ = f.metadata["help"].replace("%", "%%")          # argparse formats help with %
+        kind = _scalar(types_[f.name])
+        if kind is bool and f.default:
+            group.add_argument(flag_of(f.name), dest=f.name, action="store_false",
+                               help=f"{help_}: on by default; this flag turns it off ({f.name}=False)")
+        elif kind is bool:
+            group.add_argument(flag_of(f.name), dest=f.name, action="store_true", help=help_)
+        else:
+            number = kind in (int, float) and not f.metadata["choices"]
+            default = "" if f.default is None else f"; default: {f.default}"
+            group.add_argument(flag_of(f.name), dest=f.name, type=kind, default=f.default,
+                               choices=f.metadata["choices"], metavar="N" if number else None,
+                               help=help_ + default)
+    return group
+
+
+def _scalar(annotation) -> type:
+    """int for `int` and `int | None`; likewise str, float, bool."""
+    if isinstance(annotation, types.UnionType) or typing.get_origin(annotation) is typing.Union:
+        (annotation,) = [a for a in typing.get_args(annotation) if a is not type(None)]
+    return annotation

@@ -34,6 +34,7 @@ import sys
 import time
 from dataclasses import asdict, dataclass
 
+from minivllm.config import EngineConfig, add_engine_args
 from minivllm.entrypoints.llm import LLM
 from minivllm.core.sampling_params import SamplingParams
 
@@ -474,14 +475,6 @@ def bench_hf(model, workload: Workload, batch_size: int) -> ThroughputResult:
 
 
 # ---------------------------------------------------------------------------------------------- CLI
-ENGINE_ARGS = {  # flag -> EngineConfig field; only flags given on the command line are passed on
-    "model": "model", "dtype": "dtype", "device": "device", "max_num_seqs": "max_num_seqs",
-    "max_num_batched_tokens": "max_num_batched_tokens", "num_kv_blocks": "num_kv_blocks",
-    "block_size": "block_size", "attention_backend": "attention_backend",
-    "tensor_parallel_size": "tensor_parallel_size",
-}
-
-
 def positive_int(text: str) -> int:
     value = int(text)
     if value < 1:
@@ -504,7 +497,7 @@ def build_parser() -> argparse.ArgumentParser:
     w.add_argument("--input-len-max", type=positive_int, default=256)
     w.add_argument("--output-len-min", type=positive_int, default=32)
     w.add_argument("--output-len-max", type=positive_int, default=256)
-    w.add_argument("--seed", type=int, default=0)
+    w.add_argument("--seed", type=int, default=0, help="seeds the workload and the engine (default 0)")
     w.add_argument("--shared-prefix-len", type=positive_int, default=200, help="prefix mode: shared tokens")
     sv = p.add_argument_group("serve mode")
     sv.add_argument("--base-url", default="http://127.0.0.1:8000", help="the running server")
@@ -515,20 +508,7 @@ def build_parser() -> argparse.ArgumentParser:
     k = p.add_argument_group("kernels mode")
     k.add_argument("--kernel-dtype", choices=sorted(KERNEL_DTYPES), default="bf16",
                    help="dtype of the KV cache, query and copy buffers (default bf16)")
-    e = p.add_argument_group("engine (defaults: minivllm's own)")
-    e.add_argument("--model", help="a local HF checkpoint directory (default: the embedded SmolLM2-135M)")
-    e.add_argument("--dtype", choices=["auto", "float32", "float16", "bfloat16"])
-    e.add_argument("--device")
-    e.add_argument("--max-num-seqs", type=positive_int)
-    e.add_argument("--max-num-batched-tokens", type=positive_int)
-    e.add_argument("--num-kv-blocks", type=positive_int)
-    e.add_argument("--block-size", type=positive_int)
-    e.add_argument("--no-prefix-caching", action="store_true")
-    e.add_argument("--enforce-eager", action="store_true",
-                   help="CUDA: run decode steps eagerly, without CUDA graphs (run once with, once without, "
-                        "to see what the graphs are worth)")
-    e.add_argument("--attention-backend", choices=["auto", "torch", "triton"])
-    e.add_argument("--tensor-parallel-size", type=positive_int)
+    add_engine_args(p, exclude=("seed",))          # --seed (workload) seeds the engine too, as in vLLM's bench
     c = p.add_argument_group("comparison and output")
     c.add_argument("--compare", choices=["hf"], help="also run Hugging Face generate on the same requests")
     c.add_argument("--hf-batch-size", type=positive_int, default=32,
@@ -558,13 +538,11 @@ def parse_args(argv=None) -> argparse.Namespace:
     return args
 
 
-def engine_kwargs(args: argparse.Namespace) -> dict:
-    kwargs = {field: getattr(args, flag) for flag, field in ENGINE_ARGS.items() if getattr(args, flag) is not None}
-    if args.no_prefix_caching:
-        kwargs["enable_prefix_caching"] = False
-    if args.enforce_eager:
-        kwargs["enforce_eager"] = True
-    return kwargs
+def config_from_args(args: argparse.Namespace) -> EngineConfig:
+    try:
+        return EngineConfig.from_cli_args(args)
+    except ValueError as e:                                # a bad engine option is a usage error too
+        args.parser.error(str(e))
 
 
 def print_report(workload: Workload, mv: ThroughputResult, latency: LatencyResult,
@@ -664,7 +642,7 @@ def main(argv=None) -> int:
         return main_serve(args)
     host_start = host_info()
     try:
-        llm = LLM(**engine_kwargs(args))
+        llm = LLM(**asdict(config_from_args(args)))
     except (ValueError, FileNotFoundError) as e:           # a bad engine option is a usage error too
         args.parser.error(str(e))
     engine = llm.llm_engine
@@ -728,8 +706,8 @@ def main(argv=None) -> int:
 
 
 def main_prefix(args: argparse.Namespace) -> int:
-    kw = engine_kwargs(args)
-    kw.pop("enable_prefix_caching", None)
+    kw = asdict(config_from_args(args))
+    kw.pop("enable_prefix_caching")                        # the mode runs with it off, then on
     try:
         r = bench_prefix(kw, args.num_requests, args.shared_prefix_len, args.seed)
     except (ValueError, FileNotFoundError) as e:

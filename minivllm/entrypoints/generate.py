@@ -15,7 +15,9 @@ import argparse
 import os
 import sys
 import time
+from dataclasses import asdict
 
+from minivllm.config import EngineConfig, add_engine_args
 from minivllm.core.sampling_params import SamplingParams
 
 
@@ -25,26 +27,16 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("prompts", nargs="*", help="prompts (one request each)")
     p.add_argument("--prompts-file", help="a file with one prompt per line")
     p.add_argument("--chat", action="store_true", help="wrap each prompt as a user message in the chat template")
-    p.add_argument("--model", default=None, help="local Hugging Face checkpoint directory (default: embedded SmolLM2)")
     p.add_argument("--max-tokens", type=int, default=64)
     p.add_argument("--temperature", type=float, default=0.7)
     p.add_argument("--top-p", type=float, default=1.0)
     p.add_argument("--top-k", type=int, default=-1)
-    p.add_argument("--seed", type=int, default=None, help="per-request seed (reproducible sampling)")
+    p.add_argument("--seed", type=int, default=None,
+                   help="each request's seed (reproducible sampling whatever the batch); also the engine's seed")
     p.add_argument("--stop", action="append", default=None, help="stop string (repeatable)")
     p.add_argument("--ignore-eos", action="store_true")
     p.add_argument("--stream", action="store_true", help="print tokens as they are generated")
-    p.add_argument("--tensor-parallel-size", type=int, default=1)
-    p.add_argument("--device", default="auto")
-    p.add_argument("--dtype", default="auto", choices=["auto", "float32", "float16", "bfloat16"])
-    p.add_argument("--attention-backend", default="auto", choices=["auto", "torch", "triton"])
-    p.add_argument("--num-kv-blocks", type=int, default=None)
-    p.add_argument("--block-size", type=int, default=16)
-    p.add_argument("--max-num-seqs", type=int, default=256)
-    p.add_argument("--max-num-batched-tokens", type=int, default=8192)
-    p.add_argument("--max-model-len", type=int, default=None)
-    p.add_argument("--no-prefix-caching", action="store_true")
-    p.add_argument("--enforce-eager", action="store_true", help="CUDA: no CUDA graphs for decode steps")
+    add_engine_args(p, exclude=("seed",))           # --seed above seeds the requests and the engine
     return p
 
 
@@ -74,12 +66,7 @@ def main(argv: list[str] | None = None) -> int:
     if not is_rank0:
         sys.stdout = open(os.devnull, "w")      # every torchrun rank runs this; rank 0 prints
     try:
-        llm = LLM(model=args.model, dtype=args.dtype, device=args.device, block_size=args.block_size,
-                  num_kv_blocks=args.num_kv_blocks, max_num_seqs=args.max_num_seqs,
-                  max_num_batched_tokens=args.max_num_batched_tokens, max_model_len=args.max_model_len,
-                  enable_prefix_caching=not args.no_prefix_caching,
-                  tensor_parallel_size=args.tensor_parallel_size, attention_backend=args.attention_backend,
-                  enforce_eager=args.enforce_eager)
+        llm = LLM(**asdict(EngineConfig.from_cli_args(args)))
     except (ValueError, FileNotFoundError) as e:
         parser.error(str(e))
 

@@ -1,0 +1,120 @@
+"""Every engine option is one EngineConfig field, and each of the three commands takes it as a flag.
+
+`python -m minivllm.generate`, `python app.py` and `python -m minivllm.bench` build their engine flags
+from EngineConfig (`add_engine_args`); these tests give every flag a value other than its default and
+check that exactly those values reach the engine the command builds (the engine itself is replaced by a
+stand-in that records its config and stops the command).
+"""
+
+from __future__ import annotations
+
+import argparse
+from dataclasses import asdict, fields
+
+import pytest
+
+from minivllm.config import EngineConfig, add_engine_args
+
+# A value other than the default for every field, and the flags a user types for it.
+VALUES = dict(model="/tmp/some-checkpoint", dtype="float16", device="cpu", block_size=32, num_kv_blocks=7,
+              kv_cache_memory_gb=0.5, gpu_memory_utilization=0.5, max_num_seqs=8, max_num_batched_tokens=512,
+              max_model_len=128, enable_prefix_caching=False, preemption_mode="swap", swap_space=0.25,
+              tensor_parallel_size=2, distributed_executor_backend="mp", attention_backend="torch",
+              enforce_eager=True, seed=7)
+ARGV = ["--model", "/tmp/some-checkpoint", "--dtype", "float16", "--device", "cpu", "--block-size", "32",
+        "--num-kv-blocks", "7", "--kv-cache-memory-gb", "0.5", "--gpu-memory-utilization", "0.5",
+        "--max-num-seqs", "8", "--max-num-batched-tokens", "512", "--max-model-len", "128",
+        "--no-prefix-caching", "--preemption-mode", "swap", "--swap-space", "0.25",
+        "--tensor-parallel-size", "2", "--distributed-executor-backend", "mp", "--attention-backend", "torch",
+        "--enforce-eager", "--seed", "7"]
+
+
+class Built(Exception):
+    """Raised by the stand-in engine: the command got as far as building it, with `config`."""
+
+    def __init__(self, config: EngineConfig):
+        self.config = config
+
+
+def run_generate(argv, monkeypatch):
+    import minivllm.entrypoints.llm
+    from minivllm.entrypoints.generate import main
+
+    def fake_llm(**kwargs):
+        raise Built(EngineConfig(**kwargs))
+    monkeypatch.setattr(minivllm.entrypoints.llm, "LLM", fake_llm)
+    return main([*argv, "a prompt"])
+
+
+def run_app(argv, monkeypatch):
+    import app
+
+    def fake_build_app(config, **kwargs):
+        raise Built(config)
+    monkeypatch.setattr(app, "build_app", fake_build_app)
+    return app.main(argv)
+
+
+def run_bench(argv, monkeypatch):
+    from minivllm.bench import offline
+
+    def fake_llm(**kwargs):
+        raise Built(EngineConfig(**kwargs))
+    monkeypatch.setattr(offline, "LLM", fake_llm)
+    return offline.main(argv)
+
+
+COMMANDS = {"generate": run_generate, "app": run_app, "bench": run_bench}
+
+
+def config_built_by(command, argv, monkeypatch) -> EngineConfig:
+    with pytest.raises(Built) as built:
+        COMMANDS[command](argv, monkeypatch)
+    return built.value.config
+
+
+def test_the_table_covers_every_field_with_a_value_other_than_its_default():
+    assert set(VALUES) == {f.name for f in fields(EngineConfig)}
+    for f in fields(EngineConfig):
+        assert VALUES[f.name] != f.default, f.name
+        assert f.metadata["help"], f"{f.name} has no help text"
+
+
+@pytest.mark.parametrize("command", COMMANDS)
+def test_every_engine_flag_reaches_the_config(command, monkeypatch):
+    assert config_built_by(command, ARGV, monkeypatch) == EngineConfig(**VALUES)
+
+
+@pytest.mark.parametrize("command", COMMANDS)
+def test_no_engine_flag_gives_the_default_config(command, monkeypatch):
+    assert config_built_by(command, [], monkeypatch) == EngineConfig()
+
+
+@pytest.mark.parametrize("command", COMMANDS)
+@pytest.mark.parametrize("argv, message", [
+    (["--max-num-seqs", "0"], "max_num_seqs is 0; it must be a positive int"),
+    (["--attention-backend", "cuda"], "invalid choice: 'cuda'"),
+    (["--num-kv-blocks", "many"], "invalid int value: 'many'"),
+])
+def test_a_bad_engine_flag_is_a_usage_error(command, argv, message, monkeypatch, capsys):
+    with pytest.raises(SystemExit) as exc:
+        COMMANDS[command](argv, monkeypatch)
+    assert exc.value.code == 2
+    err = capsys.readouterr().err
+    assert "usage:" in err and message in err
+
+
+def test_add_engine_args_excludes_what_it_is_told_and_refuses_unknown_names():
+    parser = argparse.ArgumentParser()
+    add_engine_args(parser, exclude=("seed", "model"))
+    args = parser.parse_args(["--max-num-seqs", "4"])
+    assert not hasattr(args, "seed") and not hasattr(args, "model")
+    assert EngineConfig.from_cli_args(args) == EngineConfig(max_num_seqs=4)
+    with pytest.raises(ValueError, match=r"exclude names \['sed'\], which are not EngineConfig fields"):
+        add_engine_args(argparse.ArgumentParser(), exclude=("sed",))
+
+
+def test_generate_seed_seeds_the_requests_and_the_engine(monkeypatch):
+    """generate owns --seed (each request's seed, default None); given, it also becomes the engine's seed."""
+    assert config_built_by("generate", ["--seed", "3"], monkeypatch).seed == 3
+    assert asdict(config_built_by("generate", [], monkeypatch)) == asdict(EngineConfig())
