@@ -46,7 +46,8 @@ class EngineConfig:
         0.9, "CUDA: the fraction of free GPU memory for the KV cache when num_kv_blocks is not given")
     max_num_seqs: int = option(256, "most requests in one step")
     max_num_batched_tokens: int = option(
-        8192, "token budget of one step (longer prompts are split across steps: chunked prefill)")
+        8192, "token budget of one step (longer prompts are split across steps: chunked prefill); "
+        "at least max_num_seqs")
     max_model_len: int | None = option(
         None, "longest prompt + output in tokens; default: the model's max_position_embeddings")
     enable_prefix_caching: bool = option(True, "share the KV blocks of common prompt prefixes across requests")
@@ -91,6 +92,12 @@ class EngineConfig:
             raise ValueError(f"num_kv_blocks is {self.num_kv_blocks!r}; it must be a positive int or None.")
         if self.max_model_len is not None and (not isinstance(self.max_model_len, int) or self.max_model_len < 2):
             raise ValueError(f"max_model_len is {self.max_model_len!r}; it must be an int >= 2 or None.")
+        if self.max_num_batched_tokens < self.max_num_seqs:
+            # As vLLM: a step must be able to give each of max_num_seqs running requests its decode token.
+            raise ValueError(f"max_num_batched_tokens is {self.max_num_batched_tokens}, below max_num_seqs "
+                             f"({self.max_num_seqs}): a step could not give every running request a token. "
+                             f"Raise max_num_batched_tokens to at least {self.max_num_seqs} or lower "
+                             f"max_num_seqs to at most {self.max_num_batched_tokens}.")
         backends = choices_of("distributed_executor_backend")
         if self.distributed_executor_backend not in backends:
             raise ValueError(f"distributed_executor_backend is {self.distributed_executor_backend!r}; "

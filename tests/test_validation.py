@@ -38,6 +38,21 @@ def test_unknown_engine_keys_are_refused():
         LLM(max_num_seq=4)
 
 
+@pytest.mark.parametrize("kwargs, budget, seqs", [
+    (dict(max_num_batched_tokens=32), 32, 256),                        # max_num_seqs at its default
+    (dict(max_num_seqs=64, max_num_batched_tokens=63), 63, 64),
+])
+def test_token_budget_below_max_num_seqs_is_refused_with_both_values_and_the_fix(kwargs, budget, seqs):
+    """As vLLM: a step must fit one decode token for each of max_num_seqs running requests."""
+    with pytest.raises(ValueError) as e:
+        LLM(**kwargs)                                   # refused before any model is loaded
+    message = str(e.value)
+    assert f"max_num_batched_tokens is {budget}, below max_num_seqs ({seqs})" in message
+    assert f"max_num_batched_tokens to at least {seqs}" in message and f"max_num_seqs to at most {budget}" in message
+    from minivllm.config import EngineConfig
+    assert EngineConfig.from_kwargs(max_num_seqs=seqs, max_num_batched_tokens=seqs).max_num_batched_tokens == seqs
+
+
 def _assert_engine_idle(llm):
     engine = llm.llm_engine
     assert not engine.has_unfinished_requests()
