@@ -520,10 +520,10 @@ def test_metrics_are_prometheus_text_that_matches_the_engine(client, server):
 def test_bench_serve_streams_poisson_requests_and_reports_latencies(server, tmp_path):
     """`python -m minivllm.bench serve` against this server: every request completes with exactly the
     tokens it asked for (ignore_eos), and TTFT / ITL / E2E percentiles come out ordered."""
-    from minivllm.bench import offline as bench
+    from minivllm.bench.cli import main
 
     out = tmp_path / "serve.json"
-    rc = bench.main(["serve", "--base-url", server.url, "--num-requests", "8", "--request-rate", "20",
+    rc = main(["serve", "--base-url", server.url, "--num-requests", "8", "--request-rate", "20",
                      "--input-len-min", "4", "--input-len-max", "12", "--output-len-min", "8", "--output-len-max", "8",
                      "--json", str(out)])
     report = json.loads(out.read_text())

@@ -4,12 +4,14 @@ import json
 
 import pytest
 
-from minivllm.bench import offline as bench
+from minivllm.bench import kernels
+from minivllm.bench.cli import main
+from minivllm.bench.workload import TOKEN_ID_HIGH, TOKEN_ID_LOW, Workload
 
 
 def test_bench_compare_hf_gives_every_request_its_tokens_in_both_engines(tmp_path):
     out = tmp_path / "bench.json"
-    rc = bench.main(["--num-requests", "3", "--input-len-min", "8", "--input-len-max", "16",
+    rc = main(["--num-requests", "3", "--input-len-min", "8", "--input-len-max", "16",
                      "--output-len-min", "4", "--output-len-max", "8", "--compare", "hf", "--json", str(out)])
     assert rc == 0
     report = json.loads(out.read_text())
@@ -36,7 +38,7 @@ def test_bench_compare_hf_gives_every_request_its_tokens_in_both_engines(tmp_pat
 
 def test_prefix_mode_computes_the_shared_prefix_once(tmp_path):
     out = tmp_path / "prefix.json"
-    assert bench.main(["prefix", "--num-requests", "4", "--shared-prefix-len", "64", "--json", str(out)]) == 0
+    assert main(["prefix", "--num-requests", "4", "--shared-prefix-len", "64", "--json", str(out)]) == 0
     r = json.loads(out.read_text())
     assert r["outputs_equal"]
     assert r["prefill_tokens_off"] - r["prefill_tokens_on"] == 3 * 64     # requests 2-4 hit all 4 shared blocks
@@ -44,10 +46,10 @@ def test_prefix_mode_computes_the_shared_prefix_once(tmp_path):
 
 
 def test_same_seed_gives_the_same_workload_and_ids_avoid_special_tokens():
-    a = bench.Workload.random(5, (8, 16), (4, 8), vocab_size=49152, seed=7)
-    b = bench.Workload.random(5, (8, 16), (4, 8), vocab_size=49152, seed=7)
+    a = Workload.random(5, (8, 16), (4, 8), vocab_size=49152, seed=7)
+    b = Workload.random(5, (8, 16), (4, 8), vocab_size=49152, seed=7)
     assert a == b
-    assert all(bench.TOKEN_ID_LOW <= t < bench.TOKEN_ID_HIGH for p in a.prompt_token_ids for t in p)
+    assert all(TOKEN_ID_LOW <= t < TOKEN_ID_HIGH for p in a.prompt_token_ids for t in p)
 
 
 @pytest.mark.parametrize("argv", [["--num-requests", "0"], ["--input-len-min", "9", "--input-len-max", "8"],
@@ -55,7 +57,7 @@ def test_same_seed_gives_the_same_workload_and_ids_avoid_special_tokens():
                                   ["serve", "--base-url", "http://127.0.0.1:9"]])
 def test_bad_arguments_are_usage_errors(argv, capsys):
     with pytest.raises(SystemExit) as exc:
-        bench.main(argv)
+        main(argv)
     assert exc.value.code == 2
     assert "usage:" in capsys.readouterr().err
 
@@ -72,7 +74,7 @@ def test_serve_mode_runs_from_the_command_line():
 @pytest.mark.skipif(__import__("torch").cuda.is_available(), reason="checks the message a machine without CUDA gets")
 def test_kernels_mode_without_cuda_is_a_usage_error_that_names_cuda(capsys):
     with pytest.raises(SystemExit) as exc:
-        bench.main(["kernels"])
+        main(["kernels"])
     assert exc.value.code == 2
     err = capsys.readouterr().err
     assert "usage:" in err and "the kernels benchmark needs a CUDA GPU" in err
@@ -83,19 +85,19 @@ def test_kernel_decode_bytes_count_kv_once_plus_query_and_output():
     kv = 2 * 64 * 2048 * 8 * 128 * 2           # K and V: 536_870_912 bytes
     q_and_out = 2 * 64 * 32 * 128 * 2          # query read + output written: 1_048_576 bytes
     assert kv + q_and_out == 537_919_488
-    assert bench.decode_bytes(64, 2048, 32, 8, 128, itemsize=2) == 537_919_488
-    assert bench.decode_bytes(1, 512, 32, 32, 128, itemsize=4) == 2 * 512 * 32 * 128 * 4 + 2 * 32 * 128 * 4
+    assert kernels.decode_bytes(64, 2048, 32, 8, 128, itemsize=2) == 537_919_488
+    assert kernels.decode_bytes(1, 512, 32, 32, 128, itemsize=4) == 2 * 512 * 32 * 128 * 4 + 2 * 32 * 128 * 4
 
 
 def test_kernel_rows_report_bandwidth_and_mark_the_target_row():
-    row = bench.DecodeRow(batch=64, context=2048, num_heads=32, num_kv_heads=8, head_dim=128, block_size=16,
+    row = kernels.DecodeRow(batch=64, context=2048, num_heads=32, num_kv_heads=8, head_dim=128, block_size=16,
                           dtype="bfloat16", num_splits=1, bytes_moved=537_919_488, triton_s=1e-3, torch_s=4e-3,
                           copy_bandwidth_gbs=1000.0)
     assert row.bandwidth_gbs == pytest.approx(537.919488)
     assert row.fraction_of_copy == pytest.approx(0.537919488)
     assert row.speedup_over_torch == pytest.approx(4.0) and row.is_target
-    assert not bench.DecodeRow(**{**row.__dict__, "num_kv_heads": 4}).is_target
-    assert bench.CopyResult(bytes_moved=2 * 10**9, time_s=0.5).bandwidth_gbs == pytest.approx(4.0)
+    assert not kernels.DecodeRow(**{**row.__dict__, "num_kv_heads": 4}).is_target
+    assert kernels.CopyResult(bytes_moved=2 * 10**9, time_s=0.5).bandwidth_gbs == pytest.approx(4.0)
 
 
 def test_workload_flops_count_every_fed_token_and_every_sampled_row():

@@ -57,11 +57,12 @@ def run_app(argv, monkeypatch):
 
 def run_bench(argv, monkeypatch):
     from minivllm.bench import offline
+    from minivllm.bench.cli import main
 
     def fake_llm(**kwargs):
         raise Built(EngineConfig(**kwargs))
     monkeypatch.setattr(offline, "LLM", fake_llm)
-    return offline.main(argv)
+    return main(argv)
 
 
 COMMANDS = {"generate": run_generate, "app": run_app, "bench": run_bench}

@@ -65,7 +65,7 @@ def test_errors_name_the_choice(tmp_path):
 
 
 def test_bench_runs_hf_in_minivllm_dtype_and_device(tmp_path):
-    from minivllm.bench.offline import hf_generate_batch, load_hf_model
+    from minivllm.bench.hf import hf_generate_batch, load_hf_model
     path = write_random_checkpoint("tiny-qwen3", tmp_path / "t")           # bf16 on disk
     model = load_hf_model(path, torch.float32, torch.device("cpu"))
     assert next(model.parameters()).dtype == torch.float32 and model.device.type == "cpu"

@@ -1,5 +1,5 @@
-"""`python -m minivllm.bench [offline|prefix|kernels|serve]`: see bench/offline.py."""
+"""`python -m minivllm.bench [offline|prefix|kernels|serve]`: see bench/cli.py."""
 
-from minivllm.bench.offline import main
+from minivllm.bench.cli import main
 
 raise SystemExit(main())

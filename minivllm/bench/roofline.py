@@ -14,15 +14,20 @@ Memory: a step must read every weight once and every cached K and V it attends t
 measured copy bandwidth a decode step (a few rows, every weight) cannot beat
     decode step floor = (weight bytes + KV bytes of the batch) / bandwidth
 `step_floor_s` takes the larger of the two bounds for one step: the roofline of that step.
+
+A run's steps reach it as `StepWork` (`step_work(trace)`: tokens, attention pairs, sampled rows, KV read);
+`measure_hardware` puts a whole run against both ceilings and `print_hardware` reports it.
 """
 
 from __future__ import annotations
 
 import time
+from dataclasses import dataclass
 
 import torch
 import torch.nn.functional as F
 
+from minivllm.bench.workload import ThroughputResult, Workload, percentile
 from minivllm.model.llama import ModelConfig
 
 
@@ -110,3 +115,81 @@ def measure_copy_bandwidth(device="cpu", nbytes: int = 256 * 2**20, reps: int = 
             torch.cuda.synchronize()
         times.append(time.perf_counter() - start)
     return 2 * nbytes / sorted(times)[len(times) // 2]
+
+
+# ---------------------------------------------------------------------- one run against its ceilings
+@dataclass(frozen=True)
+class StepWork:
+    """What one engine step computed, from its StepTrace: enough to give it a roofline floor."""
+    duration_s: float
+    num_tokens: int              # rows through the layers
+    attention_pairs: int         # (query, key) pairs attended, summed over the new tokens
+    num_sampled: int             # rows through the LM head
+    kv_tokens_read: int          # cached tokens each layer's attention reads
+    num_decode: int
+    decode_only: bool
+
+
+def step_work(trace) -> StepWork:
+    pairs = kv = sampled = 0
+    for r in trace.requests:
+        if not r.kind:
+            continue
+        n, end = r.num_scheduled_tokens, r.num_computed_tokens        # new tokens end at position end - 1
+        pairs += n * (2 * end - n + 1) // 2
+        kv += end
+        sampled += end == r.num_prompt_tokens + r.num_output_tokens - 1
+    return StepWork(trace.duration_s, trace.num_prefill_tokens + trace.num_decode_tokens, pairs, sampled, kv,
+                    trace.num_decode_tokens, trace.num_prefill_tokens == 0)
+
+
+def measure_hardware(cfg, device, dtype, workload: Workload, steps: list[StepWork], skip: bool,
+                     decode_batch: int | None = None) -> dict | None:
+    """The ceilings, measured after the run on the same machine:
+    - matmul: the workload's FLOPs at the model's matmul rate, as output tokens/s;
+    - roofline: each step of this run at max(FLOPs / matmul rate, bytes / copy bandwidth), summed;
+    - decode: the fullest decode-only steps against their memory floor."""
+    if skip:
+        return None
+    dev = str(device)
+    rate = measure_matmul_rate(cfg, dtype, dev)
+    bandwidth = measure_copy_bandwidth(dev)
+    flops = workload_flops(cfg, [len(p) for p in workload.prompt_token_ids], workload.output_lens)
+    floors = [step_floor_s(cfg, dtype.itemsize, rate, bandwidth, st.num_tokens, st.attention_pairs,
+                           st.num_sampled, st.kv_tokens_read) for st in steps]
+    hw = {"device": dev, "dtype": str(dtype), "matmul_flops_per_s": rate, "copy_bandwidth_bytes_per_s": bandwidth,
+          "workload_flops": flops, "matmul_ceiling_output_tokens_per_s": workload.num_output_tokens / (flops / rate),
+          "roofline_s": sum(floors), "roofline_output_tokens_per_s": workload.num_output_tokens / sum(floors),
+          "num_steps": len(steps), "decode": None}
+    decode = [(st, f) for st, f in zip(steps, floors) if st.decode_only]
+    if decode:
+        batches = sorted({st.num_decode for st, _ in decode})
+        # the fullest decode steps of the run, or those closest to --decode-batch
+        batch = batches[-1] if decode_batch is None else min(batches, key=lambda b: abs(b - decode_batch))
+        full = [(st, f) for st, f in decode if st.num_decode == batch]
+        hw["decode"] = {"batch": batch, "num_steps": len(full),
+                        "median_step_s": percentile([st.duration_s for st, _ in full], 50),
+                        "median_floor_s": percentile([f for _, f in full], 50),
+                        "median_ratio_to_floor": percentile([st.duration_s / f for st, f in full], 50)}
+    return hw
+
+
+def print_hardware(hw: dict | None, mv: ThroughputResult, hf: ThroughputResult | None) -> None:
+    if hw is None:
+        return
+    tps = mv.output_tokens_per_s
+    print(f"matmul rate:          {hw['matmul_flops_per_s'] / 1e9:.1f} GFLOP/s ({hw['dtype']}, the model's layer "
+          f"matmuls at 256 tokens, {hw['device']})")
+    print(f"copy bandwidth:       {hw['copy_bandwidth_bytes_per_s'] / 1e9:.1f} GB/s (read + write)")
+    ceiling = hw["matmul_ceiling_output_tokens_per_s"]
+    print(f"matmul ceiling:       {ceiling:.1f} output tokens/s ({hw['workload_flops'] / 1e12:.2f} TFLOP at the "
+          f"matmul rate); minivllm at {tps / ceiling:.0%}"
+          + (f", HF at {hf.output_tokens_per_s / ceiling:.0%}" if hf is not None else ""))
+    roof = hw["roofline_output_tokens_per_s"]
+    print(f"roofline of the run:  {roof:.1f} output tokens/s (each of its {hw['num_steps']} steps at max(FLOPs / "
+          f"matmul rate, bytes / bandwidth)); minivllm at {tps / roof:.0%}")
+    d = hw["decode"]
+    if d is not None:
+        print(f"decode steps:         batch {d['batch']}: median {d['median_step_s'] * 1000:.1f} ms vs a memory "
+              f"floor of {d['median_floor_s'] * 1000:.1f} ms ({d['median_ratio_to_floor']:.2f}x), "
+              f"{d['num_steps']} steps")

@@ -16,11 +16,14 @@ rate "inf" sends everything at once. It talks HTTP only, so it measures the serv
 
 from __future__ import annotations
 
+import argparse
 import asyncio
 import json
 import random
 import time
 from dataclasses import dataclass, field
+
+from minivllm.bench.workload import percentile
 
 WORDS = ("time person year way day thing man world life hand part child eye woman place work week case point "
          "government company number group problem fact river garden window music story paper light water").split()
@@ -53,8 +56,6 @@ class ServeReport:
         return self.output_tokens / self.wall_s if self.wall_s else 0.0
 
     def to_json(self) -> dict:
-        from minivllm.bench.offline import percentile
-
         out = {"num_requests": self.num_requests, "num_ok": self.num_ok, "request_rate": self.request_rate,
                "wall_s": self.wall_s, "output_tokens": self.output_tokens,
                "output_tokens_per_s": self.output_tokens_per_s, "errors": self.errors[:10]}
@@ -146,3 +147,24 @@ def print_serve_report(rep: ServeReport) -> None:
               f"{j[f'{name}_p99_ms']:.0f} ms")
     for err in rep.errors[:5]:
         print(f"error:                {err}")
+
+
+def main_serve(args: argparse.Namespace) -> int:
+    """Output lengths U[--output-len-min, --output-len-max] (ignore_eos); prompts of --input-len-min..max words."""
+    import httpx
+
+    if args.request_rate <= 0:
+        args.parser.error(f"--request-rate is {args.request_rate}; it must be > 0 (or inf).")
+    try:
+        rep = asyncio.run(run_serve_benchmark(args.base_url, args.num_requests, args.request_rate,
+                                              (args.output_len_min, args.output_len_max),
+                                              (args.input_len_min, args.input_len_max),
+                                              args.seed, args.served_model, args.api_key))
+    except (OSError, httpx.HTTPError) as e:
+        args.parser.error(f"cannot reach {args.base_url} ({type(e).__name__}: {e}); start the server first: "
+                          "python app.py")
+    print_serve_report(rep)
+    if args.json:
+        with open(args.json, "w") as f:
+            json.dump({"mode": "serve", "base_url": args.base_url, **rep.to_json()}, f, indent=2)
+    return 0 if rep.num_ok == rep.num_requests else 1
