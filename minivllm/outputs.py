@@ -1,8 +1,11 @@
-"""What `LLM.generate` and the engine return, with vLLM's names and shapes."""
+"""What `LLM.generate` and the engine return, with vLLM's names and shapes.
+
+With `SamplingParams(output_kind=RequestOutputKind.DELTA)` (streaming), `outputs[0].text` and `.token_ids` hold only
+what is new since the request's previous output, as in vLLM; otherwise everything so far."""
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 
 from minivllm.core.request import RequestMetrics
 
@@ -29,9 +32,6 @@ class RequestOutput:
     finished: bool
     metrics: RequestMetrics | None = None
     num_cached_tokens: int = 0            # prompt tokens served from the prefix cache
-    # For streaming: the text and token ids added since the previous output of this request.
-    delta_text: str = ""
-    delta_token_ids: list[int] = field(default_factory=list)
 
     def __repr__(self) -> str:
         o = self.outputs[0]

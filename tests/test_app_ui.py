@@ -66,7 +66,7 @@ SHARED = ("You are a careful assistant. Read the question, think about what it r
 def traces(llm):
     """Two requests sharing a prefix of several blocks, stepped until both run; then run to the end."""
     engine = llm.llm_engine
-    engine.block_manager.reset_prefix_cache()      # the session's engine: start from a known cache
+    engine.kv_cache_manager.reset_prefix_cache()      # the session's engine: start from a known cache
     params = SamplingParams(temperature=0, max_tokens=6, ignore_eos=True)
     with engine.record_traces() as recorded:
         engine.add_request(SHARED + "why is the sky blue?", params, request_id="sky")
@@ -74,7 +74,7 @@ def traces(llm):
         engine.add_request(SHARED + "why is <grass> green?", params, request_id="<grass>")
         engine.step()
         both = recorded[-1]
-        ref_counts = [b.ref_count for b in engine.block_manager.blocks]
+        ref_counts = [b.ref_count for b in engine.kv_cache_manager.block_pool.blocks]
         while engine.has_unfinished_requests():
             engine.step()
     return both, ref_counts, list(recorded), engine
@@ -102,7 +102,7 @@ def test_block_grid_shows_owners_shared_blocks_and_cached_free_blocks(traces):
     after = recorded[-1]                                          # both finished: their full blocks stay cached
     cells = Elements(render_block_grid(after, after.num_kv_blocks)).cells()
     cached = {b for b, (a, _) in cells.items() if a["data-state"] == "cached"}
-    assert cached == set(engine.block_manager.cached_free) and cached >= shared
+    assert cached == set(engine.kv_cache_manager.block_pool.cached_free) and cached >= shared
     assert all(a["data-state"] in ("cached", "free") for a, _ in cells.values())
 
 

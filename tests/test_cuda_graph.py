@@ -53,7 +53,7 @@ def test_padded_static_decode_matches_hf_and_eager(llm, hf_model, tokenizer):
     assert graphs.stats.replays == 2 + 3 + 3 + 3 + 4 + 8
     assert graphs.stats.padded_rows == 2 * 2 + 3 * 3 + 3 * 1
     assert graphs.stats.eager_steps == 1
-    assert llm.llm_engine.block_manager.num_free_blocks == llm.llm_engine.block_manager.num_blocks
+    assert llm.llm_engine.kv_cache_manager.num_free_blocks == llm.llm_engine.kv_cache_manager.num_blocks
 
 
 def test_padded_rows_write_nothing(llm, tokenizer):

@@ -18,7 +18,8 @@ def test_incremental_equals_full_decode(tokenizer, text):
     ids = tokenizer.encode(text, add_special_tokens=False)
     state, pieces = DetokState(), []
     for i in range(1, len(ids) + 1):
-        pieces.append(detokenize_incrementally(tokenizer, ids[:i], state))
+        piece, state = detokenize_incrementally(tokenizer, ids[:i], state)
+        pieces.append(piece)
     assert "".join(pieces) == tokenizer.decode(ids)
 
 
@@ -29,7 +30,8 @@ def test_random_token_streams_emit_a_prefix_of_the_full_text(tokenizer):
         ids = [rng.randrange(100, 49000) for _ in range(40)]
         state, text = DetokState(), ""
         for i in range(1, len(ids) + 1):
-            text += detokenize_incrementally(tokenizer, ids[:i], state)
+            piece, state = detokenize_incrementally(tokenizer, ids[:i], state)
+            text += piece
         full = tokenizer.decode(ids)
         assert full.startswith(text)
         assert text == full or full.endswith("\ufffd")

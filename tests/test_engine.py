@@ -36,7 +36,7 @@ def test_requests_join_and_leave_a_running_batch(llm):
 
 def test_abort_frees_every_block_at_any_point(llm):
     engine = llm.llm_engine
-    bm = engine.block_manager
+    bm = engine.kv_cache_manager
     waiting = engine.add_request("never scheduled " * 10, greedy(50))
     assert engine.abort_request(waiting.request_id).outputs[0].finish_reason == "abort"
     running = engine.add_request("Tell me about the ocean " * 10, greedy(50))
@@ -83,4 +83,4 @@ def test_a_request_that_can_never_fit_fails_alone(model_dir):
     while engine.has_unfinished_requests():
         engine.step()
     assert all(r.num_output_tokens == 6 for r in ok)
-    assert engine.block_manager.num_free_blocks == 8
+    assert engine.kv_cache_manager.num_free_blocks == 8

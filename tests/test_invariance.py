@@ -43,7 +43,7 @@ def run(llm, prompt_ids, params=None):
     with llm.llm_engine.record_traces() as traces:
         outs = llm.generate([{"prompt_token_ids": p} for p in prompt_ids], params or greedy(), use_tqdm=False)
     engine = llm.llm_engine
-    assert engine.block_manager.num_free_blocks == engine.block_manager.num_blocks      # nothing leaked
+    assert engine.kv_cache_manager.num_free_blocks == engine.kv_cache_manager.num_blocks      # nothing leaked
     engine.check_integrity()
     return [o.outputs[0].token_ids for o in outs], traces
 
@@ -90,7 +90,7 @@ def test_preemption_changes_nothing_and_happens(model_dir, baseline, prompt_ids,
     assert llm.get_stats().num_preemptions > 0
     if mode == "swap":
         assert any(t.blocks_swapped_out for t in traces) and any(t.blocks_swapped_in for t in traces)
-        assert llm.llm_engine.block_manager.cpu_block_tables == {}
+        assert llm.llm_engine.kv_cache_manager.swap_space.tables == {}
     else:
         assert any(r.status == "preempted" for t in traces for r in t.requests)
 
@@ -113,5 +113,5 @@ def test_random_aborts_leave_the_others_unchanged(model_dir, baseline, prompt_id
                 done[keep[out.request_id]] = out.outputs[0].token_ids
     assert [done[i] for i in range(len(prompt_ids))] == baseline
     assert aborted >= 3                                        # live requests really were aborted
-    assert engine.block_manager.num_free_blocks == engine.block_manager.num_blocks
-    assert not engine.block_manager.cpu_block_tables
+    assert engine.kv_cache_manager.num_free_blocks == engine.kv_cache_manager.num_blocks
+    assert not engine.kv_cache_manager.swap_space.tables

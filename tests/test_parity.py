@@ -30,7 +30,7 @@ def test_batched_greedy_matches_hf_token_for_token(llm, hf_reference):
 
 def test_each_prompt_alone_equals_the_batch(llm, hf_reference):
     prompt_ids, expected = hf_reference
-    llm.llm_engine.block_manager.reset_prefix_cache()
+    llm.llm_engine.kv_cache_manager.reset_prefix_cache()
     for p, exp in zip(prompt_ids, expected):
         out = llm.generate({"prompt_token_ids": p}, greedy(), use_tqdm=False)[0]
         assert out.outputs[0].token_ids == exp

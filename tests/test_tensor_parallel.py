@@ -117,7 +117,7 @@ def test_features_fire_and_leave_outputs_unchanged_under_tp(model_dir, prompt_id
         chunks = max(sum(1 for t in traces if t.by_id.get(rid) and t.by_id[rid].kind == "prefill")
                      for rid in {r.request_id for t in traces for r in t.requests})
         assert chunks > 1
-        assert engine.block_manager.num_free_blocks == engine.block_manager.num_blocks
+        assert engine.kv_cache_manager.num_free_blocks == engine.kv_cache_manager.num_blocks
 
 
 @pytest.fixture(scope="module")

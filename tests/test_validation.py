@@ -56,7 +56,7 @@ def test_token_budget_below_max_num_seqs_is_refused_with_both_values_and_the_fix
 def _assert_engine_idle(llm):
     engine = llm.llm_engine
     assert not engine.has_unfinished_requests()
-    assert engine.block_manager.num_free_blocks == engine.block_manager.num_blocks
+    assert engine.kv_cache_manager.num_free_blocks == engine.kv_cache_manager.num_blocks
 
 
 def test_empty_prompt_is_refused_before_anything_runs(llm):

@@ -1,229 +1,158 @@
-"""BlockManager: the paged KV cache's bookkeeping (vLLM's KVCacheManager / BlockSpaceManager).
+r"""KVCacheManager: which KV blocks each request holds (vLLM v1's `KVCacheManager`).
 
-Owns: which physical KV blocks are free, who holds each block (ref counts), and the prefix cache
-(block hash -> block). Nobody else changes a ref count or a block table. It never touches tensors:
-the model runner reads `request.block_table` and writes the KV, this module only decides where.
+Owns: every request's block table (`request.block_table`: nobody else writes it), prefix-cache lookup,
+allocation (all or nothing), hashing a request's newly computed full blocks when its step commits, freeing,
+and swapping a request's blocks to and from the CPU tier. It never touches tensors or `num_computed_tokens`:
+the model runner reads the block tables and writes the KV; the scheduler alone moves `num_computed_tokens`.
 
-A block is in exactly one of three places:
+    request.all_token_ids  [ t0 ........................................ t(n-1) ]
+    block_table            [ b0 | b1 | b2 | b3 ]                 block i holds tokens [i*bs, (i+1)*bs)
+                             \_ hashed _/ \__ computed, not yet hashed (the step is open) / not computed __/
+    num_cached_blocks[id]  = 2: blocks 0-1 are in the prefix cache; hashing resumes at block 2 (O(new blocks))
 
-    in use         ref_count > 0, listed in the block tables of ref_count running requests
-    cached-free    ref_count == 0, still holds the KV of a full block and is in the hash map;
-                   a new request with the same prefix can take it back (a prefix-cache hit);
-                   evicted least-recently-freed first when fresh blocks run out
-    clean-free     ref_count == 0, holds nothing worth keeping
-
-Prefix caching hashes every *full* block, chained from its parent:
-    hash(block i) = hash((hash(block i-1), token ids of block i))
-so equal hashes mean equal whole prefixes. A hit also compares token ids, so a hash collision
-can never hand a request someone else's KV.
-
-A block is hashed when it is allocated for a step that fills it (as in vLLM v1), so a request admitted
-later in the same step can already share it: in every layer the KV of the whole flat batch is stored
-before any attention reads it. If the step never runs that block's tokens (its owner was preempted
-first), `free` drops the hash again: a cached block always holds computed KV once a step is over.
+A block joins the prefix cache only after the step that filled it committed (`cache_blocks`, called by the
+scheduler in `update_from_output`), so a step that fails can never leave an uncomputed block behind a hash.
 """
 
 from __future__ import annotations
 
-from collections import OrderedDict, deque
-from dataclasses import dataclass, field
-
+from minivllm.core.block_pool import ROOT_HASH, BlockPool, hash_block_tokens
+from minivllm.core.journal import StepJournal
 from minivllm.core.request import Request
+from minivllm.core.swap_space import SwapSpace
 
 
-ROOT_HASH = 0   # the "parent hash" of a sequence's first block
-
-
-def hash_block_tokens(parent_hash: int, token_ids: tuple[int, ...]) -> int:
-    """Chained block hash. Python hashes tuples of ints the same in every process (no PYTHONHASHSEED),
-    so hashes are stable across runs; a 64-bit collision is possible in principle, which is why a hit
-    also compares the block's token ids."""
-    return hash((parent_hash, token_ids))
-
-
-@dataclass
-class Block:
-    block_id: int
-    ref_count: int = 0
-    block_hash: int | None = None       # set once the block is full and computed
-    token_ids: tuple[int, ...] = ()     # the tokens it holds when hashed (checked on every hit)
-
-
-@dataclass
-class BlockEvents:
-    """What happened to blocks since the last `pop_events()`: the step trace reads this.
-
-    swap_out / swap_in are (src, dst) block pairs the model runner must copy before the next forward:
-    device -> CPU pool for swap_out, CPU pool -> device for swap_in."""
-    allocated: list[int] = field(default_factory=list)
-    freed: list[int] = field(default_factory=list)
-    evicted: list[int] = field(default_factory=list)
-    prefix_hit_blocks: list[int] = field(default_factory=list)
-    swap_out: list[tuple[int, int]] = field(default_factory=list)
-    swap_in: list[tuple[int, int]] = field(default_factory=list)
-
-
-class BlockManager:
-    def __init__(self, num_blocks: int, block_size: int, enable_prefix_caching: bool = True,
+class KVCacheManager:
+    def __init__(self, num_blocks: int, block_size: int, journal: StepJournal, enable_prefix_caching: bool = True,
                  num_cpu_blocks: int = 0):
-        if num_blocks < 1 or block_size < 1:
-            raise ValueError(f"num_blocks={num_blocks} and block_size={block_size} must both be >= 1.")
-        self.num_blocks = num_blocks
+        if block_size < 1:
+            raise ValueError(f"block_size is {block_size}; it must be >= 1.")
         self.block_size = block_size
         self.enable_prefix_caching = enable_prefix_caching
-        self.blocks = [Block(i) for i in range(num_blocks)]
-        self.clean_free: deque[int] = deque(range(num_blocks))
-        self.cached_free: OrderedDict[int, None] = OrderedDict()   # LRU order: front is evicted first
-        self.hash_to_block: dict[int, int] = {}
-        # Prefix-cache counters, in tokens (vLLM reports hit rate = hits / queries).
+        self.journal = journal
+        self.block_pool = BlockPool(num_blocks, journal, enable_prefix_caching)
+        self.swap_space = SwapSpace(num_cpu_blocks, journal)
+        self.num_cached_blocks: dict[str, int] = {}    # request_id -> its leading blocks that are hashed
+        # Prefix-cache counters, in prompt tokens (vLLM reports hit rate = hits / queries).
         self.prefix_cache_queries = 0
         self.prefix_cache_hits = 0
-        self.num_evictions = 0
-        self.events = BlockEvents()
-        # The CPU swap pool (preemption_mode="swap"): plain free list, one owner per block, no sharing.
-        self.num_cpu_blocks = num_cpu_blocks
-        self.cpu_free: deque[int] = deque(range(num_cpu_blocks))
-        self.cpu_block_tables: dict[str, list[int]] = {}     # request_id -> its blocks in the CPU pool
 
     # ------------------------------------------------------------------ queries
     @property
+    def num_blocks(self) -> int:
+        return self.block_pool.num_blocks
+
+    @property
     def num_free_blocks(self) -> int:
-        return len(self.clean_free) + len(self.cached_free)
+        return self.block_pool.num_free_blocks
 
     @property
     def usage(self) -> float:
-        """Fraction of blocks held by requests (cached-free blocks count as free)."""
-        return 1.0 - self.num_free_blocks / self.num_blocks
+        return self.block_pool.usage
+
+    @property
+    def prefix_cache_hit_rate(self) -> float:
+        return self.prefix_cache_hits / self.prefix_cache_queries if self.prefix_cache_queries else 0.0
 
     def blocks_needed(self, num_tokens: int) -> int:
         return -(-num_tokens // self.block_size)
 
     # ------------------------------------------------------------------ prefix cache lookup
     def get_computed_blocks(self, request: Request) -> list[int]:
-        """The longest run of cached full blocks that starts the request's tokens.
+        """The longest run of cached full blocks that starts the request's tokens (a new request only).
 
         Never the whole sequence: at least one token must still be computed to produce logits.
         Changes nothing (the blocks are claimed by `allocate_slots`).
         """
         if not self.enable_prefix_caching or request.block_table:
             return []
-        tokens = request.all_token_ids
-        max_blocks = (len(tokens) - 1) // self.block_size      # leave >= 1 token to compute
+        bs, tokens = self.block_size, request.all_token_ids
         hits: list[int] = []
         parent = ROOT_HASH
-        for i in range(max_blocks):
-            chunk = tuple(tokens[i * self.block_size:(i + 1) * self.block_size])
-            h = hash_block_tokens(parent, chunk)
-            block_id = self.hash_to_block.get(h)
-            if block_id is None or self.blocks[block_id].token_ids != chunk:
+        for i in range((len(tokens) - 1) // bs):                 # leave >= 1 token to compute
+            chunk = tuple(tokens[i * bs:(i + 1) * bs])
+            parent = hash_block_tokens(parent, chunk)
+            block_id = self.block_pool.lookup(parent, chunk)
+            if block_id is None:
                 break
             hits.append(block_id)
-            parent = h
         return hits
 
     # ------------------------------------------------------------------ allocation
-    def allocate_slots(self, request: Request, num_new_tokens: int,
-                       computed_blocks: list[int] | None = None) -> bool:
-        """Make room for `num_new_tokens` more tokens after `request.num_computed_tokens`.
+    def allocate_slots(self, request: Request, num_new_tokens: int, computed_blocks: list[int] = ()) -> bool:
+        """Make room for `num_new_tokens` more tokens after the request's computed ones (and after
+        `computed_blocks`, the prefix-cache hits of a first allocation, which join the block table first).
 
-        `computed_blocks` (from `get_computed_blocks`, first allocation only) are prefix-cache hits:
-        they join the block table first and `request.num_computed_tokens` moves past them.
         All or nothing: returns False and changes nothing if the free blocks are not enough.
         """
-        computed_blocks = computed_blocks or []
-        num_cached = len(computed_blocks) * self.block_size
-        total = request.num_computed_tokens + num_cached + num_new_tokens
-        num_fresh = self.blocks_needed(total) - len(request.block_table) - len(computed_blocks)
-        # A hit on a cached-free block takes it out of the free pool too.
-        num_revived = sum(1 for b in computed_blocks if self.blocks[b].ref_count == 0)
-        if num_fresh + num_revived > self.num_free_blocks:
+        pool, j = self.block_pool, self.journal
+        total = request.num_computed_tokens + len(computed_blocks) * self.block_size + num_new_tokens
+        num_fresh = max(self.blocks_needed(total) - len(request.block_table) - len(computed_blocks), 0)
+        num_revived = sum(1 for b in computed_blocks if pool.blocks[b].ref_count == 0)   # cached-free hits
+        if num_fresh + num_revived > pool.num_free_blocks:
             return False
-
-        if not request.block_table and self.enable_prefix_caching:   # first allocation: count the query
-            self.prefix_cache_queries += request.num_tokens
-            self.prefix_cache_hits += num_cached
+        if not request.block_table and self.enable_prefix_caching and request.num_computed_tokens == 0:
+            j.set(self, "prefix_cache_queries", self.prefix_cache_queries + request.num_tokens)
+            j.set(self, "prefix_cache_hits", self.prefix_cache_hits + len(computed_blocks) * self.block_size)
         for block_id in computed_blocks:
-            block = self.blocks[block_id]
-            if block.ref_count == 0:
-                del self.cached_free[block_id]
-            block.ref_count += 1
-            request.block_table.append(block_id)
-            self.events.prefix_hit_blocks.append(block_id)
-        request.num_computed_tokens += num_cached
-        for _ in range(max(num_fresh, 0)):
-            block_id = self._take_free_block()
-            self.blocks[block_id].ref_count = 1
-            request.block_table.append(block_id)
-            self.events.allocated.append(block_id)
-        self._cache_full_blocks(request, total)
+            pool.touch(block_id)
+        new_blocks = list(computed_blocks) + [pool.take_fresh() for _ in range(num_fresh)]
+        if new_blocks:
+            # a new list, not an in-place append: readers (the step trace) may keep the old one
+            j.set(request, "block_table", request.block_table + new_blocks)
+        if computed_blocks:
+            self._set_num_cached(request.request_id, len(computed_blocks))
         return True
 
-    def _take_free_block(self) -> int:
-        if self.clean_free:
-            return self.clean_free.popleft()
-        block_id, _ = self.cached_free.popitem(last=False)      # evict the least recently freed
-        block = self.blocks[block_id]
-        del self.hash_to_block[block.block_hash]
-        block.block_hash, block.token_ids = None, ()
-        self.num_evictions += 1
-        self.events.evicted.append(block_id)
-        return block_id
-
-    def _cache_full_blocks(self, request: Request, num_tokens: int) -> None:
-        """Hash the request's blocks that the first `num_tokens` tokens fill completely."""
+    def cache_blocks(self, request: Request, num_computed_tokens: int) -> None:
+        """The step that computed the request's tokens up to `num_computed_tokens` committed: hash its full blocks
+        that are not hashed yet. O(new blocks): hashing resumes after the last block it hashed."""
         if not self.enable_prefix_caching:
             return
-        num_full = min(num_tokens // self.block_size, len(request.block_table))
-        parent = ROOT_HASH
-        for i in range(num_full):
-            block = self.blocks[request.block_table[i]]
-            if block.block_hash is None:
-                chunk = tuple(request.all_token_ids[i * self.block_size:(i + 1) * self.block_size])
-                block.block_hash = hash_block_tokens(parent, chunk)
-                block.token_ids = chunk
-                # If another request already cached the same prefix, keep that one in the map;
-                # this block keeps its hash (its children chain from it) but is not shared.
-                self.hash_to_block.setdefault(block.block_hash, block.block_id)
-            parent = block.block_hash
+        pool, bs = self.block_pool, self.block_size
+        start = self.num_cached_blocks.get(request.request_id, 0)
+        end = min(num_computed_tokens // bs, len(request.block_table))
+        if end <= start:
+            return
+        parent = pool.blocks[request.block_table[start - 1]].block_hash if start else ROOT_HASH
+        for i in range(start, end):
+            chunk = tuple(request.all_token_ids[i * bs:(i + 1) * bs])
+            parent = hash_block_tokens(parent, chunk)
+            pool.cache_block(request.block_table[i], parent, chunk)
+        self._set_num_cached(request.request_id, end)
+
+    def _set_num_cached(self, request_id: str, n: int | None) -> None:
+        old = self.num_cached_blocks.get(request_id)
+        if n is None:
+            self.num_cached_blocks.pop(request_id, None)
+        else:
+            self.num_cached_blocks[request_id] = n
+
+        def undo() -> None:
+            if old is None:
+                self.num_cached_blocks.pop(request_id, None)
+            else:
+                self.num_cached_blocks[request_id] = old
+        self.journal.record(undo)
 
     # ------------------------------------------------------------------ freeing
     def free(self, request: Request) -> None:
         """Drop the request's hold on its blocks. Tail blocks are freed first, so they are evicted first."""
-        num_computed_blocks = request.num_computed_tokens // self.block_size
-        for i in reversed(range(len(request.block_table))):
-            block_id = request.block_table[i]
-            block = self.blocks[block_id]
-            block.ref_count -= 1
-            assert block.ref_count >= 0, f"block {block_id} ref count went negative"
-            if i >= num_computed_blocks and block.ref_count == 0 and block.block_hash is not None:
-                # hashed for a step that never ran its tokens: its KV was never written
-                if self.hash_to_block.get(block.block_hash) == block_id:
-                    del self.hash_to_block[block.block_hash]
-                block.block_hash, block.token_ids = None, ()
-            if block.ref_count == 0:
-                self.events.freed.append(block_id)
-                if block.block_hash is not None and self.hash_to_block.get(block.block_hash) == block_id:
-                    self.cached_free[block_id] = None          # keep the KV for future hits
-                else:
-                    block.block_hash, block.token_ids = None, ()
-                    self.clean_free.append(block_id)
-        request.block_table = []
-        request.num_computed_tokens = 0
+        for block_id in reversed(request.block_table):
+            self.block_pool.free(block_id)
+        self.journal.set(request, "block_table", [])
+        self._set_num_cached(request.request_id, None)
 
     # ------------------------------------------------------------------ swapping (preemption_mode="swap")
     def can_swap_out(self, request: Request) -> bool:
-        return len(request.block_table) <= len(self.cpu_free)
+        return self.swap_space.can_hold(len(request.block_table))
 
     def swap_out(self, request: Request) -> list[tuple[int, int]]:
-        """Copy the request's blocks to the CPU pool and release them here. Its num_computed_tokens stays:
-        the KV is not lost, only moved."""
-        cpu_table = [self.cpu_free.popleft() for _ in request.block_table]
-        pairs = list(zip(request.block_table, cpu_table))      # (device block, CPU block) to copy
-        self.events.swap_out += pairs
-        num_computed = request.num_computed_tokens
+        """Move the request's blocks to the CPU tier; returns the (device block, CPU block) copies to make."""
+        cpu_table = self.swap_space.store(request.request_id, len(request.block_table))
+        pairs = list(zip(request.block_table, cpu_table))
+        self.block_pool.events.swap_out += pairs
         self.free(request)
-        request.num_computed_tokens = num_computed
-        self.cpu_block_tables[request.request_id] = cpu_table
         return pairs
 
     def can_swap_in(self, request: Request, num_new_tokens: int) -> bool:
@@ -231,74 +160,69 @@ class BlockManager:
         return self.blocks_needed(total) <= self.num_free_blocks
 
     def swap_in(self, request: Request) -> list[tuple[int, int]]:
-        """Bring a swapped request's blocks back into fresh device blocks (they are re-hashed after the
-        next step, like any newly computed block)."""
-        cpu_table = self.cpu_block_tables.pop(request.request_id)
-        pairs = []                                               # (CPU block, device block) to copy
-        for cpu_block in cpu_table:
-            block_id = self._take_free_block()
-            self.blocks[block_id].ref_count = 1
-            request.block_table.append(block_id)
-            self.events.allocated.append(block_id)
-            pairs.append((cpu_block, block_id))
-        self.events.swap_in += pairs
-        self.cpu_free.extend(cpu_table)
+        """Bring a swapped request's blocks back into fresh device blocks (hashed again when its next step
+        commits); returns the (CPU block, device block) copies to make."""
+        cpu_table = self.swap_space.release(request.request_id)
+        device_table = [self.block_pool.take_fresh() for _ in cpu_table]
+        self.journal.set(request, "block_table", device_table)
+        pairs = list(zip(cpu_table, device_table))
+        self.block_pool.events.swap_in += pairs
         return pairs
 
     def free_swapped(self, request: Request) -> None:
         """Drop a swapped request's CPU blocks (it was aborted while swapped out)."""
-        self.cpu_free.extend(self.cpu_block_tables.pop(request.request_id, []))
-        request.num_computed_tokens = 0
+        self.swap_space.release(request.request_id)
 
     def reset_prefix_cache(self) -> None:
-        """Forget every cached-free block (the KV stays, but nobody can hit it any more)."""
-        while self.cached_free:
-            block_id, _ = self.cached_free.popitem(last=False)
-            block = self.blocks[block_id]
-            del self.hash_to_block[block.block_hash]
-            block.block_hash, block.token_ids = None, ()
-            self.clean_free.append(block_id)
+        self.block_pool.reset_prefix_cache()
 
-    def pop_events(self) -> BlockEvents:
-        events, self.events = self.events, BlockEvents()
-        return events
-
-    @property
-    def prefix_cache_hit_rate(self) -> float:
-        return self.prefix_cache_hits / self.prefix_cache_queries if self.prefix_cache_queries else 0.0
+    # ------------------------------------------------------------------ after a failed step
+    def distrust(self, written: set[int], requests: list[Request]) -> dict[Request, int]:
+        """Called after a rollback, outside any step: the blocks in `written` were handed out by the failed step,
+        so its forward may have overwritten their KV. A cached-free one loses its hash; a request that holds one
+        (a request preempted in that step gets its blocks back by the rollback) keeps only the blocks before the
+        first such one. Returns {request: tokens it still has KV for} for the requests cut back."""
+        pool = self.block_pool
+        for block_id in written:
+            if pool.blocks[block_id].ref_count == 0:
+                pool.drop_cached(block_id)
+        kept: dict[Request, int] = {}
+        for req in requests:
+            bad = next((i for i, b in enumerate(req.block_table) if b in written), None)
+            if bad is None:
+                continue
+            for block_id in reversed(req.block_table[bad:]):
+                if block_id in written:
+                    pool.drop_cached(block_id)
+                pool.free(block_id)
+            req.block_table = req.block_table[:bad]
+            if self.num_cached_blocks.get(req.request_id, 0) > bad:
+                self.num_cached_blocks[req.request_id] = bad
+            kept[req] = bad * self.block_size
+        return kept
 
     # ------------------------------------------------------------------ invariants
     def check_integrity(self, requests: list[Request]) -> None:
         """Assert every invariant, given all requests that may hold blocks. For tests and debug runs."""
+        pool, bs = self.block_pool, self.block_size
         holders: dict[int, int] = {}
         for req in requests:
             assert len(set(req.block_table)) == len(req.block_table), f"{req} lists a block twice"
             for b in req.block_table:
                 holders[b] = holders.get(b, 0) + 1
-        free = set(self.clean_free) | set(self.cached_free)
-        assert len(free) == len(self.clean_free) + len(self.cached_free), "a block is free twice"
-        for block in self.blocks:
-            held = holders.get(block.block_id, 0)
-            assert block.ref_count == held, (
-                f"block {block.block_id}: ref_count {block.ref_count} but held by {held} block tables")
-            assert (block.block_id in free) == (held == 0), (
-                f"block {block.block_id}: free={block.block_id in free} but held by {held}")
-        assert len(free) + len(holders) == self.num_blocks, "free + in use != total"
-        for h, b in self.hash_to_block.items():
-            block = self.blocks[b]
-            assert block.block_hash == h and len(block.token_ids) == self.block_size, (
-                f"hash map entry {h} -> block {b} does not match the block's contents")
-            assert b not in self.clean_free, f"block {b} is in the hash map and clean-free"
-        for b in self.cached_free:
-            assert self.hash_to_block.get(self.blocks[b].block_hash) == b, f"cached-free block {b} not in map"
-        cpu_held = [b for table in self.cpu_block_tables.values() for b in table]
-        assert len(cpu_held) == len(set(cpu_held)) and not set(cpu_held) & set(self.cpu_free), (
-            "a CPU block is owned twice, or owned and free")
-        assert len(cpu_held) + len(self.cpu_free) == self.num_cpu_blocks, "CPU pool: free + in use != total"
-        # A request's hashed blocks hold exactly its tokens.
+        pool.check_integrity(holders)
+        self.swap_space.check_integrity()
         for req in requests:
+            num_cached = self.num_cached_blocks.get(req.request_id, 0)
+            assert num_cached <= len(req.block_table), f"{req}: {num_cached} hashed blocks of {len(req.block_table)}"
             for i, b in enumerate(req.block_table):
-                block = self.blocks[b]
-                if block.block_hash is not None:
-                    chunk = tuple(req.all_token_ids[i * self.block_size:(i + 1) * self.block_size])
+                block = pool.blocks[b]
+                hashed = block.block_hash is not None
+                # A hashed block is a computed block: the bug a failed step used to leave behind.
+                assert not hashed or (i + 1) * bs <= req.num_computed_tokens, (
+                    f"{req}: block {b} (tokens {i * bs}-{(i + 1) * bs - 1}) is in the prefix cache, but only "
+                    f"{req.num_computed_tokens} tokens have been computed")
+                assert hashed == (i < num_cached), f"{req}: block {b} hashed={hashed} but num_cached={num_cached}"
+                if hashed:
+                    chunk = tuple(req.all_token_ids[i * bs:(i + 1) * bs])
                     assert block.token_ids == chunk, f"{req}: block {b} holds other tokens"

@@ -1,9 +1,9 @@
-r"""Request: one prompt's life inside the engine.
+r"""Request: one prompt's life inside the engine core (vLLM v1's `Request`).
 
 Owns: the token ids (prompt + generated), how many of them have KV in the cache (`num_computed_tokens`),
-the lifecycle status, and timing. The block manager mutates `block_table` (and `num_computed_tokens`
-when blocks come from the prefix cache or are dropped); the scheduler mutates `status` and advances
-`num_computed_tokens`; the engine appends output tokens. Nobody else writes here.
+the lifecycle status, and timing. Writers: the scheduler alone writes `status` and `num_computed_tokens` and appends
+output tokens (in `update_from_output`); the KV cache manager alone writes `block_table`. Core state only: the text,
+the detokenizer's offsets and what has been streamed live with the output processor (engine/output_processor.py).
 
     all_token_ids:  [ p0 p1 ... p(P-1) | o0 o1 ... ]      P = num_prompt_tokens
                       \_____ num_computed_tokens ____/\__ still to run through the model __/
@@ -42,7 +42,7 @@ class RequestStatus(enum.Enum):
 
 @dataclass
 class RequestMetrics:
-    """Wall-clock times (time.time()) in vLLM's names."""
+    """Wall-clock times (time.time()) in vLLM's names. Kept by the output processor (front-end state)."""
     arrival_time: float
     first_scheduled_time: float | None = None
     first_token_time: float | None = None
@@ -53,7 +53,6 @@ class RequestMetrics:
 @dataclass(eq=False)
 class Request:
     request_id: str
-    prompt: str | None
     prompt_token_ids: list[int]
     sampling_params: SamplingParams
     eos_token_ids: frozenset[int] = frozenset()
@@ -64,17 +63,12 @@ class Request:
     status: RequestStatus = RequestStatus.WAITING
     num_computed_tokens: int = 0          # tokens whose KV is in the cache
     num_cached_tokens: int = 0            # of the prompt, how many came from the prefix cache (first schedule)
-    block_table: list[int] = field(default_factory=list)   # physical block ids, owned by the block manager
+    block_table: list[int] = field(default_factory=list)   # physical block ids; only the KV cache manager writes it
     num_preemptions: int = 0
     stop_reason: int | str | None = None  # the stop string or stop token that ended it
-    output_text: str = ""
     generator: torch.Generator | None = None   # per-request RNG when sampling_params.seed is set
-    detok_state: object = None                  # the detokenizer's incremental offsets
-    num_emitted_chars: int = 0                  # streaming: text already handed out in outputs
-    num_emitted_tokens: int = 0
 
     def __post_init__(self) -> None:
-        self.metrics = RequestMetrics(arrival_time=self.arrival_time)
         self.all_token_ids = list(self.prompt_token_ids)   # prompt + outputs, appended as we go
         if self.sampling_params.seed is not None:
             self.generator = torch.Generator().manual_seed(self.sampling_params.seed)
@@ -98,6 +92,11 @@ class Request:
     def append_output_token(self, token_id: int) -> None:
         self.output_token_ids.append(token_id)
         self.all_token_ids.append(token_id)
+
+    def pop_output_token(self) -> None:
+        """Undo of `append_output_token` (a rolled-back step)."""
+        self.output_token_ids.pop()
+        self.all_token_ids.pop()
 
     def __repr__(self) -> str:
         return (f"Request({self.request_id!r}, {self.status.value}, prompt={self.num_prompt_tokens}, "

@@ -6,23 +6,36 @@ Every check runs in `__post_init__`, so a bad value fails where it is written, b
 
 from __future__ import annotations
 
+import enum
 import math
 from dataclasses import dataclass, fields
+
+# Temperatures below this are greedy, as in vLLM: dividing logits by 1e-38 overflows to inf and NaN.
+SAMPLING_EPS = 1e-5
+
+
+class RequestOutputKind(enum.Enum):
+    """What each RequestOutput of a request carries (vLLM's names)."""
+    CUMULATIVE = 0     # everything so far: text and token ids since the start
+    DELTA = 1          # only what is new since the previous output (streaming: O(n) in all)
+    FINAL_ONLY = 2     # one output, when the request finishes
 
 
 @dataclass
 class SamplingParams:
     """Per-request sampling parameters, with vLLM's names and defaults.
 
-    temperature: 0 means greedy (argmax); > 0 scales the logits before sampling.
+    temperature: 0 means greedy (argmax); > 0 scales the logits before sampling (below 1e-5: greedy).
     top_p: keep the smallest set of tokens whose probability mass reaches top_p; 1.0 keeps all.
     top_k: keep the k most likely tokens; -1 (or 0) keeps all.
     seed: a per-request seed: the same seed gives the same tokens whatever else is in the batch.
     max_tokens: the most tokens to generate (the output may stop earlier on EOS or a stop string).
     stop: strings that end generation; the stop string itself is not included in the text.
-    stop_token_ids: token ids that end generation (kept in token_ids, like EOS).
+    stop_token_ids: token ids that end generation (kept in token_ids, like EOS, but not in the text).
+    include_stop_str_in_output: keep the stop string, or the stop/EOS token's text, at the end of the text.
     ignore_eos: keep generating past EOS (benchmarks use this to fix the output length).
     skip_special_tokens: leave special tokens such as <|im_end|> out of the text.
+    output_kind: CUMULATIVE (default), DELTA (streaming) or FINAL_ONLY outputs (RequestOutputKind).
     """
 
     temperature: float = 1.0
@@ -34,6 +47,8 @@ class SamplingParams:
     stop_token_ids: list[int] | None = None
     ignore_eos: bool = False
     skip_special_tokens: bool = True
+    include_stop_str_in_output: bool = False
+    output_kind: RequestOutputKind = RequestOutputKind.CUMULATIVE
     n: int = 1
 
     def __post_init__(self) -> None:
@@ -44,6 +59,8 @@ class SamplingParams:
         _check_number("temperature", self.temperature, (int, float))
         if self.temperature < 0:
             raise ValueError(f"temperature is {self.temperature}; it must be >= 0 (0 means greedy).")
+        if self.temperature < SAMPLING_EPS:
+            self.temperature = 0.0
         _check_number("top_p", self.top_p, (int, float))
         if not 0 < self.top_p <= 1:
             raise ValueError(f"top_p is {self.top_p}; it must be in (0, 1] (1 keeps every token).")
@@ -61,6 +78,12 @@ class SamplingParams:
         if self.n != 1:
             raise ValueError(f"n is {self.n}; minivllm generates one completion per request (n=1). "
                              "Send the prompt several times with different seeds instead.")
+        if not isinstance(self.output_kind, RequestOutputKind):
+            raise ValueError(f"output_kind is {self.output_kind!r}; use a RequestOutputKind "
+                             f"({', '.join(k.name for k in RequestOutputKind)}).")
+        for name in ("ignore_eos", "skip_special_tokens", "include_stop_str_in_output"):
+            if not isinstance(getattr(self, name), bool):
+                raise ValueError(f"{name} is {getattr(self, name)!r}; it must be True or False.")
         for s in self.stop:
             if not isinstance(s, str) or not s:
                 raise ValueError(f"stop contains {s!r}; each stop string must be a non-empty string.")
@@ -96,4 +119,4 @@ def _check_number(name: str, value, types: tuple) -> None:
         raise ValueError(f"{name} is {value}; it must fit in a signed 64-bit int (|{name}| <= {INT64_MAX}).")
 
 
-__all__ = ["SamplingParams"]
+__all__ = ["SamplingParams", "RequestOutputKind"]

@@ -1,7 +1,9 @@
 """Scheduler: which requests run this step, and how many tokens each (vLLM v1's unified scheduler).
 
-Owns: the waiting and running queues, request status, and advancing `num_computed_tokens`. It asks the
-block manager for KV blocks and never touches ref counts itself. It never runs the model.
+Owns: the waiting and running queues, request status, and `num_computed_tokens`: it is the only writer of that
+field, as in vLLM v1. It asks the KV cache manager for blocks and never touches ref counts itself. It never runs
+the model. It also owns the step's transaction: `begin_step()` opens the journal, `commit_step()` keeps what the
+step did, `rollback_step()` undoes all of it (see journal.py).
 
 There is no separate "prefill phase": every step, each scheduled request gets
     num_new_tokens = num_tokens - num_computed_tokens   (capped by the step's token budget)
@@ -10,11 +12,14 @@ and 1 for a request that is decoding. So one flat batch mixes prefills and decod
 
 Order within a step:
   1. running requests, decodes first, then unfinished prefill chunks;
-     a request that needs a block when none is free preempts the lowest-priority, latest-arrived
-     running request (possibly itself);
+     a request that needs a block when none is free preempts the lowest-priority running request, and among
+     equals the latest to arrive (possibly itself), as vLLM does;
   2. waiting requests by (priority, arrival), while the token budget, max_num_seqs and the free blocks
      allow; skipped in a step that preempted (the pool is full, admitting more would thrash).
      Preempted requests re-enter this queue by their original arrival, so they come back first.
+
+A step's life:  begin_step -> schedule -> (model forward, sampling: not here) -> update_from_output
+                -> finish_request for stop strings -> commit_step        (or rollback_step if anything raised)
 
 Preemption modes (vLLM's names):
     recompute  drop the KV; the request re-runs its prompt + outputs as one prefill when it returns
@@ -29,7 +34,7 @@ import bisect
 import itertools
 from dataclasses import dataclass, field
 
-from minivllm.core.kv_cache_manager import BlockManager
+from minivllm.core.kv_cache_manager import KVCacheManager
 from minivllm.core.request import Request, RequestStatus
 
 
@@ -53,14 +58,25 @@ class SchedulerOutput:
         return not (self.scheduled or self.blocks_to_swap_out or self.blocks_to_swap_in)
 
 
+@dataclass
+class EngineCoreOutput:
+    """What one request got from a committed step (vLLM v1's name): the new token, and how it ended if it did."""
+    request: Request
+    new_token_ids: list[int]
+    finish_status: RequestStatus | None = None      # FINISHED_* when the core stopped it (EOS, stop token, length)
+
+
 class Scheduler:
-    def __init__(self, block_manager: BlockManager, max_num_seqs: int, max_num_batched_tokens: int,
-                 preemption_mode: str = "recompute"):
+    def __init__(self, kv_cache_manager: KVCacheManager, max_num_seqs: int, max_num_batched_tokens: int,
+                 max_model_len: int, preemption_mode: str = "recompute"):
         if preemption_mode not in ("recompute", "swap"):
             raise ValueError(f"preemption_mode is {preemption_mode!r}; choose 'recompute' or 'swap'.")
-        self.block_manager = block_manager
+        self.kv_cache_manager = kv_cache_manager
+        self.journal = kv_cache_manager.journal
+        self.block_size = kv_cache_manager.block_size
         self.max_num_seqs = max_num_seqs
         self.max_num_batched_tokens = max_num_batched_tokens
+        self.max_model_len = max_model_len
         self.preemption_mode = preemption_mode
         self.waiting: list[Request] = []     # sorted by (priority, arrival_time, admission order)
         self.running: list[Request] = []
@@ -68,24 +84,56 @@ class Scheduler:
         self._swap_out: list[tuple[int, int]] = []     # filled by _preempt during schedule()
         self._order = itertools.count()
         self._keys: dict[str, tuple] = {}
+        self._events_at_begin: tuple[int, ...] = ()
 
     # ------------------------------------------------------------------ queues
     def add_request(self, request: Request) -> None:
+        """Queue a new request. Called between steps only: it is final at once."""
+        assert not self.journal.is_open, "requests are added between steps"
         self._keys[request.request_id] = (request.priority, request.arrival_time, next(self._order))
         self._push_waiting(request)
 
     def _push_waiting(self, request: Request) -> None:
         bisect.insort(self.waiting, request, key=lambda r: self._keys[r.request_id])
+        self.journal.record(lambda: self.waiting.remove(request))
+
+    def _remove(self, queue: list[Request], request: Request) -> None:
+        i = queue.index(request)
+        del queue[i]
+        self.journal.record(lambda: queue.insert(i, request))
+
+    def _append_running(self, request: Request) -> None:
+        self.running.append(request)
+        self.journal.record(self.running.pop)
 
     def has_unfinished_requests(self) -> bool:
         return bool(self.waiting or self.running)
 
+    # ------------------------------------------------------------------ the transaction
+    def begin_step(self) -> None:
+        self.journal.begin()
+        self._events_at_begin = self.kv_cache_manager.block_pool.events.lengths()
+
+    def commit_step(self) -> None:
+        self.journal.commit()
+
+    def rollback_step(self) -> None:
+        """Undo everything since `begin_step()`. Then, because the failed forward may have written the KV of
+        every block the step handed out, no cache entry and no request keeps trusting those blocks."""
+        events = self.kv_cache_manager.block_pool.events
+        written = set(events.allocated[self._events_at_begin[0]:])
+        self.journal.rollback()
+        events.truncate(self._events_at_begin)
+        for req, num_tokens in self.kv_cache_manager.distrust(written, self.running).items():
+            req.num_computed_tokens = min(req.num_computed_tokens, num_tokens)
+
     # ------------------------------------------------------------------ the step
     def schedule(self) -> SchedulerOutput:
+        kv, j = self.kv_cache_manager, self.journal
         budget = self.max_num_batched_tokens
         scheduled: dict[Request, int] = {}
         preempted: list[Request] = []
-        self._swap_out: list[tuple[int, int]] = []
+        self._swap_out = []
         swap_in: list[tuple[int, int]] = []
 
         # 1. Running requests: decodes (1 token left to compute) before prefill chunks.
@@ -95,8 +143,8 @@ class Scheduler:
             if req.status is not RequestStatus.RUNNING:      # preempted earlier in this loop
                 continue
             n = min(req.num_tokens - req.num_computed_tokens, budget)
-            while not self.block_manager.allocate_slots(req, n):
-                victim = max(self.running, key=lambda r: self._keys[r.request_id][:2])
+            while not kv.allocate_slots(req, n):
+                victim = max(self.running, key=lambda r: self._keys[r.request_id])   # lowest priority, latest
                 if victim in scheduled:                         # give back its share of this step
                     budget += scheduled.pop(victim)
                 self._preempt(victim)
@@ -113,22 +161,23 @@ class Scheduler:
             req = self.waiting[0]
             if req.status is RequestStatus.SWAPPED:              # its KV is in the CPU pool: bring it back
                 n = min(req.num_tokens - req.num_computed_tokens, budget)
-                if not self.block_manager.can_swap_in(req, n):
+                if not kv.can_swap_in(req, n):
                     break
-                swap_in += self.block_manager.swap_in(req)
-                allocated = self.block_manager.allocate_slots(req, n)
+                swap_in += kv.swap_in(req)
+                allocated = kv.allocate_slots(req, n)
                 assert allocated, "can_swap_in promised room for the new tokens"
             else:
-                computed = self.block_manager.get_computed_blocks(req)
-                n = min(req.num_tokens - req.num_computed_tokens - len(computed) * self.block_manager.block_size,
-                        budget)
-                if not self.block_manager.allocate_slots(req, n, computed):
+                computed = kv.get_computed_blocks(req)
+                num_cached = len(computed) * self.block_size
+                n = min(req.num_tokens - num_cached, budget)
+                if not kv.allocate_slots(req, n, computed):
                     break                                        # no room: it waits, in order
-            self.waiting.pop(0)
-            if req.status is RequestStatus.WAITING:              # first admission: record prefix hits
-                req.num_cached_tokens = len(computed) * self.block_manager.block_size
-            req.status = RequestStatus.RUNNING
-            self.running.append(req)
+                j.set(req, "num_computed_tokens", num_cached)
+                if req.status is RequestStatus.WAITING:          # first admission: record prefix hits
+                    j.set(req, "num_cached_tokens", num_cached)
+            self._remove(self.waiting, req)
+            j.set(req, "status", RequestStatus.RUNNING)
+            self._append_running(req)
             admitted.append(req.request_id)
             scheduled[req] = n
             budget -= n
@@ -150,32 +199,86 @@ class Scheduler:
 
     def _preempt(self, req: Request) -> None:
         """Send a running request back to the waiting queue, its KV swapped out or dropped."""
-        self.running.remove(req)
-        if self.preemption_mode == "swap" and self.block_manager.can_swap_out(req):
-            self._swap_out += self.block_manager.swap_out(req)
-            req.status = RequestStatus.SWAPPED
+        kv, j = self.kv_cache_manager, self.journal
+        self._remove(self.running, req)
+        if self.preemption_mode == "swap" and kv.can_swap_out(req):
+            self._swap_out += kv.swap_out(req)
+            j.set(req, "status", RequestStatus.SWAPPED)
         else:
-            self.block_manager.free(req)      # also resets num_computed_tokens to 0
-            req.status = RequestStatus.PREEMPTED
-        req.num_preemptions += 1
-        self.num_preemptions += 1
+            kv.free(req)
+            j.set(req, "num_computed_tokens", 0)
+            j.set(req, "status", RequestStatus.PREEMPTED)
+        j.set(req, "num_preemptions", req.num_preemptions + 1)
+        j.set(self, "num_preemptions", self.num_preemptions + 1)
         self._push_waiting(req)
 
-    def update_from_output(self, out: SchedulerOutput) -> None:
-        """After the model ran: the scheduled tokens now have KV."""
+    def update_from_output(self, out: SchedulerOutput, sampled: dict[str, int]) -> list[EngineCoreOutput]:
+        """After the model ran: the scheduled tokens now have KV (their full blocks join the prefix cache), and each
+        request in `sampled` (request_id -> token) gets its new token. Stops what must stop: EOS, a stop token,
+        max_tokens, max_model_len. Stop strings are the output processor's to find (it calls finish_request)."""
+        j = self.journal
+        outputs = []
         for req in out.scheduled:
-            req.num_computed_tokens += out.num_scheduled_tokens[req.request_id]
+            j.set(req, "num_computed_tokens", req.num_computed_tokens + out.num_scheduled_tokens[req.request_id])
+            self.kv_cache_manager.cache_blocks(req, req.num_computed_tokens)
+            token = sampled.get(req.request_id)
+            if token is None:
+                continue                                    # a prefill chunk that does not end the prompt
+            req.append_output_token(token)
+            j.record(req.pop_output_token)
+            sp = req.sampling_params
+            status = None
+            if not sp.ignore_eos and token in req.eos_token_ids:
+                status = RequestStatus.FINISHED_STOPPED
+            elif token in sp.stop_token_ids:
+                status = RequestStatus.FINISHED_STOPPED
+                j.set(req, "stop_reason", token)
+            elif req.num_output_tokens >= sp.max_tokens or req.num_tokens >= self.max_model_len:
+                status = RequestStatus.FINISHED_LENGTH
+            if status is not None:
+                self.finish_request(req, status)
+            outputs.append(EngineCoreOutput(req, [token], status))
+        return outputs
 
     # ------------------------------------------------------------------ leaving
-    def finish_request(self, req: Request, status: RequestStatus) -> None:
+    def finish_request(self, req: Request, status: RequestStatus, stop_reason: int | str | None = None) -> None:
         """Remove a request wherever it is and free its blocks. Safe to call in any state."""
         assert status.finished
-        if req in self.running:
-            self.running.remove(req)
-        elif req in self.waiting:
-            self.waiting.remove(req)
+        kv, j = self.kv_cache_manager, self.journal
+        if req.status is RequestStatus.RUNNING:
+            self._remove(self.running, req)
+        elif not req.is_finished:
+            self._remove(self.waiting, req)
         if req.status is RequestStatus.SWAPPED:
-            self.block_manager.free_swapped(req)
-        self.block_manager.free(req)
-        req.status = status
-        self._keys.pop(req.request_id, None)
+            kv.free_swapped(req)
+        kv.free(req)
+        j.set(req, "status", status)
+        if stop_reason is not None:
+            j.set(req, "stop_reason", stop_reason)
+        key = self._keys.pop(req.request_id, None)
+        if key is not None:
+            j.record(lambda: self._keys.__setitem__(req.request_id, key))
+
+    # ------------------------------------------------------------------ introspection
+    @property
+    def num_swapped(self) -> int:
+        return len(self.kv_cache_manager.swap_space.tables)
+
+    def check_integrity(self) -> None:
+        """Assert the scheduler's and the KV cache's invariants. For tests and debug runs."""
+        assert not self.journal.is_open, "a step is still open"
+        for req in self.running:
+            assert req.status is RequestStatus.RUNNING, f"{req} is in the running queue"
+            assert len(req.block_table) >= self.kv_cache_manager.blocks_needed(req.num_computed_tokens), (
+                f"{req}: fewer blocks than computed tokens")
+        for req in self.waiting:
+            assert req.status in (RequestStatus.WAITING, RequestStatus.PREEMPTED, RequestStatus.SWAPPED), req
+            assert not req.block_table, f"{req} waits while holding blocks"
+            assert (req.request_id in self.kv_cache_manager.swap_space.tables) == (
+                req.status is RequestStatus.SWAPPED), f"{req}: swapped status and CPU blocks disagree"
+            assert req.status is RequestStatus.SWAPPED or req.num_computed_tokens == 0, (
+                f"{req} waits with {req.num_computed_tokens} computed tokens but no KV")
+        live = self.running + self.waiting
+        assert len(set(live)) == len(live), "a request is queued twice"
+        assert {r.request_id for r in live} == set(self._keys), "the queues and the priority keys disagree"
+        self.kv_cache_manager.check_integrity(live)

@@ -4,15 +4,19 @@ Owns: copying what happened in a step out of the engine's live objects, so a lis
 render or assert on it without ever touching engine state. Built only when someone listens:
 `engine.add_trace_listener(fn)` / `remove_trace_listener(fn)`, or `with engine.record_traces() as traces:`
 for a list that fills up while the block runs.
+
+A trace costs in proportion to the step, never to the size of the KV pool: it lists the live requests (a block
+table is copied only when it changed: the KV cache manager replaces a request's list instead of editing it) and the
+ref counts of the blocks the step touched. The whole pool's picture is `BlockPool.snapshot()`, taken on demand.
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass, field
 
-from minivllm.core.kv_cache_manager import BlockEvents
+from minivllm.core.block_pool import BlockEvents
 from minivllm.core.request import Request
-from minivllm.core.scheduler import SchedulerOutput
+from minivllm.core.scheduler import Scheduler, SchedulerOutput
 
 
 @dataclass(frozen=True)
@@ -53,8 +57,8 @@ class StepTrace:
     kv_usage: float
     prefix_cache_hit_rate: float
     num_preemptions_total: int
-    block_ref_counts: tuple[int, ...]       # per physical block
-    cached_free_blocks: tuple[int, ...]     # ref count 0 but still holding a prefix-cache entry
+    block_ref_counts: dict[int, int]        # ref count after the step of each block the step touched
+    cached_free_blocks: tuple[int, ...]     # of those, the ones left cached-free (ref 0, still in the prefix cache)
     kv_tokens_stored: int                   # tokens with KV, summed over running requests
     kv_slots_allocated: int                 # block slots held by running requests (blocks x block_size)
     events: list[str] = field(default_factory=list)   # human-readable log lines
@@ -64,17 +68,41 @@ class StepTrace:
         return {r.request_id: r for r in self.requests}
 
 
-def build_step_trace(step: int, duration_s: float, sched: SchedulerOutput, events: BlockEvents,
-                     live: list[Request], finished: list[Request], block_manager, num_preemptions: int) -> StepTrace:
-    bm = block_manager
+class StepTracer:
+    """Builds the StepTraces of one engine. Keeps each live request's block table as a tuple, rebuilt only when
+    the KV cache manager gave the request a new list, so a decode step copies no unchanged table."""
 
-    def trace(r: Request) -> RequestTrace:
-        return RequestTrace(r.request_id, r.status.value, r.priority, r.num_prompt_tokens, r.num_output_tokens,
-                            r.num_computed_tokens, r.num_cached_tokens,
-                            sched.num_scheduled_tokens.get(r.request_id, 0), sched.kinds.get(r.request_id, ""),
-                            tuple(r.block_table), r.num_preemptions)
+    def __init__(self) -> None:
+        self._tables: dict[str, tuple[list[int], tuple[int, ...]]] = {}   # request id -> (list, as a tuple)
 
-    running = [r for r in live if r.status.value == "running"]
+    def _table(self, r: Request, tables: dict) -> tuple[int, ...]:
+        cached = self._tables.get(r.request_id)
+        if cached is None or cached[0] is not r.block_table:
+            cached = (r.block_table, tuple(r.block_table))
+        tables[r.request_id] = cached
+        return cached[1]
+
+    def build(self, step: int, duration_s: float, sched: SchedulerOutput, events: BlockEvents,
+              scheduler: Scheduler, finished: list[Request]) -> StepTrace:
+        tables: dict[str, tuple[list[int], tuple[int, ...]]] = {}
+        live = scheduler.running + scheduler.waiting
+        requests = tuple(_request_trace(r, sched, self._table(r, tables)) for r in live + finished)
+        self._tables = tables           # the finished and aborted drop out here
+        return _step_trace(step, duration_s, sched, events, scheduler, finished, requests)
+
+
+def _request_trace(r: Request, sched: SchedulerOutput, block_table: tuple[int, ...]) -> RequestTrace:
+    return RequestTrace(r.request_id, r.status.value, r.priority, r.num_prompt_tokens, r.num_output_tokens,
+                        r.num_computed_tokens, r.num_cached_tokens, sched.num_scheduled_tokens.get(r.request_id, 0),
+                        sched.kinds.get(r.request_id, ""), block_table, r.num_preemptions)
+
+
+def _step_trace(step: int, duration_s: float, sched: SchedulerOutput, events: BlockEvents, scheduler: Scheduler,
+                finished: list[Request], requests: tuple[RequestTrace, ...]) -> StepTrace:
+    kv = scheduler.kv_cache_manager
+    pool = kv.block_pool
+    touched = set(events.allocated) | set(events.freed) | set(events.evicted) | set(events.prefix_hit_blocks)
+    touched |= {src for src, _ in events.swap_out} | {dst for _, dst in events.swap_in}
     log = []
     for rid in sched.newly_admitted:
         log.append(f"admit {rid}")
@@ -86,23 +114,24 @@ def build_step_trace(step: int, duration_s: float, sched: SchedulerOutput, event
         log.append(f"prefix hit on blocks {events.prefix_hit_blocks}")
     if events.evicted:
         log.append(f"evict blocks {events.evicted}")
+    running = scheduler.running
     return StepTrace(
         step=step, duration_s=duration_s,
         num_prefill_tokens=sched.num_prefill_tokens, num_decode_tokens=sched.num_decode_tokens,
-        requests=tuple(trace(r) for r in live + finished),
+        requests=requests,
         preempted=tuple(r.request_id for r in sched.preempted),
         finished=tuple(r.request_id for r in finished),
         blocks_allocated=tuple(events.allocated), blocks_freed=tuple(events.freed),
         blocks_evicted=tuple(events.evicted), prefix_hit_blocks=tuple(events.prefix_hit_blocks),
         blocks_swapped_out=tuple(events.swap_out), blocks_swapped_in=tuple(events.swap_in),
-        num_waiting=sum(r.status.value in ("waiting", "preempted") for r in live),
+        num_waiting=sum(r.status.value in ("waiting", "preempted") for r in scheduler.waiting),
         num_running=len(running),
-        num_swapped=sum(r.status.value == "swapped" for r in live),
-        num_kv_blocks=bm.num_blocks, num_free_blocks=bm.num_free_blocks, kv_usage=bm.usage,
-        prefix_cache_hit_rate=bm.prefix_cache_hit_rate, num_preemptions_total=num_preemptions,
-        block_ref_counts=tuple(b.ref_count for b in bm.blocks),
-        cached_free_blocks=tuple(bm.cached_free),
+        num_swapped=scheduler.num_swapped,
+        num_kv_blocks=pool.num_blocks, num_free_blocks=pool.num_free_blocks, kv_usage=pool.usage,
+        prefix_cache_hit_rate=kv.prefix_cache_hit_rate, num_preemptions_total=scheduler.num_preemptions,
+        block_ref_counts={b: pool.blocks[b].ref_count for b in sorted(touched)},
+        cached_free_blocks=tuple(b for b in sorted(touched) if b in pool.cached_free),
         kv_tokens_stored=sum(r.num_computed_tokens for r in running),
-        kv_slots_allocated=sum(len(r.block_table) for r in running) * bm.block_size,
+        kv_slots_allocated=sum(len(r.block_table) for r in running) * kv.block_size,
         events=log,
     )

@@ -25,6 +25,7 @@ import asyncio
 import bisect
 import collections
 import concurrent.futures
+import dataclasses
 import logging
 import threading
 import time
@@ -35,7 +36,8 @@ from typing import Any
 from minivllm.config import EngineConfig
 from minivllm.engine.llm_engine import EngineStats, LLMEngine, PromptType
 from minivllm.outputs import RequestOutput
-from minivllm.core.sampling_params import SamplingParams
+from minivllm.core.sampling_params import RequestOutputKind, SamplingParams
+from minivllm.core.block_pool import PoolSnapshot
 from minivllm.core.trace import StepTrace
 
 logger = logging.getLogger(__name__)
@@ -88,6 +90,7 @@ class EngineSnapshot:
     ttft: Histogram                           # time to first token: arrival -> first token
     itl: Histogram                            # inter-token latency: between two tokens of one request
     e2e: Histogram                            # arrival -> finished, for requests that stopped or hit length
+    pool: PoolSnapshot | None = None          # every block's ref count, when asked for (snapshot(with_pool=True))
 
 
 class RequestStream:
@@ -95,23 +98,38 @@ class RequestStream:
 
         stream = await async_engine.add_request(prompt, params)   # ValueError here: nothing started
         async with stream:                                        # leaving the block early aborts it
-            async for out in stream:                              # RequestOutput, with delta_text
+            async for out in stream:                              # RequestOutput (see params.output_kind)
                 ...
 
     Iteration ends after the output with `finished=True`; a RequestError is raised if the engine could not
-    finish the request.
+    finish the request. The stream holds at most one unread output (vLLM's RequestOutputCollector): when the reader
+    lags, new DELTA outputs are merged into the unread one and a CUMULATIVE output replaces it, so a slow reader
+    costs memory only for what it has not read yet, never a queue of stale copies.
     """
 
-    def __init__(self, request_id: str, loop: asyncio.AbstractEventLoop, abort: Callable[[str], None]):
+    def __init__(self, request_id: str, loop: asyncio.AbstractEventLoop, abort: Callable[[str], None],
+                 delta: bool):
         self.request_id = request_id
         self.finished = False                 # set once the final output (or an error) has been read
         self._loop = loop
-        self._queue: asyncio.Queue[RequestOutput | BaseException] = asyncio.Queue()
         self._abort = abort
+        self._delta = delta
+        self._unread: list[RequestOutput] = []        # DELTA outputs not read yet, merged when read
+        self._error: BaseException | None = None
+        self._ready = asyncio.Event()
 
     def put(self, item: RequestOutput | BaseException) -> None:
         """Engine thread only. Raises RuntimeError if the consumer's event loop is closed."""
-        self._loop.call_soon_threadsafe(self._queue.put_nowait, item)
+        self._loop.call_soon_threadsafe(self._put, item)
+
+    def _put(self, item: RequestOutput | BaseException) -> None:
+        if isinstance(item, BaseException):
+            self._error = item
+        elif self._delta:
+            self._unread.append(item)
+        else:
+            self._unread = [item]
+        self._ready.set()
 
     def __aiter__(self) -> RequestStream:
         return self
@@ -119,12 +137,17 @@ class RequestStream:
     async def __anext__(self) -> RequestOutput:
         if self.finished:
             raise StopAsyncIteration
-        item = await self._queue.get()
-        if isinstance(item, BaseException):
-            self.finished = True
-            raise item
-        self.finished = item.finished
-        return item
+        await self._ready.wait()
+        self._ready.clear()
+        if self._unread:
+            unread, self._unread = self._unread, []
+            out = _merge_deltas(unread) if len(unread) > 1 else unread[0]
+            self.finished = out.finished
+            if self._error is not None:
+                self._ready.set()             # the error comes next
+            return out
+        self.finished = True
+        raise self._error
 
     def close(self) -> None:
         """Abort the request unless its final output was read. Safe to call twice, from the loop's thread."""
@@ -137,6 +160,14 @@ class RequestStream:
 
     async def __aexit__(self, *exc_info) -> None:
         self.close()
+
+
+def _merge_deltas(outputs: list[RequestOutput]) -> RequestOutput:
+    """Several DELTA outputs of one request as one: texts and token ids joined, the rest from the newest."""
+    last = outputs[-1]
+    merged = dataclasses.replace(last.outputs[0], text="".join(o.outputs[0].text for o in outputs),
+                                 token_ids=[t for o in outputs for t in o.outputs[0].token_ids])
+    return dataclasses.replace(last, outputs=[merged])
 
 
 @dataclass
@@ -239,7 +270,8 @@ class AsyncLLMEngine:
 
         def add() -> RequestStream:
             req = self.engine.add_request(prompt, params, request_id, priority)
-            stream = RequestStream(req.request_id, loop, self.abort)
+            stream = RequestStream(req.request_id, loop, self.abort,
+                                   delta=params.output_kind is RequestOutputKind.DELTA)
             self._tracked[req.request_id] = _Tracked(stream)
             with self._lock:
                 self._num_prompt_tokens += req.num_prompt_tokens
@@ -285,12 +317,21 @@ class AsyncLLMEngine:
         self._submit(grant)
 
     def _set_paused(self, paused: bool) -> None:
+        """Pausing an engine that is already paused keeps the single steps granted so far."""
         if paused != self._paused:
             self._log("paused" if paused else "resumed")
-        self._paused, self._steps_allowed = paused, 0
+            self._paused, self._steps_allowed = paused, 0
 
     # ------------------------------------------------------------------ what the UI and /metrics read
-    def snapshot(self) -> EngineSnapshot:
+    def snapshot(self, with_pool: bool = False, timeout: float = 10.0) -> EngineSnapshot:
+        """A consistent copy of what the dashboard and /metrics show. with_pool=True adds the whole KV pool's
+        picture, taken on the engine thread between two steps (O(num_blocks): on a refresh, never per step)."""
+        pool = None
+        if with_pool and threading.current_thread() is not self._thread:
+            try:
+                pool = self.call(lambda e: e.kv_cache_manager.block_pool.snapshot()).result(timeout)
+            except (RequestError, concurrent.futures.TimeoutError):
+                pool = None                       # shut down, or a very long step: draw without it
         with self._lock:
             return EngineSnapshot(
                 stats=self._stats, trace=self._traces[-1] if self._traces else None,
@@ -298,7 +339,7 @@ class AsyncLLMEngine:
                 loop_alive=self._thread.is_alive(), num_requests=len(self._tracked),
                 finished=dict(self._finished), recent_finished=tuple(self._recent_finished),
                 num_prompt_tokens=self._num_prompt_tokens, num_step_errors=self._num_step_errors,
-                ttft=self._ttft.copy(), itl=self._itl.copy(), e2e=self._e2e.copy())
+                ttft=self._ttft.copy(), itl=self._itl.copy(), e2e=self._e2e.copy(), pool=pool)
 
     def finish_reason_of(self, request_id: str) -> str | None:
         """How a recently finished request ended ("stop", "length", "abort", "error"), or None if unknown."""
@@ -330,6 +371,7 @@ class AsyncLLMEngine:
             except Exception:                    # a bug of ours: log it, keep serving
                 logger.exception("unexpected error in the engine loop")
         self._close_all("the engine is shutting down.")
+        self._cancel_commands()
         self.engine.remove_trace_listener(self._on_trace)
         shutdown = getattr(self.engine, "shutdown", None)   # tensor-parallel workers, where there are any
         if shutdown is not None and self._shutdown_engine:
@@ -337,6 +379,14 @@ class AsyncLLMEngine:
                 shutdown()
             except Exception:
                 logger.exception("engine.shutdown() failed")
+
+    def _cancel_commands(self) -> None:
+        """At shutdown: every command still queued fails, so no caller awaits a future that never resolves."""
+        with self._wakeup:
+            commands, self._commands = list(self._commands), collections.deque()
+        for cmd in commands:
+            if cmd.future.set_running_or_notify_cancel():
+                cmd.future.set_exception(RequestError("the engine is shut down."))
 
     def _can_step(self) -> bool:
         if self._paused and self._steps_allowed == 0:
@@ -365,12 +415,15 @@ class AsyncLLMEngine:
         try:
             outputs = self.engine.step()
         except Exception as e:
-            # A failed step cannot be pinned on one request, and the requests it scheduled may be half
-            # updated: end every open request with the error, which frees their blocks, then go on serving.
+            # The engine rolled the step back: nothing it did remains. Only the requests it had scheduled end,
+            # with the error (the API answers them with a 500 body); every other request keeps its place.
             logger.exception("engine step failed")
             with self._lock:
                 self._num_step_errors += 1
-            self._close_all(f"engine step failed: {type(e).__name__}: {e}")
+            message = f"engine step failed: {type(e).__name__}: {e}"
+            for request_id in self.engine.failed_request_ids:
+                self._fail(request_id, message)
+            self._log(message)
             try:
                 self.engine.check_integrity()
             except Exception:
@@ -403,7 +456,7 @@ class AsyncLLMEngine:
     def _observe_latency(self, tracked: _Tracked, out: RequestOutput, now: float) -> None:
         m = out.metrics
         with self._lock:
-            if out.delta_token_ids and m is not None and m.last_token_time is not None:
+            if m is not None and m.last_token_time is not None and m.last_token_time != tracked.last_token_time:
                 if tracked.last_token_time is None and m.first_token_time is not None:
                     self._ttft.observe(m.first_token_time - m.arrival_time)
                 elif tracked.last_token_time is not None:

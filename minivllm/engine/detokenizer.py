@@ -14,23 +14,22 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 
-@dataclass
+@dataclass(frozen=True)
 class DetokState:
     prefix_offset: int = 0
     read_offset: int = 0
 
 
 def detokenize_incrementally(tokenizer, token_ids: list[int], state: DetokState,
-                             skip_special_tokens: bool = True) -> str:
-    """New text for the tokens appended since the last call (may be "" while a character is incomplete)."""
+                             skip_special_tokens: bool = True) -> tuple[str, DetokState]:
+    """New text for the tokens appended since `state` (may be "" while a character is incomplete), and the
+    state after them. Pure: `state` is not changed, so a step that fails later leaves nothing to undo."""
     prefix = tokenizer.decode(token_ids[state.prefix_offset:state.read_offset],
                               skip_special_tokens=skip_special_tokens)
     full = tokenizer.decode(token_ids[state.prefix_offset:], skip_special_tokens=skip_special_tokens)
     if len(full) > len(prefix) and not full.endswith("\ufffd"):
-        new_text = full[len(prefix):]
-        state.prefix_offset, state.read_offset = state.read_offset, len(token_ids)
-        return new_text
-    return ""
+        return full[len(prefix):], DetokState(state.read_offset, len(token_ids))
+    return "", state
 
 
 def find_stop_string(text: str, new_text_len: int, stop: list[str]) -> tuple[str, int] | None:

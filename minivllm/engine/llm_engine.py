@@ -1,8 +1,11 @@
 """LLMEngine: add requests, then `step()` until none are left (vLLM's LLMEngine / EngineCore).
 
-Owns: the request table, the loop schedule -> run model -> sample -> detokenize -> check stops,
-and turning requests into RequestOutputs. The scheduler decides what runs, the block manager where
-KV goes, the model runner computes; the engine wires them and never reaches into their internals.
+Owns: the request table and the loop schedule -> run model -> sample -> update the core -> detokenize, as one
+transaction: if any part raises (the plan, the forward, the sampler, the detokenizer, a Ctrl-C), the scheduler rolls
+the core back to where it was before the step, the sampler's random state is restored, and the exception reaches
+the caller with the step's request ids in `failed_request_ids`. The scheduler decides what runs, the KV cache manager
+where KV goes, the model runner computes, the output processor makes text; the engine wires them and never reaches
+into their internals.
 
 Continuous batching falls out of the loop: finished requests leave at the end of any step and
 waiting ones join at the start of the next.
@@ -10,25 +13,28 @@ waiting ones join at the start of the next.
 
 from __future__ import annotations
 
-import dataclasses
-import itertools
-import time
 import contextlib
+import itertools
+import logging
+import time
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 
-from minivllm.core.kv_cache_manager import BlockManager
 from minivllm.config import EngineConfig
-from minivllm.engine.detokenizer import DetokState, detokenize_incrementally, find_stop_string
-from minivllm.worker.distributed import check_tp_size
-from minivllm.worker.executor import make_executor
-from minivllm.model.llama import ModelConfig
-from minivllm.model.loader import check_checkpoint_files, load_tokenizer, resolve_device, resolve_model_path
-from minivllm.outputs import CompletionOutput, RequestOutput
+from minivllm.core.journal import StepJournal
+from minivllm.core.kv_cache_manager import KVCacheManager
 from minivllm.core.request import Request, RequestStatus
 from minivllm.core.sampling_params import SamplingParams
 from minivllm.core.scheduler import Scheduler
-from minivllm.core.trace import StepTrace, build_step_trace
+from minivllm.core.trace import StepTrace, StepTracer
+from minivllm.engine.output_processor import OutputProcessor
+from minivllm.model.llama import ModelConfig
+from minivllm.model.loader import check_checkpoint_files, load_tokenizer, resolve_device, resolve_model_path
+from minivllm.outputs import RequestOutput
+from minivllm.worker.distributed import check_tp_size
+from minivllm.worker.executor import make_executor
+
+logger = logging.getLogger(__name__)
 
 PromptType = str | dict | list
 
@@ -36,7 +42,7 @@ PromptType = str | dict | list
 @dataclass
 class EngineStats:
     num_running: int
-    num_waiting: int
+    num_waiting: int                 # waiting, preempted and swapped requests: all in the waiting queue
     num_kv_blocks: int
     num_free_blocks: int
     kv_usage: float                  # fraction of blocks held by requests
@@ -48,6 +54,7 @@ class EngineStats:
     num_steps: int
     num_prompt_tokens_computed: int  # prefill tokens that ran through the model (recomputes included)
     num_generated_tokens: int
+    num_failed_steps: int            # steps that raised and were rolled back
 
 
 class LLMEngine:
@@ -66,10 +73,11 @@ class LLMEngine:
         # Rank 0's ModelRunner lives here; the executor starts the other ranks, if any (executor.py).
         self.executor = make_executor(config, self.model_path, self.model_config, self.device)
         self.model_runner = self.executor.driver
-        self.block_manager = BlockManager(self.executor.num_kv_blocks, config.block_size,
-                                          config.enable_prefix_caching, self.executor.num_cpu_blocks)
-        self.scheduler = Scheduler(self.block_manager, config.max_num_seqs, config.max_num_batched_tokens,
-                                   config.preemption_mode)
+        self.kv_cache_manager = KVCacheManager(self.executor.num_kv_blocks, config.block_size, StepJournal(),
+                                               config.enable_prefix_caching, self.executor.num_cpu_blocks)
+        self.scheduler = Scheduler(self.kv_cache_manager, config.max_num_seqs, config.max_num_batched_tokens,
+                                   self.max_model_len, config.preemption_mode)
+        self.output_processor = OutputProcessor(self.tokenizer)
         eos = set(self.model_config.eos_token_id)
         if self.tokenizer.eos_token_id is not None:
             eos.add(self.tokenizer.eos_token_id)
@@ -77,15 +85,20 @@ class LLMEngine:
         self.requests: dict[str, Request] = {}
         self._ids = itertools.count()
         self.num_steps = 0
+        self.num_failed_steps = 0
+        self.failed_request_ids: list[str] = []    # the requests of the last step that raised
         self.num_prompt_tokens_computed = 0
         self.num_generated_tokens = 0
         self.trace_listeners: list[Callable[[StepTrace], None]] = []
+        self._tracer = StepTracer()
 
     # ------------------------------------------------------------------ requests in
     def tokenize(self, prompt: PromptType) -> tuple[str | None, list[int]]:
-        """A prompt is a string, {"prompt_token_ids": [...]} (optionally with "prompt"), or a list of ids."""
+        """A prompt is a string, {"prompt_token_ids": [...]} (optionally with "prompt"), or a list of ids.
+        Strings are tokenized with the tokenizer's default special tokens (a BOS where the model expects one),
+        as vLLM does; chat prompts already carry theirs from the chat template (LLM.chat)."""
         if isinstance(prompt, str):
-            return prompt, self.tokenizer.encode(prompt, add_special_tokens=False)
+            return prompt, self.tokenizer.encode(prompt)
         if isinstance(prompt, dict):
             unknown = set(prompt) - {"prompt", "prompt_token_ids"}
             if unknown:
@@ -101,8 +114,13 @@ class LLMEngine:
         raise ValueError(f"prompt is a {type(prompt).__name__}; pass a string or "
                          "{'prompt_token_ids': [...]}.")
 
-    def validate_request(self, token_ids: list[int], params: SamplingParams) -> None:
+    def validate_request(self, token_ids: list[int], params: SamplingParams, priority: int = 0) -> None:
         """Raise ValueError, naming the value and the limit, for a request that can never run."""
+        if not isinstance(params, SamplingParams):
+            raise ValueError(f"sampling_params is a {type(params).__name__}; pass SamplingParams.")
+        if isinstance(priority, bool) or not isinstance(priority, int) or abs(priority) >= 2 ** 63:
+            raise ValueError(f"priority is {priority!r} ({type(priority).__name__}); it must be an int "
+                             "(lower runs first; 0 is the default).")
         n = len(token_ids)
         if n == 0:
             raise ValueError("prompt is empty (0 tokens); give at least one token.")
@@ -115,26 +133,28 @@ class LLMEngine:
                              f"room for output. Shorten the prompt or raise max_model_len.")
         # The longest the sequence can get: the KV of all but the last token must fit in the whole pool.
         longest = min(n + params.max_tokens, self.max_model_len) - 1
-        need = self.block_manager.blocks_needed(longest)
-        if need > self.block_manager.num_blocks:
+        kv = self.kv_cache_manager
+        need = kv.blocks_needed(longest)
+        if need > kv.num_blocks:
             raise ValueError(
                 f"prompt ({n} tokens) + max_tokens ({params.max_tokens}) needs {need} KV blocks of "
-                f"{self.config.block_size} tokens, but the whole pool has {self.block_manager.num_blocks} "
-                f"blocks ({self.block_manager.num_blocks * self.config.block_size} tokens). Lower max_tokens, "
+                f"{self.config.block_size} tokens, but the whole pool has {kv.num_blocks} "
+                f"blocks ({kv.num_blocks * self.config.block_size} tokens). Lower max_tokens, "
                 "shorten the prompt, or raise num_kv_blocks.")
 
     def add_request(self, prompt: PromptType, sampling_params: SamplingParams | None = None,
                     request_id: str | None = None, priority: int = 0) -> Request:
+        """Validate and queue a request. All or nothing: if it raises, the engine holds no trace of it."""
         params = sampling_params or SamplingParams()
         text, token_ids = self.tokenize(prompt)
-        self.validate_request(token_ids, params)
+        self.validate_request(token_ids, params, priority)
         request_id = str(next(self._ids)) if request_id is None else str(request_id)
         if request_id in self.requests:
             raise ValueError(f"request_id {request_id!r} is already in use.")
-        req = Request(request_id, text, token_ids, params, eos_token_ids=self.eos_token_ids, priority=priority)
-        req.detok_state = DetokState()
+        req = Request(request_id, token_ids, params, eos_token_ids=self.eos_token_ids, priority=priority)
+        self.scheduler.add_request(req)             # the only step that can refuse; nothing recorded before it
+        self.output_processor.add_request(req, text)
         self.requests[request_id] = req
-        self.scheduler.add_request(req)
         return req
 
     def abort_request(self, request_id: str) -> RequestOutput | None:
@@ -143,36 +163,60 @@ class LLMEngine:
         if req is None or req.is_finished:
             return None
         self.scheduler.finish_request(req, RequestStatus.FINISHED_ABORTED)
-        req.metrics.finished_time = time.time()
-        return self._make_output(req)
+        return self.output_processor.abort_request(request_id)
 
     def has_unfinished_requests(self) -> bool:
         return self.scheduler.has_unfinished_requests()
 
     # ------------------------------------------------------------------ the step
     def step(self) -> list[RequestOutput]:
-        """One engine iteration. Returns an output for every request that got a token or finished."""
+        """One engine iteration. Returns an output for every request that has one (see RequestOutputKind).
+
+        All or nothing: if anything in it raises, the core is rolled back (journal.py) and the exception is
+        re-raised; `failed_request_ids` then lists the requests the step had scheduled."""
         start = time.perf_counter()
-        sched = self.scheduler.schedule()
-        if sched.is_empty:
-            return []
+        scheduler, sampler = self.scheduler, self.model_runner.sampler
+        sched, rng_state = None, None
+        scheduler.begin_step()
+        try:
+            sched = scheduler.schedule()
+            if sched.is_empty:
+                scheduler.commit_step()
+                return []
+            rng_state = sampler.get_rng_state(sched.scheduled)
+            sampling_reqs, tokens = self.executor.execute_model(sched)
+            sampled = {req.request_id: tok for req, tok in zip(sampling_reqs, tokens)}
+            core_outputs = scheduler.update_from_output(sched, sampled)
+            update = self.output_processor.process_outputs(core_outputs)
+            for req, stop_string in update.stop_strings:
+                scheduler.finish_request(req, RequestStatus.FINISHED_STOPPED, stop_string)
+            scheduler.commit_step()
+        except BaseException:
+            scheduler.rollback_step()
+            if rng_state is not None:
+                sampler.set_rng_state(rng_state)
+            self.num_failed_steps += 1
+            self.failed_request_ids = [r.request_id for r in sched.scheduled] if sched is not None else []
+            raise
+
         now = time.time()
-        for req in sched.scheduled:
-            if req.metrics.first_scheduled_time is None:
-                req.metrics.first_scheduled_time = now
-        sampling_reqs, tokens = self.executor.execute_model(sched)
-        self.scheduler.update_from_output(sched)
+        self.output_processor.mark_scheduled(sched.scheduled, now)
+        outputs = self.output_processor.apply(update, now)
+        finished = [co.request for co in core_outputs if co.request.is_finished]
+        for req in finished:
+            del self.requests[req.request_id]
         self.num_steps += 1
         self.num_prompt_tokens_computed += sched.num_prefill_tokens
-        outputs = [self._process_token(req, tok) for req, tok in zip(sampling_reqs, tokens)]
-        events = self.block_manager.pop_events()
+        self.num_generated_tokens += len(core_outputs)
+        events = self.kv_cache_manager.block_pool.pop_events()
         if self.trace_listeners:
-            finished = [r for r in sampling_reqs if r.is_finished]
-            trace = build_step_trace(self.num_steps, time.perf_counter() - start, sched, events,
-                                     self.scheduler.running + self.scheduler.waiting, finished,
-                                     self.block_manager, self.scheduler.num_preemptions)
+            trace = self._tracer.build(self.num_steps, time.perf_counter() - start, sched, events,
+                                       self.scheduler, finished)
             for listener in self.trace_listeners:
-                listener(trace)
+                try:
+                    listener(trace)
+                except Exception:       # a listener's bug must not lose the step's outputs
+                    logger.exception("step trace listener %r failed", listener)
         return outputs
 
     def add_trace_listener(self, listener: Callable[[StepTrace], None]) -> None:
@@ -192,61 +236,21 @@ class LLMEngine:
         finally:
             self.remove_trace_listener(traces.append)
 
-    def _process_token(self, req: Request, token: int) -> RequestOutput:
-        now = time.time()
-        req.append_output_token(token)
-        self.num_generated_tokens += 1
-        if req.metrics.first_token_time is None:
-            req.metrics.first_token_time = now
-        req.metrics.last_token_time = now
-        sp = req.sampling_params
-        new_text = detokenize_incrementally(self.tokenizer, req.output_token_ids, req.detok_state,
-                                            sp.skip_special_tokens)
-        req.output_text += new_text
-
-        status = None
-        if not sp.ignore_eos and token in req.eos_token_ids:
-            status = RequestStatus.FINISHED_STOPPED
-        elif token in sp.stop_token_ids:
-            status, req.stop_reason = RequestStatus.FINISHED_STOPPED, token
-        elif sp.stop and new_text and (hit := find_stop_string(req.output_text, len(new_text), sp.stop)):
-            req.stop_reason, cut = hit
-            req.output_text = req.output_text[:cut]
-            status = RequestStatus.FINISHED_STOPPED
-        elif req.num_output_tokens >= sp.max_tokens or req.num_tokens >= self.max_model_len:
-            status = RequestStatus.FINISHED_LENGTH
-        if status is not None:
-            self.scheduler.finish_request(req, status)
-            req.metrics.finished_time = now
-            del self.requests[req.request_id]
-        return self._make_output(req)
-
-    def _make_output(self, req: Request) -> RequestOutput:
-        """Snapshot a request. While it runs, text that could still become a stop string is held back."""
-        finished = req.is_finished
-        visible = len(req.output_text)
-        if not finished and req.sampling_params.stop:
-            visible -= max(len(s) for s in req.sampling_params.stop) - 1
-        visible = max(visible, req.num_emitted_chars)
-        delta_text = req.output_text[req.num_emitted_chars:visible]
-        delta_ids = req.output_token_ids[req.num_emitted_tokens:]
-        req.num_emitted_chars, req.num_emitted_tokens = visible, req.num_output_tokens
-        completion = CompletionOutput(0, req.output_text[:visible], list(req.output_token_ids),
-                                      req.status.finish_reason if finished else None, req.stop_reason)
-        return RequestOutput(req.request_id, req.prompt, req.prompt_token_ids, [completion], finished,
-                             dataclasses.replace(req.metrics), req.num_cached_tokens, delta_text, delta_ids)
-
     # ------------------------------------------------------------------ introspection
     def get_stats(self) -> EngineStats:
-        bm = self.block_manager
+        kv = self.kv_cache_manager
         return EngineStats(
             num_running=len(self.scheduler.running), num_waiting=len(self.scheduler.waiting),
-            num_kv_blocks=bm.num_blocks, num_free_blocks=bm.num_free_blocks, kv_usage=bm.usage,
-            prefix_cache_hit_rate=bm.prefix_cache_hit_rate, prefix_cache_hits=bm.prefix_cache_hits,
-            prefix_cache_queries=bm.prefix_cache_queries, num_preemptions=self.scheduler.num_preemptions,
-            num_swapped=len(bm.cpu_block_tables),
+            num_kv_blocks=kv.num_blocks, num_free_blocks=kv.num_free_blocks, kv_usage=kv.usage,
+            prefix_cache_hit_rate=kv.prefix_cache_hit_rate, prefix_cache_hits=kv.prefix_cache_hits,
+            prefix_cache_queries=kv.prefix_cache_queries, num_preemptions=self.scheduler.num_preemptions,
+            num_swapped=self.scheduler.num_swapped,
             num_steps=self.num_steps, num_prompt_tokens_computed=self.num_prompt_tokens_computed,
-            num_generated_tokens=self.num_generated_tokens)
+            num_generated_tokens=self.num_generated_tokens, num_failed_steps=self.num_failed_steps)
+
+    def reset_prefix_cache(self) -> None:
+        """Forget every cached-free block (vLLM's `reset_prefix_cache`). Between steps only."""
+        self.kv_cache_manager.reset_prefix_cache()
 
     def shutdown(self) -> None:
         """Stop the tensor-parallel workers (if any) and leave the process group. Also happens on garbage
@@ -254,5 +258,9 @@ class LLMEngine:
         self.executor.shutdown()
 
     def check_integrity(self) -> None:
-        self.block_manager.check_integrity(self.scheduler.running + self.scheduler.waiting)
-
+        """Assert every invariant of the core (scheduler.py, kv_cache_manager.py, block_pool.py) and that the
+        request table, the queues and the output processor agree."""
+        self.scheduler.check_integrity()
+        live = {r.request_id for r in self.scheduler.running + self.scheduler.waiting}
+        assert live == set(self.requests), f"request table {sorted(self.requests)} but queues {sorted(live)}"
+        assert live == set(self.output_processor.states), "the output processor tracks other requests"

@@ -25,7 +25,8 @@ import zlib
 from collections import Counter
 
 from minivllm.engine.async_llm import AsyncLLMEngine, EngineSnapshot
-from minivllm.core.sampling_params import SamplingParams
+from minivllm.core.block_pool import PoolSnapshot
+from minivllm.core.sampling_params import RequestOutputKind, SamplingParams
 from minivllm.core.trace import StepTrace
 
 REFRESH_SECONDS = 0.5
@@ -80,20 +81,25 @@ def block_owners(trace: StepTrace) -> dict[int, list[str]]:
     return owners
 
 
-def render_block_grid(trace: StepTrace | None, num_blocks: int) -> str:
-    """One cell per physical KV block, after the step: colored by owner, a ref count > 1 written in it,
-    hatched if cached-but-free (ref count 0, KV kept for prefix hits), outlined if allocated this step."""
+def render_block_grid(trace: StepTrace | None, num_blocks: int, pool: PoolSnapshot | None = None) -> str:
+    """One cell per physical KV block: colored by owner, a ref count > 1 written in it, hatched if
+    cached-but-free (ref count 0, KV kept for prefix hits), outlined if allocated in the latest step.
+    `pool` (BlockPool.snapshot()) gives every block's ref count; without it only the step's own blocks are known."""
     if trace is None:
         cells = "".join(f'<div class="mv-blk" data-state="free" data-block="{b}" title="block {b}: free"></div>'
                         for b in range(num_blocks))
         return (f'<div class="mv-grid" data-step="0">{cells}</div>'
                 f'<p style="font:12px monospace">{num_blocks} blocks, all free (no step yet)</p>')
     owners = block_owners(trace)
-    cached = set(trace.cached_free_blocks)
+    if pool is not None:
+        refs, cached = pool.ref_counts, pool.cached_free
+    else:
+        refs = [len(owners.get(b, ())) for b in range(trace.num_kv_blocks)]
+        cached = set(trace.cached_free_blocks)
     new = set(trace.blocks_allocated)
     cells, counts = [], Counter()
     for b in range(trace.num_kv_blocks):
-        ref = trace.block_ref_counts[b] if b < len(trace.block_ref_counts) else 0
+        ref = refs[b] if b < len(refs) else 0
         holders = owners.get(b, [])
         if ref > 0:
             state = "shared" if ref > 1 else "used"
@@ -205,7 +211,7 @@ def render_event_log(events: tuple[str, ...] | list[str], limit: int = EVENTS_SH
 
 def render_panels(snap: EngineSnapshot) -> tuple[str, str, str, str, str, str]:
     """Everything the timer refreshes, in the page's order: grid, stats, queues, tables, chart, log."""
-    return (render_block_grid(snap.trace, snap.stats.num_kv_blocks), render_stats(snap),
+    return (render_block_grid(snap.trace, snap.stats.num_kv_blocks, snap.pool), render_stats(snap),
             render_queues(snap.trace), render_block_tables(snap.trace),
             render_tokens_per_step(snap.recent_traces), render_event_log(snap.events))
 
@@ -242,10 +248,11 @@ def build_dashboard(async_engine: AsyncLLMEngine, title: str = "minivllm"):
         yield "", history
         answer = ""
         try:
-            params = SamplingParams(temperature=float(temperature), max_tokens=int(max_tokens))
+            params = SamplingParams(temperature=float(temperature), max_tokens=int(max_tokens),
+                                    output_kind=RequestOutputKind.DELTA)
             async for out in async_engine.generate(async_engine.chat_prompt(messages), params,
                                                    request_id=f"chat-{next(ids)}"):
-                answer += out.delta_text
+                answer += out.outputs[0].text
                 history[-1] = {"role": "assistant", "content": answer}
                 yield "", history
         except Exception as e:      # a bad setting or a failed step: show it in the chat, keep the page alive
@@ -274,7 +281,7 @@ def build_dashboard(async_engine: AsyncLLMEngine, title: str = "minivllm"):
                 + ", ".join(f"{k} {v}" for k, v in sorted(reasons.items())) + ")")
 
     def refresh():
-        return render_panels(async_engine.snapshot())
+        return render_panels(async_engine.snapshot(with_pool=True))
 
     with gr.Blocks(title=title) as demo:
         gr.Markdown(f"## minivllm: live engine\nmodel `{async_engine.engine.model_path.name}` on "

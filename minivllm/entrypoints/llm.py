@@ -6,12 +6,13 @@ and returning outputs in input order. All the serving logic lives in the engine.
 
 from __future__ import annotations
 
+import dataclasses
 from collections.abc import Sequence
 
 from minivllm.config import EngineConfig
 from minivllm.engine.llm_engine import EngineStats, LLMEngine, PromptType
 from minivllm.outputs import RequestOutput
-from minivllm.core.sampling_params import SamplingParams
+from minivllm.core.sampling_params import RequestOutputKind, SamplingParams
 
 
 class LLM:
@@ -44,16 +45,18 @@ class LLM:
         priority = self._broadcast(priority, len(prompts), "priority", default=0)
         engine = self.llm_engine
         tokenized = []
-        for i, (p, sp) in enumerate(zip(prompts, params)):
+        for i, (p, sp, pr) in enumerate(zip(prompts, params, priority)):
             if isinstance(sp, dict):
                 sp = SamplingParams.from_dict(sp)
             if not isinstance(sp, SamplingParams):
                 raise ValueError(f"sampling_params[{i}] is a {type(sp).__name__}; pass SamplingParams.")
             try:
                 text, ids = engine.tokenize(p)
-                engine.validate_request(ids, sp)
+                engine.validate_request(ids, sp, pr)
             except ValueError as e:
                 raise ValueError(f"prompt {i}: {e}") from None
+            # one output per request, at the end (vLLM's LLM does the same); the caller's params stay as given
+            sp = dataclasses.replace(sp, output_kind=RequestOutputKind.FINAL_ONLY)
             tokenized.append(({"prompt": text, "prompt_token_ids": ids}, sp))
         return self._run(tokenized, priority, use_tqdm)
 
@@ -100,13 +103,15 @@ class LLM:
     def _run(self, requests: list[tuple[dict, SamplingParams]], priority: list[int],
              use_tqdm: bool) -> list[RequestOutput]:
         engine = self.llm_engine
-        ids = [engine.add_request(p, sp, priority=pr).request_id for (p, sp), pr in zip(requests, priority)]
+        ids: list[str] = []
         results: dict[str, RequestOutput] = {}
         bar = None
-        if use_tqdm:
-            from tqdm.auto import tqdm
-            bar = tqdm(total=len(ids), desc="Processed prompts", dynamic_ncols=True)
         try:
+            for (p, sp), pr in zip(requests, priority):          # inside the try: a failed add takes back the rest
+                ids.append(engine.add_request(p, sp, priority=pr).request_id)
+            if use_tqdm:
+                from tqdm.auto import tqdm
+                bar = tqdm(total=len(ids), desc="Processed prompts", dynamic_ncols=True)
             while engine.has_unfinished_requests():
                 for out in engine.step():
                     if out.finished:

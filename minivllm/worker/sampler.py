@@ -31,6 +31,18 @@ class Sampler:
             request.generator = torch.Generator(device=device).manual_seed(request.sampling_params.seed)
         return request.generator
 
+    def get_rng_state(self, requests: list[Request]) -> list[tuple[object, torch.Generator, torch.Tensor]]:
+        """The random state this step may consume: the shared generator and every seeded request's. A failed step
+        puts it back (`set_rng_state`), so its retry draws what the step would have drawn."""
+        holders = [self] + [r for r in requests if r.generator is not None]
+        return [(h, h.generator, h.generator.get_state()) for h in holders]
+
+    @staticmethod
+    def set_rng_state(state: list[tuple[object, torch.Generator, torch.Tensor]]) -> None:
+        for holder, generator, rng in state:
+            generator.set_state(rng)
+            holder.generator = generator
+
     def __call__(self, logits: torch.Tensor, requests: list[Request]) -> list[int]:
         # logits (num_rows, vocab_size) fp32, one row per request that samples this step
         params = [r.sampling_params for r in requests]
