@@ -380,6 +380,17 @@ BAD_REQUESTS = [
     ("image_content_part", "chat", {"messages": [{"role": "user", "content": [
         {"type": "image_url", "image_url": {"url": "http://x/y.png"}}]}]}, "messages[0].content"),
     ("chat_over_the_context", "chat", {"messages": [{"role": "user", "content": "hello " * 9000}]}, "messages"),
+    # Input that once raised something other than ValueError (OverflowError, RecursionError, TypeError,
+    # UnicodeEncodeError) and became a 500.
+    ("temperature_too_large_for_a_float", "completions", b'{"prompt": "hi", "temperature": 1' + b"0" * 400 + b"}",
+     "temperature"),
+    ("top_p_too_large_for_a_float", "chat", b'{"messages": [{"role": "user", "content": "hi"}], "top_p": -'
+     + b"9" * 400 + b"}", "top_p"),
+    ("body_nested_too_deep", "completions", b'{"prompt": ' + b"[" * 100_000 + b"]" * 100_000 + b"}", None),
+    ("prompt_with_a_lone_surrogate", "completions", b'{"prompt": "caf\\ud800"}', "prompt"),
+    ("content_with_a_lone_surrogate", "chat", b'{"messages": [{"role": "user", "content": "\\udfff"}]}',
+     "messages[0].content"),
+    ("model_with_a_lone_surrogate", "completions", b'{"model": "\\ud800", "prompt": "hi"}', "model"),
 ]
 
 
@@ -396,6 +407,18 @@ def test_bad_input_is_a_400_with_an_openai_error_body(server, case, route, body,
     assert len(error["message"]) > 20                    # a sentence naming the value and the fix
 
 
+@pytest.mark.parametrize("name", ["temperature", "top_p"])
+def test_a_json_number_too_large_for_a_float_is_a_400_naming_the_field(server, name):
+    """A 400-digit integer is valid JSON but no float holds it: the answer names the field and the limit."""
+    body = b'{"prompt": "hi", "max_tokens": 1, "%s": %s}' % (name.encode(), b"9" * 400)
+    r = httpx.post(server.url + "/v1/completions", content=body, headers={"content-type": "application/json"},
+                   timeout=60)
+    assert r.status_code == 400, r.text
+    error = r.json()["error"]
+    assert error["param"] == name and error["type"] == "invalid_request_error"
+    assert f"'{name}' is an integer of 400 digits" in error["message"] and "finite number" in error["message"]
+
+
 def test_the_official_client_raises_bad_request_and_the_server_keeps_serving(client, server):
     with pytest.raises(openai.BadRequestError) as e:
         client.chat.completions.create(model=MODEL, messages=CHAT, temperature=-1)
@@ -408,7 +431,8 @@ def test_the_official_client_raises_bad_request_and_the_server_keeps_serving(cli
 
 def test_no_field_value_makes_a_500(server):
     """Every field, every JSON type: the answer is a 200 or a 400, never a 500, and the engine lives on."""
-    values = [None, True, -1, 0, 3, 2.5, 1e308, "x", [], [1], ["x"], {}, {"a": 1}]
+    values = [None, True, -1, 0, 3, 2.5, 1e308, 10 ** 400, -(10 ** 400), "x", "\ud800", [], [1], ["x"], {},
+              {"a": 1}]
     fields = ["prompt", "max_tokens", "temperature", "top_p", "top_k", "seed", "stop", "stop_token_ids", "n",
               "stream", "stream_options", "ignore_eos", "skip_special_tokens", "model", "logprobs", "echo"]
     bodies = [("completions", {"model": MODEL, "prompt": "Hi", "max_tokens": 1, name: value})
@@ -419,7 +443,10 @@ def test_no_field_value_makes_a_500(server):
 
     async def main():                     # all at once: the valid ones are batched, so this stays quick
         async with httpx.AsyncClient(base_url=server.url + "/v1", timeout=120) as http:
-            return await asyncio.gather(*(http.post("/" + route, json=body) for route, body in bodies))
+            # json.dumps escapes "\ud800" (httpx's own encoder would refuse to send it)
+            return await asyncio.gather(*(http.post("/" + route, content=json.dumps(body).encode(),
+                                                    headers={"content-type": "application/json"})
+                                          for route, body in bodies))
 
     responses = asyncio.run(main())
     statuses = set()

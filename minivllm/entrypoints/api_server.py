@@ -46,8 +46,10 @@ logger = logging.getLogger(__name__)
 DEFAULT_MODEL_NAME = "SmolLM2-135M-Instruct"
 
 
-def error_response(err: APIError) -> JSONResponse:
-    return JSONResponse(err.body(), status_code=err.status_code)
+def error_response(err: APIError) -> Response:
+    # Rendered with json.dumps' default ensure_ascii: a message quoting client text (even a lone surrogate,
+    # which UTF-8 cannot encode) always renders; JSONResponse would raise UnicodeEncodeError, a 500.
+    return Response(json.dumps(err.body()), status_code=err.status_code, media_type="application/json")
 
 
 async def read_json(request: Request) -> dict:

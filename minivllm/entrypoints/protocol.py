@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import json
 import math
+import sys
 from dataclasses import dataclass
 
 from minivllm.core.sampling_params import SamplingParams
@@ -20,6 +21,7 @@ from minivllm.outputs import RequestOutput
 
 CHAT_ROLES = ("system", "developer", "user", "assistant")
 INT64 = (-(2 ** 63), 2 ** 63 - 1)     # torch generators and tensors take no wider ints
+FLOAT_MAX = sys.float_info.max       # a JSON integer beyond it is valid JSON but fits no float
 # Fields that change the answer in ways minivllm does not implement: refused unless left at their default.
 UNSUPPORTED = {"logprobs": (None, False), "top_logprobs": (None, 0), "echo": (None, False), "suffix": (None,),
                "best_of": (None, 1), "presence_penalty": (None, 0), "frequency_penalty": (None, 0),
@@ -48,6 +50,9 @@ def parse_json_body(raw: bytes) -> dict:
     except (ValueError, UnicodeDecodeError) as e:
         raise APIError(f"the request body is not valid JSON ({e}); send a JSON object with "
                        "'Content-Type: application/json'.") from None
+    except RecursionError:           # Python's parser recurses once per nested array or object
+        raise APIError("the request body nests arrays or objects too deeply for the JSON parser (about "
+                       f"{sys.getrecursionlimit()} levels at most); no field of this API needs more than 3.") from None
     if not isinstance(body, dict):
         raise APIError(f"the request body is a JSON {json_type(body)}; it must be a JSON object.")
     return body
@@ -67,13 +72,38 @@ def read_field(body: dict, name: str, kind: str, default=None):
         "object": isinstance(value, dict),
     }[kind]
     if not ok:
-        raise APIError(f"'{name}' is {json.dumps(value)[:60]} ({json_type(value)}); it must be "
+        raise APIError(f"'{name}' is {describe(value)} ({json_type(value)}); it must be "
                        f"{'an' if kind in ('int', 'object') else 'a'} {kind}.", param=name)
+    if kind == "number" and isinstance(value, int) and not -FLOAT_MAX <= value <= FLOAT_MAX:
+        # Valid JSON, but math and tensors need a float, and float(value) would raise OverflowError.
+        raise APIError(f"'{name}' is an integer of {len(str(abs(value)))} digits; it must be a finite number "
+                       f"(|value| <= {FLOAT_MAX:.4g}).", param=name)
     if kind == "number" and not math.isfinite(value):
         raise APIError(f"'{name}' is {value}; it must be a finite number.", param=name)
     if kind == "int" and not INT64[0] <= value <= INT64[1]:
-        raise APIError(f"'{name}' is {value}; it must fit in 64 bits (|value| < 2**63).", param=name)
+        raise APIError(f"'{name}' is {describe(value)}; it must fit in 64 bits (|value| < 2**63).", param=name)
     return value
+
+
+def read_text(text: str, param: str) -> str:
+    """A string the tokenizer can take. JSON's \\u escapes can put a lone surrogate (\\ud800) in a Python
+    str: no UTF-8 text holds one, and the tokenizer raises TypeError on it."""
+    try:
+        text.encode("utf-8")
+    except UnicodeEncodeError as e:
+        raise APIError(f"'{param}' holds a lone surrogate (\\u{ord(text[e.start]):04x}) at character {e.start}: "
+                       "it is not Unicode text. Send UTF-8, or escape a character outside the BMP as a "
+                       "surrogate pair (\\ud83d\\ude00 is one emoji).", param=param) from None
+    return text
+
+
+def describe(value) -> str:
+    """A JSON value as an error message quotes it: escaped (a lone surrogate stays printable), short."""
+    try:
+        text = json.dumps(value)
+    except (RecursionError, ValueError):        # nested about as deep as the parser allows; a 4,300+ digit int
+        text = f"a very large {json_type(value)}"
+    return text if len(text) <= 60 else text[:57] + "..."
 
 
 def json_type(value) -> str:
@@ -87,8 +117,8 @@ def json_type(value) -> str:
 def check_model(body: dict, accepted_names: set[str], served_name: str) -> None:
     model = read_field(body, "model", "string")
     if model is not None and model not in accepted_names:
-        raise APIError(f"model '{model}' is not served here; this server serves '{served_name}' (see /v1/models).",
-                       param="model", code="model_not_found")
+        raise APIError(f"model {describe(model)} is not served here; this server serves '{served_name}' (see "
+                       "/v1/models).", param="model", code="model_not_found")
 
 
 def requested_max_tokens(body: dict, chat: bool) -> tuple[str, int | None]:
@@ -105,7 +135,7 @@ def sampling_params_from_body(body: dict, chat: bool, default_max_tokens: int) -
     """The request's SamplingParams; raises APIError naming the field for anything wrong or unsupported."""
     for name, defaults in UNSUPPORTED.items():
         if name in body and body[name] not in defaults:
-            raise APIError(f"'{name}' is {json.dumps(body[name])[:60]}; minivllm does not support it. Leave it "
+            raise APIError(f"'{name}' is {describe(body[name])}; minivllm does not support it. Leave it "
                            f"out (or at {json.dumps(defaults[-1])}).", param=name)
     n = read_field(body, "n", "int", 1)
     if n != 1:
@@ -115,11 +145,11 @@ def sampling_params_from_body(body: dict, chat: bool, default_max_tokens: int) -
     stop = body.get("stop")
     if stop is not None and not (isinstance(stop, str) or (isinstance(stop, list)
                                                            and all(isinstance(s, str) for s in stop))):
-        raise APIError(f"'stop' is {json.dumps(stop)[:60]}; it must be a string or a list of strings.",
+        raise APIError(f"'stop' is {describe(stop)}; it must be a string or a list of strings.",
                        param="stop")
     stop_token_ids = read_field(body, "stop_token_ids", "list", [])
     if not all(isinstance(t, int) and not isinstance(t, bool) and 0 <= t < 2 ** 63 for t in stop_token_ids):
-        raise APIError(f"'stop_token_ids' is {json.dumps(stop_token_ids)[:60]}; it must be a list of "
+        raise APIError(f"'stop_token_ids' is {describe(stop_token_ids)}; it must be a list of "
                        "non-negative token ids.", param="stop_token_ids")
     kwargs = dict(
         temperature=read_field(body, "temperature", "number", 1.0),
@@ -169,13 +199,13 @@ def parse_prompt(body: dict) -> str | list[int]:
     if isinstance(prompt, list) and len(prompt) == 1 and isinstance(prompt[0], (str, list)):
         prompt = prompt[0]                      # a batch of one
     if isinstance(prompt, str):
-        return prompt
+        return read_text(prompt, "prompt")
     if isinstance(prompt, list) and all(isinstance(t, int) and not isinstance(t, bool) for t in prompt):
         return list(prompt)
     if isinstance(prompt, list) and prompt and all(isinstance(p, (str, list)) for p in prompt):
         raise APIError(f"'prompt' is a batch of {len(prompt)} prompts; minivllm takes one prompt per request. "
                        "Send one request per prompt (they are batched on the server anyway).", param="prompt")
-    raise APIError(f"'prompt' is {json.dumps(prompt)[:60]}; it must be a string or a list of token ids.",
+    raise APIError(f"'prompt' is {describe(prompt)}; it must be a string or a list of token ids.",
                    param="prompt")
 
 
@@ -183,18 +213,18 @@ def parse_messages(body: dict) -> list[dict]:
     """Chat messages as {"role", "content": str}. Content may be a string or a list of text parts."""
     messages = body.get("messages")
     if not isinstance(messages, list) or not messages:
-        got = "missing" if messages is None else json.dumps(messages)[:60]
+        got = "missing" if messages is None else describe(messages)
         raise APIError(f"'messages' is {got}; it must be a non-empty list of {{'role', 'content'}} objects.",
                        param="messages")
     out = []
     for i, m in enumerate(messages):
         where = f"messages[{i}]"
         if not isinstance(m, dict):
-            raise APIError(f"{where} is {json.dumps(m)[:60]}; each message must be an object with 'role' and "
+            raise APIError(f"{where} is {describe(m)}; each message must be an object with 'role' and "
                            "'content'.", param=where)
         role = m.get("role")
         if role not in CHAT_ROLES:
-            raise APIError(f"{where}.role is {json.dumps(role)}; it must be one of {list(CHAT_ROLES)}.",
+            raise APIError(f"{where}.role is {describe(role)}; it must be one of {list(CHAT_ROLES)}.",
                            param=f"{where}.role")
         content = m.get("content")
         if content is None and role == "assistant":
@@ -203,14 +233,15 @@ def parse_messages(body: dict) -> list[dict]:
             parts = []
             for j, part in enumerate(content):
                 if not (isinstance(part, dict) and part.get("type") == "text" and isinstance(part.get("text"), str)):
-                    raise APIError(f"{where}.content[{j}] is {json.dumps(part)[:60]}; only text parts "
+                    raise APIError(f"{where}.content[{j}] is {describe(part)}; only text parts "
                                    "({'type': 'text', 'text': ...}) are supported.", param=f"{where}.content")
                 parts.append(part["text"])
             content = "".join(parts)
         if not isinstance(content, str):
-            raise APIError(f"{where}.content is {json.dumps(content)[:60]}; it must be a string or a list of "
+            raise APIError(f"{where}.content is {describe(content)}; it must be a string or a list of "
                            "text parts.", param=f"{where}.content")
-        out.append({"role": "system" if role == "developer" else role, "content": content})
+        out.append({"role": "system" if role == "developer" else role,
+                    "content": read_text(content, f"{where}.content")})
     return out
 
 
