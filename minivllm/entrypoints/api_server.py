@@ -223,13 +223,17 @@ class BackgroundServer:
 
 # ---------------------------------------------------------------------- responses
 async def full_response(stream: RequestStream, meta: ResponseMeta) -> dict:
+    """The whole answer: the request's deltas joined."""
+    pieces, num_tokens, final = [], 0, None
     async with stream:
-        final = None
         async for out in stream:
+            pieces.append(out.outputs[0].text)
+            num_tokens += len(out.outputs[0].token_ids)
             final = out
     o = final.outputs[0]
-    body = meta.envelope([make_choice(meta, o.text, o.finish_reason, o.stop_reason, stream=False)], stream=False)
-    body["usage"] = usage_of(final)
+    body = meta.envelope([make_choice(meta, "".join(pieces), o.finish_reason, o.stop_reason, stream=False)],
+                         stream=False)
+    body["usage"] = usage_of(final, num_tokens)
     return body
 
 
@@ -245,15 +249,16 @@ async def stream_events(stream: RequestStream, meta: ResponseMeta, include_usage
         try:
             if meta.chat:        # OpenAI opens a chat stream with the role
                 yield _sse(meta.envelope([make_choice(meta, "", None, None, stream=True, first=True)], stream=True))
-            final = None
-            async for out in stream:
+            num_tokens, final = 0, None
+            async for out in stream:                  # each output holds only what is new (DELTA)
                 o = out.outputs[0]
-                if out.delta_text or out.finished:
-                    yield _sse(meta.envelope([make_choice(meta, out.delta_text, o.finish_reason, o.stop_reason,
-                                                      stream=True)], stream=True))
+                if o.text or out.finished:
+                    yield _sse(meta.envelope([make_choice(meta, o.text, o.finish_reason, o.stop_reason,
+                                                          stream=True)], stream=True))
+                num_tokens += len(o.token_ids)
                 final = out
             if include_usage:
-                yield _sse({**meta.envelope([], stream=True), "usage": usage_of(final)})
+                yield _sse({**meta.envelope([], stream=True), "usage": usage_of(final, num_tokens)})
         except RequestError as e:
             yield _sse(APIError(str(e), status_code=500, type="internal_server_error").body())
     yield "data: [DONE]\n\n"

@@ -18,7 +18,7 @@ import time
 from dataclasses import asdict
 
 from minivllm.config import EngineConfig, add_engine_args
-from minivllm.core.sampling_params import SamplingParams
+from minivllm.core.sampling_params import RequestOutputKind, SamplingParams
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -55,7 +55,8 @@ def main(argv: list[str] | None = None) -> int:
     try:
         params = SamplingParams(temperature=args.temperature, top_p=args.top_p, top_k=args.top_k,
                                 seed=args.seed, max_tokens=args.max_tokens, stop=args.stop,
-                                ignore_eos=args.ignore_eos)
+                                ignore_eos=args.ignore_eos,
+                                output_kind=RequestOutputKind.DELTA if args.stream else RequestOutputKind.FINAL_ONLY)
     except ValueError as e:
         parser.error(str(e))
 
@@ -77,9 +78,10 @@ def main(argv: list[str] | None = None) -> int:
     start = time.time()
     try:
         if args.stream:
-            outputs = _stream(llm, prompts, params)
+            counts = _stream(llm, prompts, params)
         else:
             outputs = llm.generate(prompts, params, use_tqdm=len(prompts) > 1)
+            counts = [(len(o.prompt_token_ids), len(o.outputs[0].token_ids)) for o in outputs]
     except ValueError as e:
         parser.error(str(e))
     except KeyboardInterrupt:
@@ -93,31 +95,33 @@ def main(argv: list[str] | None = None) -> int:
             if len(outputs) > 1:
                 print(f"--- [{i}] {out.outputs[0].finish_reason}")
             print(out.outputs[0].text)
-    n_out = sum(len(o.outputs[0].token_ids) for o in outputs)
-    n_in = sum(len(o.prompt_token_ids) for o in outputs)
+    n_in, n_out = sum(c[0] for c in counts), sum(c[1] for c in counts)
     if is_rank0:
-        print(f"\n[minivllm] {len(outputs)} request(s), {n_in} prompt + {n_out} output tokens in {elapsed:.2f} s "
+        print(f"\n[minivllm] {len(counts)} request(s), {n_in} prompt + {n_out} output tokens in {elapsed:.2f} s "
               f"({n_out / elapsed:.1f} output tokens/s)", file=sys.stderr)
     return 0
 
 
-def _stream(llm, prompts: list[str], params: SamplingParams):
-    """Print each request's new text as soon as a step produces it (requests interleave if several)."""
+def _stream(llm, prompts: list[str], params: SamplingParams) -> list[tuple[int, int]]:
+    """Print each request's new text as soon as a step produces it (requests interleave if several).
+
+    `params` asks for DELTA outputs: each holds only the new text and token ids. Returns each request's
+    (prompt tokens, output tokens), in input order."""
     engine = llm.llm_engine
     for p in prompts:                       # check every prompt before the first one runs
         engine.validate_request(engine.tokenize(p)[1], params)
     ids = [engine.add_request(p, params).request_id for p in prompts]
-    finished = {}
+    counts = {i: [0, 0] for i in ids}
     while engine.has_unfinished_requests():
         for out in engine.step():
-            if out.delta_text:
+            o = out.outputs[0]
+            counts[out.request_id][0] = len(out.prompt_token_ids)
+            counts[out.request_id][1] += len(o.token_ids)
+            if o.text:
                 prefix = f"[{out.request_id}] " if len(prompts) > 1 else ""
-                print(prefix + out.delta_text if prefix else out.delta_text, end="" if not prefix else "\n",
-                      flush=True)
-            if out.finished:
-                finished[out.request_id] = out
+                print(prefix + o.text if prefix else o.text, end="" if not prefix else "\n", flush=True)
     print()
-    return [finished[i] for i in ids]
+    return [tuple(counts[i]) for i in ids]
 
 
 if __name__ == "__main__":

@@ -16,7 +16,7 @@ import math
 import sys
 from dataclasses import dataclass
 
-from minivllm.core.sampling_params import SamplingParams
+from minivllm.core.sampling_params import RequestOutputKind, SamplingParams
 from minivllm.outputs import RequestOutput
 
 CHAT_ROLES = ("system", "developer", "user", "assistant")
@@ -162,7 +162,8 @@ def sampling_params_from_body(body: dict, chat: bool, default_max_tokens: int) -
         skip_special_tokens=read_field(body, "skip_special_tokens", "bool", True),
     )
     try:
-        return SamplingParams(**kwargs)
+        # Every request runs as deltas: a stream forwards each new piece, a full answer joins them (O(n) both).
+        return SamplingParams(**kwargs, output_kind=RequestOutputKind.DELTA)
     except ValueError as e:
         # SamplingParams' messages start with the field's name ("top_p is 1.5; ..."): that is OpenAI's param.
         field_name = str(e).split(" ", 1)[0]
@@ -260,11 +261,13 @@ class ResponseMeta:
                 "choices": choices}
 
 
-def usage_of(out: RequestOutput) -> dict:
-    completion = len(out.outputs[0].token_ids)
-    return {"prompt_tokens": len(out.prompt_token_ids), "completion_tokens": completion,
-            "total_tokens": len(out.prompt_token_ids) + completion,
-            "prompt_tokens_details": {"cached_tokens": out.num_cached_tokens}}
+def usage_of(final: RequestOutput, completion_tokens: int) -> dict:
+    """The usage object: prompt and cached tokens from the request's final output; completion tokens counted
+    over its deltas by the caller."""
+    prompt_tokens = len(final.prompt_token_ids)
+    return {"prompt_tokens": prompt_tokens, "completion_tokens": completion_tokens,
+            "total_tokens": prompt_tokens + completion_tokens,
+            "prompt_tokens_details": {"cached_tokens": final.num_cached_tokens}}
 
 
 def make_choice(meta: ResponseMeta, text: str, finish_reason: str | None, stop_reason, stream: bool,
