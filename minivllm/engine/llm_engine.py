@@ -196,7 +196,11 @@ class LLMEngine:
             if rng_state is not None:
                 sampler.set_rng_state(rng_state)
             self.num_failed_steps += 1
-            self.failed_request_ids = [r.request_id for r in sched.scheduled] if sched is not None else []
+            if sched is None:   # the plan itself failed: blame what it was working on, so no caller retries forever
+                blamed = self.scheduler.running or self.scheduler.waiting[:1]
+            else:
+                blamed = sched.scheduled
+            self.failed_request_ids = [r.request_id for r in blamed]
             raise
 
         now = time.time()
