@@ -14,6 +14,7 @@ import pytest
 import torch
 
 from minivllm import SamplingParams
+from minivllm.core.sampling_params import RequestOutputKind
 from minivllm.engine.async_llm import AsyncLLMEngine, RequestError
 from minivllm.config import EngineConfig
 from minivllm.engine.llm_engine import LLMEngine
@@ -23,6 +24,11 @@ NUM_KV_BLOCKS = 64
 
 def greedy(n: int) -> SamplingParams:
     return SamplingParams(temperature=0, max_tokens=n, ignore_eos=True)
+
+
+def delta(n: int) -> SamplingParams:
+    """Greedy, streamed as vLLM streams: each output holds only its new text and token ids."""
+    return SamplingParams(temperature=0, max_tokens=n, ignore_eos=True, output_kind=RequestOutputKind.DELTA)
 
 
 @pytest.fixture(scope="module")
@@ -65,13 +71,15 @@ def test_generate_streams_the_greedy_tokens_one_delta_at_a_time(async_engine, hf
     prompt = "The capital of France is"
 
     async def main():
-        return [out async for out in async_engine.generate(prompt, greedy(10))]
+        return [out async for out in async_engine.generate(prompt, delta(10))]
 
     outs = asyncio.run(main())
     ids = async_engine.tokenizer.encode(prompt, add_special_tokens=False)
-    assert outs[-1].outputs[0].token_ids == hf_greedy(hf_model, ids, 10)
-    assert [len(o.delta_token_ids) for o in outs] == [1] * 10             # one output per token
-    assert "".join(o.delta_text for o in outs) == outs[-1].outputs[0].text
+    streamed = [t for o in outs for t in o.outputs[0].token_ids]
+    assert streamed == hf_greedy(hf_model, ids, 10)
+    assert [len(o.outputs[0].token_ids) for o in outs] == [1] * 10        # one output per token
+    assert "".join(o.outputs[0].text for o in outs) == async_engine.tokenizer.decode(streamed,
+                                                                                        skip_special_tokens=True)
     assert [o.finished for o in outs] == [False] * 9 + [True]
     assert outs[-1].outputs[0].finish_reason == "length"
 
@@ -81,8 +89,8 @@ def test_concurrent_requests_share_steps_and_match_running_alone(async_engine):
 
     async def collect(prompt):
         text = ""
-        async for out in async_engine.generate(prompt, greedy(8)):
-            text += out.delta_text
+        async for out in async_engine.generate(prompt, delta(8)):
+            text += out.outputs[0].text
         return text
 
     async def together():
@@ -164,8 +172,8 @@ def test_a_failing_step_ends_its_requests_with_an_error_and_the_loop_goes_on(asy
 
     async def collect(rid):
         text = ""
-        async for out in async_engine.generate("Once upon a time", greedy(20), request_id=rid):
-            text += out.delta_text
+        async for out in async_engine.generate("Once upon a time", delta(20), request_id=rid):
+            text += out.outputs[0].text
         return text
 
     async def main():

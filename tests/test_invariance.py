@@ -63,7 +63,7 @@ def test_prefix_caching_changes_nothing_and_hits(model_dir, tokenizer, baseline,
 
 @pytest.mark.parametrize("budget", [16, 64, None])
 def test_chunked_prefill_budget_changes_nothing(model_dir, baseline, prompt_ids, budget):
-    kw = {"max_num_batched_tokens": budget} if budget else {}
+    kw = {"max_num_batched_tokens": budget, "max_num_seqs": budget} if budget else {}
     llm = make_llm(model_dir, enable_prefix_caching=False, num_kv_blocks=256, **kw)
     out, traces = run(llm, prompt_ids)
     assert out == baseline
@@ -97,7 +97,7 @@ def test_preemption_changes_nothing_and_happens(model_dir, baseline, prompt_ids,
 
 def test_random_aborts_leave_the_others_unchanged(model_dir, baseline, prompt_ids):
     llm = make_llm(model_dir, num_kv_blocks=20, preemption_mode="swap", swap_space=0.05,
-                   max_num_batched_tokens=32)
+                   max_num_batched_tokens=32, max_num_seqs=32)
     engine = llm.llm_engine
     rng = random.Random(0)
     keep = {engine.add_request({"prompt_token_ids": p}, greedy()).request_id: i for i, p in enumerate(prompt_ids)}

@@ -310,3 +310,24 @@ def test_declared_torch_has_what_the_attention_uses():
     pyproject = (pathlib.Path(__file__).resolve().parents[1] / "pyproject.toml").read_text()
     floor = re.search(r'"torch>=(\d+)\.(\d+)', pyproject)
     assert floor and (int(floor[1]), int(floor[2])) >= (2, 5), floor
+
+
+def test_same_step_prefix_sharing_is_undone_with_its_step(small_llm, engine):
+    """Identical prompts admitted together compute their shared full blocks once (the later ones hit the blocks the
+    step is computing); when that step fails, the offers, the hits and the ref counts go back with it."""
+    want = reference(small_llm, PROMPT, 8)
+    engine.reset_prefix_cache()
+    reqs = [engine.add_request(PROMPT, greedy(8)) for _ in range(3)]
+    before = fingerprint(engine)
+    fail_once(engine.model_runner, "execute_model", RuntimeError("injected"))
+    with pytest.raises(RuntimeError):
+        engine.step()
+    assert fingerprint(engine) == before and not engine.kv_cache_manager.pending
+    engine.check_integrity()
+    with engine.record_traces() as traces:
+        while engine.has_unfinished_requests():
+            engine.step()
+    first = traces[0].by_id
+    assert [first[r.request_id].num_cached_tokens for r in reqs] == [0, 8, 8]    # 2 full blocks of 4, shared
+    assert traces[0].num_prefill_tokens == 9 + 1 + 1
+    assert all(r.output_token_ids == want for r in reqs)

@@ -103,7 +103,7 @@ def test_tp2_matches_tp1_on_a_tiny_llama(tmp_path, model_dir):
 def test_features_fire_and_leave_outputs_unchanged_under_tp(model_dir, prompt_ids_with_shared_prefix):
     """Prefix caching, chunked prefill and preemption at once, on 3 ranks, against the same engine on 1."""
     prompts = [{"prompt_token_ids": p} for p in prompt_ids_with_shared_prefix]
-    kw = dict(device="cpu", dtype="float32", max_num_batched_tokens=32, num_kv_blocks=14)
+    kw = dict(device="cpu", dtype="float32", max_num_batched_tokens=32, max_num_seqs=32, num_kv_blocks=14)
     tp1 = LLM(str(model_dir), **kw)
     expected = token_ids(tp1.generate(prompts, greedy(32), use_tqdm=False))
     with LLM(str(model_dir), tensor_parallel_size=3, **kw) as tp3:

@@ -121,3 +121,10 @@ def test_bad_parallel_settings_are_refused_with_the_fix(model_dir):
         LLM(str(model_dir), device="cpu", tensor_parallel_size=3, distributed_executor_backend="external_launcher")
     with pytest.raises(ValueError, match="'uni' runs one rank, but tensor_parallel_size is 3"):
         LLM(str(model_dir), device="cpu", tensor_parallel_size=3, distributed_executor_backend="uni")
+
+
+def test_numbers_too_large_for_a_float_are_a_clear_error():
+    """A 400-digit int used to raise OverflowError inside math.isfinite instead of a ValueError naming the field."""
+    for field in ("temperature", "top_p", "max_tokens", "seed"):
+        with pytest.raises(ValueError, match=f"{field} is an integer of 401 digits"):
+            SamplingParams(**{field: 10 ** 400})

@@ -12,6 +12,9 @@ the model runner reads the block tables and writes the KV; the scheduler alone m
 
 A block joins the prefix cache only after the step that filled it committed (`cache_blocks`, called by the
 scheduler in `update_from_output`), so a step that fails can never leave an uncomputed block behind a hash.
+Within the open step, the full blocks the step will compute are offered to requests admitted later in the same
+step (`register_pending`): every layer stores the whole flat batch's KV before any attention reads it, so two
+identical prompts arriving together compute their shared prefix once, as in vLLM. Pending offers end with the step.
 """
 
 from __future__ import annotations
@@ -33,6 +36,9 @@ class KVCacheManager:
         self.block_pool = BlockPool(num_blocks, journal, enable_prefix_caching)
         self.swap_space = SwapSpace(num_cpu_blocks, journal)
         self.num_cached_blocks: dict[str, int] = {}    # request_id -> its leading blocks that are hashed
+        # Open step only: block hash -> (block, its tokens) for full blocks this step computes (not yet cached)
+        self.pending: dict[int, tuple[int, tuple[int, ...]]] = {}
+        self._pending_hash: dict[int, int] = {}          # block -> its hash-to-be, for chaining past a pending hit
         # Prefix-cache counters, in prompt tokens (vLLM reports hit rate = hits / queries).
         self.prefix_cache_queries = 0
         self.prefix_cache_hits = 0
@@ -73,10 +79,40 @@ class KVCacheManager:
             chunk = tuple(tokens[i * bs:(i + 1) * bs])
             parent = hash_block_tokens(parent, chunk)
             block_id = self.block_pool.lookup(parent, chunk)
+            if block_id is None and self.pending.get(parent, (None, None))[1] == chunk:
+                block_id = self.pending[parent][0]          # computed by this very step, before anyone reads it
             if block_id is None:
                 break
             hits.append(block_id)
         return hits
+
+    def register_pending(self, request: Request, num_tokens: int) -> None:
+        """The open step computes the request's tokens up to `num_tokens`: offer its blocks that become full to
+        requests admitted later in this step. Offers are journaled and dropped by `clear_pending` at commit."""
+        if not self.enable_prefix_caching:
+            return
+        pool, bs = self.block_pool, self.block_size
+        start = self.num_cached_blocks.get(request.request_id, 0)
+        parent = ROOT_HASH
+        if start:
+            last = request.block_table[start - 1]          # hashed, or itself a pending hit of this step
+            parent = pool.blocks[last].block_hash if pool.blocks[last].block_hash is not None \
+                else self._pending_hash[last]
+        for i in range(start, min(num_tokens // bs, len(request.block_table))):
+            chunk = tuple(request.all_token_ids[i * bs:(i + 1) * bs])
+            parent = hash_block_tokens(parent, chunk)
+            block_id = request.block_table[i]
+            if parent not in pool.hash_to_block and parent not in self.pending:
+                self.pending[parent] = (block_id, chunk)
+                self._pending_hash[block_id] = parent
+
+                def undo(h=parent, b=block_id) -> None:
+                    del self.pending[h], self._pending_hash[b]
+                self.journal.record(undo)
+
+    def clear_pending(self) -> None:
+        self.pending.clear()
+        self._pending_hash.clear()
 
     # ------------------------------------------------------------------ allocation
     def allocate_slots(self, request: Request, num_new_tokens: int, computed_blocks: list[int] = ()) -> bool:

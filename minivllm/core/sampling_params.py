@@ -113,10 +113,11 @@ def _check_number(name: str, value, types: tuple) -> None:
     if isinstance(value, bool) or not isinstance(value, types):
         kind = "an int" if types == (int,) else "a number"
         raise ValueError(f"{name} is {value!r} ({type(value).__name__}); it must be {kind}.")
+    if isinstance(value, int) and abs(value) > INT64_MAX:       # before isfinite: a huge int overflows a float
+        shown = str(value) if value.bit_length() < 256 else f"an integer of {len(str(abs(value)))} digits"
+        raise ValueError(f"{name} is {shown}; it must fit in a signed 64-bit int (|{name}| <= {INT64_MAX}).")
     if not math.isfinite(value):
         raise ValueError(f"{name} is {value!r}; it must be a finite number.")
-    if isinstance(value, int) and abs(value) > INT64_MAX:
-        raise ValueError(f"{name} is {value}; it must fit in a signed 64-bit int (|{name}| <= {INT64_MAX}).")
 
 
 __all__ = ["SamplingParams", "RequestOutputKind"]

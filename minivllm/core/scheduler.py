@@ -115,6 +115,7 @@ class Scheduler:
         self._events_at_begin = self.kv_cache_manager.block_pool.events.lengths()
 
     def commit_step(self) -> None:
+        self.kv_cache_manager.clear_pending()
         self.journal.commit()
 
     def rollback_step(self) -> None:
@@ -155,6 +156,10 @@ class Scheduler:
                 scheduled[req] = n
                 budget -= n
 
+        # Offer the blocks this step completes to requests admitted below (same-step prefix sharing).
+        for req, n in scheduled.items():
+            kv.register_pending(req, req.num_computed_tokens + n)
+
         # 2. Waiting requests, in priority then arrival order.
         admitted: list[str] = []
         while self.waiting and budget > 0 and len(self.running) < self.max_num_seqs and not preempted:
@@ -181,6 +186,7 @@ class Scheduler:
             admitted.append(req.request_id)
             scheduled[req] = n
             budget -= n
+            kv.register_pending(req, req.num_computed_tokens + n)
 
         out = SchedulerOutput(scheduled=list(scheduled),
                               num_scheduled_tokens={r.request_id: n for r, n in scheduled.items()},
