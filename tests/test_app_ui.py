@@ -73,16 +73,25 @@ def traces(llm):
         engine.step()
         engine.add_request(SHARED + "why is <grass> green?", params, request_id="<grass>")
         engine.step()
-        both = recorded[-1]
-        ref_counts = [b.ref_count for b in engine.kv_cache_manager.block_pool.blocks]
+        both, pool_both = recorded[-1], engine.kv_cache_manager.block_pool.snapshot()
         while engine.has_unfinished_requests():
             engine.step()
-    return both, ref_counts, list(recorded), engine
+    return both, pool_both, list(recorded), engine
+
+
+def test_a_trace_costs_the_step_not_the_pool(traces):
+    """The trace lists ref counts only for the blocks its step touched; the whole pool is a snapshot on demand."""
+    both, pool_both, recorded, engine = traces
+    touched = (set(both.blocks_allocated) | set(both.blocks_freed) | set(both.blocks_evicted)
+               | set(both.prefix_hit_blocks))
+    assert set(both.block_ref_counts) == touched and len(touched) < both.num_kv_blocks
+    assert all(both.block_ref_counts[b] == pool_both.ref_counts[b] for b in touched)
 
 
 def test_block_grid_shows_owners_shared_blocks_and_cached_free_blocks(traces):
-    both, ref_counts, recorded, engine = traces
-    cells = Elements(render_block_grid(both, both.num_kv_blocks)).cells()
+    both, pool_both, recorded, engine = traces
+    ref_counts = pool_both.ref_counts
+    cells = Elements(render_block_grid(both, both.num_kv_blocks, pool_both)).cells()
     assert sorted(cells) == list(range(both.num_kv_blocks))
     tables = {r.request_id: r.block_table for r in both.requests}
     shared = set(tables["sky"]) & set(tables["<grass>"])
@@ -90,7 +99,7 @@ def test_block_grid_shows_owners_shared_blocks_and_cached_free_blocks(traces):
     for b, (attrs, text) in cells.items():
         ref = ref_counts[b]                                       # the block manager's own count
         assert attrs["data-state"] == ("shared" if ref > 1 else "used" if ref == 1 else
-                                       "cached" if b in both.cached_free_blocks else "free")
+                                       "cached" if b in pool_both.cached_free else "free")
         assert text == (str(ref) if ref > 1 else "")
         if ref:
             owner = "sky" if b in tables["sky"] else "<grass>"
@@ -100,7 +109,8 @@ def test_block_grid_shows_owners_shared_blocks_and_cached_free_blocks(traces):
     assert {b for b, (a, _) in cells.items() if "mv-new" in a["class"]} == set(both.blocks_allocated)
 
     after = recorded[-1]                                          # both finished: their full blocks stay cached
-    cells = Elements(render_block_grid(after, after.num_kv_blocks)).cells()
+    pool_after = engine.kv_cache_manager.block_pool.snapshot()
+    cells = Elements(render_block_grid(after, after.num_kv_blocks, pool_after)).cells()
     cached = {b for b, (a, _) in cells.items() if a["data-state"] == "cached"}
     assert cached == set(engine.kv_cache_manager.block_pool.cached_free) and cached >= shared
     assert all(a["data-state"] in ("cached", "free") for a, _ in cells.values())

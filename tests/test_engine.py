@@ -5,6 +5,7 @@ from __future__ import annotations
 import pytest
 
 from minivllm import SamplingParams
+from minivllm.core.sampling_params import RequestOutputKind
 
 
 def greedy(n):
@@ -54,18 +55,30 @@ def test_abort_frees_every_block_at_any_point(llm):
     assert engine.abort_request(running.request_id) is None      # unknown or finished: ignored
 
 
-def test_stream_deltas_add_up_to_the_final_text(llm):
+@pytest.mark.parametrize("stop", [[], ["city,"], [" the"]])
+def test_the_three_output_kinds_agree(llm, stop):
+    """DELTA outputs add up to the CUMULATIVE ones, token for token and character for character; FINAL_ONLY gives
+    just the last. With stop strings, text that could begin one is held back, never handed out and taken back."""
     engine = llm.llm_engine
-    req = engine.add_request("Write a sentence about rivers:", SamplingParams(temperature=0, max_tokens=24,
-                                                                              stop=["sea"]))
-    text, ids, final = "", [], None
-    while engine.has_unfinished_requests():
-        for out in engine.step():
-            text += out.delta_text
-            ids += out.delta_token_ids
-            final = out
-    assert final.finished and text == final.outputs[0].text and ids == final.outputs[0].token_ids
-    assert req.request_id == final.request_id
+    prompt = "Write a sentence about rivers and the sea:"
+    outs = {}
+    for kind in RequestOutputKind:
+        req = engine.add_request(prompt, SamplingParams(temperature=0, max_tokens=24, stop=stop, output_kind=kind))
+        outs[kind] = []
+        while engine.has_unfinished_requests():
+            outs[kind] += [o for o in engine.step() if o.request_id == req.request_id]
+    cumulative, delta, final = outs[RequestOutputKind.CUMULATIVE], outs[RequestOutputKind.DELTA], \
+        outs[RequestOutputKind.FINAL_ONLY]
+    assert len(final) == 1 and final[0].finished and len(delta) == len(cumulative) > 1
+    last = cumulative[-1].outputs[0]
+    assert (final[0].outputs[0].text, final[0].outputs[0].token_ids) == (last.text, last.token_ids)
+    assert "".join(o.outputs[0].text for o in delta) == last.text
+    assert [t for o in delta for t in o.outputs[0].token_ids] == last.token_ids
+    assert all(len(o.outputs[0].token_ids) == 1 for o in delta)
+    for prev, cur in zip(cumulative, cumulative[1:]):                 # cumulative text only ever grows
+        assert cur.outputs[0].text.startswith(prev.outputs[0].text)
+    if stop:
+        assert last.finish_reason == "stop" and last.stop_reason == stop[0] and stop[0] not in last.text
 
 
 def test_a_request_that_can_never_fit_fails_alone(model_dir):

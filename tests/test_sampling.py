@@ -39,7 +39,7 @@ def test_top_k_1_and_tiny_top_p_equal_greedy(llm):
 
 
 def _requests(n, **kw):
-    return [Request(str(i), None, [1], SamplingParams(**kw)) for i in range(n)]
+    return [Request(str(i), [1], SamplingParams(**kw)) for i in range(n)]
 
 
 def test_sampler_draws_from_softmax_of_scaled_logits():
