@@ -309,3 +309,114 @@ def test_snapshot_histograms_count_every_token(async_engine):
     assert snap.finished == {"length": 3}
     steps = [t.step for t in snap.recent_traces]
     assert steps == sorted(steps) and snap.trace.step == steps[-1]
+
+
+# ---------------------------------------------------------------------- Core v2: the issue's async defects
+def test_shutdown_resolves_commands_queued_behind_a_running_one(engine):
+    """A command queued while another runs, then a shutdown: its caller used to wait forever."""
+    ae = AsyncLLMEngine(engine)
+    slow = ae.call(lambda e: time.sleep(0.5))
+    time.sleep(0.1)                                   # the slow one is running on the engine thread
+    queued = ae.call(lambda e: "ran")
+    ae.shutdown(shutdown_engine=False)
+    slow.result(timeout=5)
+    try:
+        assert queued.result(timeout=5) == "ran"      # it may still run before the loop stops ...
+    except RequestError as e:                         # ... or fail cleanly; it never hangs
+        assert "shut down" in str(e)
+    assert not ae.is_running
+
+
+def test_two_single_steps_queued_together_run_two_steps(async_engine):
+    async_engine.pause()
+
+    async def main():
+        stream = await async_engine.add_request("Two steps:", greedy(8))
+        await asyncio.sleep(0.2)
+        steps = async_engine.snapshot().stats.num_steps
+        async_engine.step_once()
+        async_engine.step_once()                      # queued together with the first
+        wait_until(lambda: async_engine.snapshot().stats.num_steps == steps + 2)
+        await asyncio.sleep(0.3)
+        assert async_engine.snapshot().stats.num_steps == steps + 2       # and no more
+        async_engine.resume()
+        async with stream:
+            async for _ in stream:
+                pass
+
+    asyncio.run(main())
+
+
+def test_a_failed_step_fails_only_its_own_requests(model_dir):
+    """With one sequence per step, a failed step scheduled only the running request: the waiting one is untouched
+    and later gives exactly the tokens it gives alone."""
+    engine = LLMEngine(EngineConfig(model=str(model_dir), device="cpu", dtype="float32", num_kv_blocks=32,
+                                    max_num_seqs=1, max_num_batched_tokens=64))
+    want = None
+    ae = AsyncLLMEngine(engine)
+    try:
+        async def alone():
+            return [t async for out in ae.generate("Second in line", delta(6)) for t in out.outputs[0].token_ids]
+        want = asyncio.run(alone())
+        runner, real = engine.model_runner, engine.model_runner.execute_model
+        calls = {"n": 0}
+
+        def fail_third(mi):
+            calls["n"] += 1
+            if calls["n"] == 3:
+                raise RuntimeError("injected failure")
+            return real(mi)
+
+        async def main():
+            first = await ae.add_request("First in line", delta(20), request_id="first")
+            second = await ae.add_request("Second in line", delta(6), request_id="second")
+            results = []
+            for stream in (first, second):
+                try:
+                    results.append([t async for out in stream for t in out.outputs[0].token_ids])
+                except RequestError as e:
+                    results.append(e)
+            return results
+
+        ae.call(lambda e: setattr(runner, "execute_model", fail_third)).result()
+        try:
+            first, second = asyncio.run(main())
+        finally:
+            ae.call(lambda e: setattr(runner, "execute_model", real)).result()
+        assert isinstance(first, RequestError) and "injected failure" in str(first)
+        assert second == want
+        assert ae.snapshot().finished == {"length": 2, "error": 1}
+    finally:
+        ae.shutdown()
+    engine.check_integrity()
+
+
+def test_a_slow_reader_gets_merged_deltas_and_the_stream_holds_one_output():
+    """The stream never queues stale copies: unread DELTA outputs are joined when read, and a CUMULATIVE one
+    replaces the unread one."""
+    from minivllm.engine.async_llm import RequestStream
+    from minivllm.outputs import CompletionOutput, RequestOutput
+
+    def out(i, text, ids, finished=False):
+        return RequestOutput("r", None, [1], [CompletionOutput(0, text, ids, "length" if finished else None)],
+                             finished)
+
+    async def main():
+        loop = asyncio.get_running_loop()
+        delta_stream = RequestStream("r", loop, abort=lambda rid: None, delta=True)
+        for i in range(100):
+            delta_stream.put(out(i, f"{i},", [i], finished=i == 99))
+        await asyncio.sleep(0)
+        merged = [o async for o in delta_stream]
+        cumulative = RequestStream("r", loop, abort=lambda rid: None, delta=False)
+        for i in range(1, 101):
+            cumulative.put(out(i, "x" * i, list(range(i)), finished=i == 100))
+        await asyncio.sleep(0)
+        assert len(cumulative._unread) == 1
+        return merged, [o async for o in cumulative]
+
+    merged, latest = asyncio.run(main())
+    assert len(merged) == 1 and merged[0].finished
+    assert merged[0].outputs[0].token_ids == list(range(100))
+    assert merged[0].outputs[0].text == "".join(f"{i}," for i in range(100))
+    assert len(latest) == 1 and latest[0].outputs[0].text == "x" * 100
