@@ -394,7 +394,7 @@ def test_a_failed_step_fails_only_its_own_requests(model_dir):
 def test_a_slow_reader_gets_merged_deltas_and_the_stream_holds_one_output():
     """The stream never queues stale copies: unread DELTA outputs are joined when read, and a CUMULATIVE one
     replaces the unread one."""
-    from minivllm.engine.async_llm import RequestStream
+    from minivllm.engine.request_stream import RequestStream
     from minivllm.outputs import CompletionOutput, RequestOutput
 
     def out(i, text, ids, finished=False):

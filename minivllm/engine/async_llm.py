@@ -22,152 +22,27 @@ there is nothing to step (no requests, or paused).
 from __future__ import annotations
 
 import asyncio
-import bisect
 import collections
 import concurrent.futures
-import dataclasses
 import logging
 import threading
 import time
 from collections.abc import AsyncIterator, Callable
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import Any
 
 from minivllm.config import EngineConfig
-from minivllm.engine.llm_engine import EngineStats, LLMEngine, PromptType
-from minivllm.outputs import RequestOutput
 from minivllm.core.sampling_params import RequestOutputKind, SamplingParams
-from minivllm.core.block_pool import PoolSnapshot
 from minivllm.core.trace import StepTrace
+from minivllm.engine.llm_engine import LLMEngine, PromptType
+from minivllm.engine.request_stream import RequestStream
+from minivllm.engine.stats import E2E_BUCKETS, ITL_BUCKETS, TTFT_BUCKETS, EngineSnapshot, Histogram
+from minivllm.outputs import RequestOutput
 
 logger = logging.getLogger(__name__)
 
-# Histogram bucket upper bounds in seconds (a subset of vLLM's), wide enough for a CPU and a GPU.
-TTFT_BUCKETS = (0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 0.75, 1.0, 2.5, 5.0, 10.0, 20.0, 40.0, 80.0)
-ITL_BUCKETS = (0.005, 0.01, 0.025, 0.05, 0.075, 0.1, 0.15, 0.2, 0.3, 0.5, 0.75, 1.0, 2.5, 5.0)
-E2E_BUCKETS = (0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 20.0, 40.0, 80.0, 160.0)
-
-
 class RequestError(RuntimeError):
     """The engine could not finish a request (a failed step, a shutdown). Bad input raises ValueError."""
-
-
-@dataclass
-class Histogram:
-    """Prometheus-style: `counts[i]` observations <= buckets[i] (not cumulative), the last one for +Inf."""
-    buckets: tuple[float, ...]
-    counts: list[int] = field(default_factory=list)
-    sum: float = 0.0
-    count: int = 0
-
-    def __post_init__(self) -> None:
-        if not self.counts:
-            self.counts = [0] * (len(self.buckets) + 1)
-
-    def observe(self, value: float) -> None:
-        self.counts[bisect.bisect_left(self.buckets, value)] += 1
-        self.sum += value
-        self.count += 1
-
-    def copy(self) -> Histogram:
-        return Histogram(self.buckets, list(self.counts), self.sum, self.count)
-
-
-@dataclass(frozen=True)
-class EngineSnapshot:
-    """What the dashboard and /metrics read: a consistent copy, taken under the lock, never live state."""
-    stats: EngineStats
-    trace: StepTrace | None                   # the latest step (None before the first one)
-    recent_traces: tuple[StepTrace, ...]      # the last `trace_history` steps, oldest first
-    events: tuple[str, ...]                   # log lines, oldest first: the engine's step events and ours
-    paused: bool
-    loop_alive: bool
-    num_requests: int                         # requests in flight through this engine (added, not finished)
-    finished: dict[str, int]                  # finish reason ("stop", "length", "abort", "error") -> count
-    recent_finished: tuple[tuple[str, str], ...]   # (request_id, finish reason) of the last finished ones
-    num_prompt_tokens: int                    # prompt tokens of every request accepted so far
-    num_step_errors: int
-    ttft: Histogram                           # time to first token: arrival -> first token
-    itl: Histogram                            # inter-token latency: between two tokens of one request
-    e2e: Histogram                            # arrival -> finished, for requests that stopped or hit length
-    pool: PoolSnapshot | None = None          # every block's ref count, when asked for (snapshot(with_pool=True))
-
-
-class RequestStream:
-    """One request's outputs, carried from the engine thread to the asyncio loop that added it.
-
-        stream = await async_engine.add_request(prompt, params)   # ValueError here: nothing started
-        async with stream:                                        # leaving the block early aborts it
-            async for out in stream:                              # RequestOutput (see params.output_kind)
-                ...
-
-    Iteration ends after the output with `finished=True`; a RequestError is raised if the engine could not
-    finish the request. The stream holds at most one unread output (vLLM's RequestOutputCollector): when the reader
-    lags, new DELTA outputs are merged into the unread one and a CUMULATIVE output replaces it, so a slow reader
-    costs memory only for what it has not read yet, never a queue of stale copies.
-    """
-
-    def __init__(self, request_id: str, loop: asyncio.AbstractEventLoop, abort: Callable[[str], None],
-                 delta: bool):
-        self.request_id = request_id
-        self.finished = False                 # set once the final output (or an error) has been read
-        self._loop = loop
-        self._abort = abort
-        self._delta = delta
-        self._unread: list[RequestOutput] = []        # DELTA outputs not read yet, merged when read
-        self._error: BaseException | None = None
-        self._ready = asyncio.Event()
-
-    def put(self, item: RequestOutput | BaseException) -> None:
-        """Engine thread only. Raises RuntimeError if the consumer's event loop is closed."""
-        self._loop.call_soon_threadsafe(self._put, item)
-
-    def _put(self, item: RequestOutput | BaseException) -> None:
-        if isinstance(item, BaseException):
-            self._error = item
-        elif self._delta:
-            self._unread.append(item)
-        else:
-            self._unread = [item]
-        self._ready.set()
-
-    def __aiter__(self) -> RequestStream:
-        return self
-
-    async def __anext__(self) -> RequestOutput:
-        if self.finished:
-            raise StopAsyncIteration
-        await self._ready.wait()
-        self._ready.clear()
-        if self._unread:
-            unread, self._unread = self._unread, []
-            out = _merge_deltas(unread) if len(unread) > 1 else unread[0]
-            self.finished = out.finished
-            if self._error is not None:
-                self._ready.set()             # the error comes next
-            return out
-        self.finished = True
-        raise self._error
-
-    def close(self) -> None:
-        """Abort the request unless its final output was read. Safe to call twice, from the loop's thread."""
-        if not self.finished:
-            self.finished = True
-            self._abort(self.request_id)
-
-    async def __aenter__(self) -> RequestStream:
-        return self
-
-    async def __aexit__(self, *exc_info) -> None:
-        self.close()
-
-
-def _merge_deltas(outputs: list[RequestOutput]) -> RequestOutput:
-    """Several DELTA outputs of one request as one: texts and token ids joined, the rest from the newest."""
-    last = outputs[-1]
-    merged = dataclasses.replace(last.outputs[0], text="".join(o.outputs[0].text for o in outputs),
-                                 token_ids=[t for o in outputs for t in o.outputs[0].token_ids])
-    return dataclasses.replace(last, outputs=[merged])
 
 
 @dataclass

@@ -34,7 +34,8 @@ from starlette.background import BackgroundTask
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from minivllm.core.sampling_params import SamplingParams
-from minivllm.engine.async_llm import AsyncLLMEngine, RequestError, RequestStream
+from minivllm.engine.async_llm import AsyncLLMEngine, RequestError
+from minivllm.engine.request_stream import RequestStream
 from minivllm.entrypoints.metrics import render_metrics
 from minivllm.entrypoints.protocol import (APIError, ParsedRequest, ResponseMeta, check_model, make_choice,
                                            parse_json_body, parse_messages, parse_prompt, parse_stream,

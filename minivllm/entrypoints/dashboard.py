@@ -24,7 +24,8 @@ import time
 import zlib
 from collections import Counter
 
-from minivllm.engine.async_llm import AsyncLLMEngine, EngineSnapshot
+from minivllm.engine.async_llm import AsyncLLMEngine
+from minivllm.engine.stats import EngineSnapshot
 from minivllm.core.block_pool import PoolSnapshot
 from minivllm.core.sampling_params import RequestOutputKind, SamplingParams
 from minivllm.core.trace import StepTrace

@@ -7,7 +7,7 @@ every sample. A pure function of the snapshot: it reads nothing else.
 
 from __future__ import annotations
 
-from minivllm.engine.async_llm import EngineSnapshot, Histogram
+from minivllm.engine.stats import EngineSnapshot, Histogram
 
 
 def render_metrics(snap: EngineSnapshot, model_name: str) -> str:
