@@ -29,16 +29,23 @@
 # `Request` inside the `LLMEngine`, and the engine loops:
 #
 # ```
-# LLM.generate(prompts)                        llm.py
-#   └─ LLMEngine.add_request(...)              engine.py      one Request per prompt
-#      while unfinished: LLMEngine.step()
-#        ├─ Scheduler.schedule()               scheduler.py   who runs this step, and how many tokens each
-#        │    └─ BlockManager.allocate_slots   block_manager.py  which KV blocks hold those tokens
-#        ├─ ModelRunner.execute_model          model_runner.py   one flat batch -> model -> logits -> sampler
-#        └─ detokenize, check stops            engine.py      -> RequestOutput
+# LLM.generate(prompts)                         entrypoints/llm.py
+#   └─ LLMEngine.add_request(...)               engine/llm_engine.py        one Request per prompt
+#      while unfinished: LLMEngine.step()       engine/llm_engine.py        one step, all or nothing:
+#        ├─ Scheduler.begin_step()              core/scheduler.py           open the step's journal
+#        ├─ Scheduler.schedule()                core/scheduler.py           who runs, how many tokens each
+#        │    └─ KVCacheManager.allocate_slots  core/kv_cache_manager.py    which KV blocks hold them
+#        │         └─ BlockPool.take_fresh      core/block_pool.py          free blocks, ref counts, hashes
+#        ├─ ModelRunner.execute_model           worker/model_runner.py      flat batch -> model -> sampler
+#        ├─ Scheduler.update_from_output        core/scheduler.py           tokens in; full blocks cached
+#        ├─ OutputProcessor.process_outputs     engine/output_processor.py  detokenize, find stop strings
+#        ├─ Scheduler.commit_step()             core/scheduler.py           keep it all (or rollback_step)
+#        └─ OutputProcessor.apply               engine/output_processor.py  -> RequestOutput
 # ```
 #
-# Everything here is seeded and greedy, so the outputs you see are the outputs you will get.
+# If anything in a step raises (the model, the sampler, even a Ctrl-C), the scheduler rolls the step back and
+# the engine is exactly as it was before it (lesson 01, "When a step fails"). Everything here is seeded and
+# greedy, so the outputs you see are the outputs you will get.
 
 # %% [markdown]
 # ## 1. Load the model
@@ -69,7 +76,7 @@ print(f"model        {cfg.architecture}: {cfg.num_hidden_layers} layers, hidden 
 print(f"attention    {cfg.num_attention_heads} query heads, {cfg.num_key_value_heads} KV heads, "
       f"head_dim {cfg.head_dim}")
 print(f"device/dtype {engine.device.type} / {engine.model_runner.dtype}")
-print(f"KV pool      {engine.block_manager.num_blocks} blocks of {engine.block_manager.block_size} tokens")
+print(f"KV pool      {engine.kv_cache_manager.num_blocks} blocks of {engine.kv_cache_manager.block_size} tokens")
 
 # %% [markdown]
 # A note on `torch.set_num_threads(1)`: a 135M model is too small to gain much from a second CPU thread, and
@@ -81,8 +88,8 @@ print(f"KV pool      {engine.block_manager.num_blocks} blocks of {engine.block_m
 # measure a block below.
 
 # %%
-assert engine.block_manager.num_blocks == 64 and engine.block_manager.block_size == 16
-assert engine.block_manager.num_free_blocks == 64          # nothing has run yet
+assert engine.kv_cache_manager.num_blocks == 64 and engine.kv_cache_manager.block_size == 16
+assert engine.kv_cache_manager.num_free_blocks == 64        # nothing has run yet
 
 # %% [markdown]
 # ## 2. Generate
@@ -194,7 +201,7 @@ print(tuple(kv.shape), kv.dtype)
 meaning = {
     "2": "K and V: index 0 holds keys, 1 holds values",
     "num_layers": "one slab per decoder layer (each layer attends to its own K/V)",
-    "num_blocks": "the pool: physical blocks, handed out by the block manager",
+    "num_blocks": "the pool: physical blocks, handed out by the block pool",
     "block_size": "token slots per block: a block holds the K/V of 16 consecutive tokens of one sequence",
     "kv_heads": "key/value heads (3, shared by 9 query heads)",
     "head_dim": "the size of one head's key or value vector",
@@ -218,22 +225,23 @@ for (name, text), size in zip(meaning.items(), kv.shape):
 # How much memory is one block? Every number in the shape except `num_blocks`:
 
 # %%
-L, B, H, D = cfg.num_hidden_layers, engine.block_manager.block_size, cfg.num_key_value_heads, cfg.head_dim
+L, B, H, D = cfg.num_hidden_layers, engine.kv_cache_manager.block_size, cfg.num_key_value_heads, cfg.head_dim
+num_blocks = engine.kv_cache_manager.num_blocks
 bytes_per_token = 2 * L * H * D * kv.element_size()    # K and V, all layers, all KV heads
 bytes_per_block = bytes_per_token * B
 print(f"one token : 2 x {L} layers x {H} heads x {D} dims x {kv.element_size()} bytes = {bytes_per_token / 1024:.0f} KiB")
 print(f"one block : {B} tokens x {bytes_per_token / 1024:.0f} KiB = {bytes_per_block / 1024:.0f} KiB")
-print(f"the pool  : {engine.block_manager.num_blocks} blocks = {kv.numel() * kv.element_size() / 2**20:.0f} MiB, "
-      f"room for {engine.block_manager.num_blocks * B} tokens")
+print(f"the pool  : {num_blocks} blocks = {kv.numel() * kv.element_size() / 2**20:.0f} MiB, "
+      f"room for {num_blocks * B} tokens")
 
 # %%
 assert bytes_per_block == engine.model_runner.bytes_per_block
-assert kv.numel() * kv.element_size() == engine.block_manager.num_blocks * bytes_per_block
+assert kv.numel() * kv.element_size() == num_blocks * bytes_per_block
 
 # %% [markdown]
 # 45 KiB per token in fp32 for a 135M-parameter model. The same arithmetic for a Llama-3-8B in bf16
 # (32 layers, 8 KV heads, head_dim 128, 2 bytes) gives 128 KiB per token: serving is mostly a question of
-# fitting KV, and the block manager is what decides who gets it.
+# fitting KV, and the scheduler and the KV cache manager are what decide who gets it.
 
 # %% [markdown]
 # ## 5. Drive the engine by hand and watch the pool
@@ -289,21 +297,27 @@ for step in range(1, 7):
 #
 # Now the ref counts. `colors` and `haiku` have the same first block id: the first 16 tokens of both prompts
 # are the same system-prompt tokens, the French question of section 3 left that block in the prefix cache,
-# and both requests picked it up. (They would have shared it even without the French question: a block is
-# hashed as soon as it is allocated for a step that fills it, so a request admitted later in the same step can
-# already take it; lesson 01.) One physical block, two block tables, `ref_count == 2`:
+# and both requests picked it up. (They would have shared it even without the French question. A block joins
+# the prefix cache only when the step that computed it commits, but while a step is open the full blocks it is
+# computing are offered to requests admitted later in the same step; lesson 01.) One physical block, two block
+# tables, `ref_count == 2`.
+#
+# The block pool (`engine.kv_cache_manager.block_pool`, `core/block_pool.py`) owns the ref counts;
+# `snapshot()` copies the whole pool's ref counts and prefix-cached free blocks at one moment:
 
 # %%
-bm = engine.block_manager
+kvm = engine.kv_cache_manager           # which request holds which blocks (core/kv_cache_manager.py)
+pool = kvm.block_pool                   # the blocks themselves: ref counts, free queues, hashes
+snap = pool.snapshot()
 for b in sorted({b for r in engine.scheduler.running for b in r.block_table}):
     holders = [r.request_id for r in engine.scheduler.running if b in r.block_table]
-    print(f"block {b:2d}: ref_count={bm.blocks[b].ref_count}  held by {holders}")
+    print(f"block {b:2d}: ref_count={snap.ref_counts[b]}  held by {holders}")
 
 # %%
-for b in range(bm.num_blocks):
+for b in range(kvm.num_blocks):
     held_by = sum(b in r.block_table for r in engine.scheduler.running)
-    assert bm.blocks[b].ref_count == held_by            # a ref count is exactly the number of block tables
-engine.check_integrity()                                # the block manager's own invariant check
+    assert snap.ref_counts[b] == held_by                # a ref count is exactly the number of block tables
+engine.check_integrity()                                # the core's own invariant check
 
 # %% [markdown]
 # ### The picture
@@ -318,14 +332,15 @@ COLORS = {"colors": "tab:blue", "haiku": "tab:orange", "story": "tab:green"}
 
 
 def draw_pool(engine, title, cols=16):
-    bm, bs = engine.block_manager, engine.block_manager.block_size
+    kvm, bs = engine.kv_cache_manager, engine.kv_cache_manager.block_size
+    snap = kvm.block_pool.snapshot()                    # the whole pool at this moment
     owners = {}                                         # block id -> [(request, index in its block table)]
     for r in engine.scheduler.running:
         for i, b in enumerate(r.block_table):
             owners.setdefault(b, []).append((r, i))
-    rows = -(-bm.num_blocks // cols)
+    rows = -(-kvm.num_blocks // cols)
     fig, ax = plt.subplots(figsize=(cols * 0.55, rows * 0.6 + 0.9))
-    for b in range(bm.num_blocks):
+    for b in range(kvm.num_blocks):
         x, y = b % cols, rows - 1 - b // cols
         if b in owners:                                 # one horizontal band per holder
             band = 0.92 / len(owners[b])
@@ -336,9 +351,9 @@ def draw_pool(engine, title, cols=16):
                 ax.add_patch(Rectangle((x, y0), 0.92, band, color=color, alpha=0.3))
                 ax.add_patch(Rectangle((x, y0), 0.92 * filled, band, color=color))
         else:
-            cached = b in bm.cached_free
+            cached = b in snap.cached_free
             ax.add_patch(Rectangle((x, y), 0.92, 0.92, color="#b0b0b0" if cached else "#e6e6e6"))
-        ref = bm.blocks[b].ref_count
+        ref = snap.ref_counts[b]
         ax.text(x + 0.46, y + 0.46, f"{b}" + (f" ×{ref}" if ref > 1 else ""), ha="center", va="center",
                 fontsize=7)
     running = {r.request_id for r in engine.scheduler.running}
@@ -373,13 +388,13 @@ draw_pool(engine, "KV block pool after 6 steps")
 
 # %%
 held = [{r.request_id: len(r.block_table) for r in engine.scheduler.running}]   # per step: request -> blocks
-in_use = [bm.num_blocks - bm.num_free_blocks]
+in_use = [kvm.num_blocks - kvm.num_free_blocks]
 while engine.has_unfinished_requests():
     for out in engine.step():
         if out.finished:
             finished[out.request_id] = out
     held.append({r.request_id: len(r.block_table) for r in engine.scheduler.running})
-    in_use.append(bm.num_blocks - bm.num_free_blocks)
+    in_use.append(kvm.num_blocks - kvm.num_free_blocks)
 
 for rid, out in finished.items():
     print(f"{rid:7} {len(out.outputs[0].token_ids):2d} tokens [{out.outputs[0].finish_reason}] "
@@ -414,8 +429,8 @@ plt.show()
 
 # %%
 print("running:", engine.scheduler.running, " waiting:", engine.scheduler.waiting)
-print(f"free blocks: {bm.num_free_blocks} of {bm.num_blocks} "
-      f"({len(bm.cached_free)} of them prefix-cached)")
+print(f"free blocks: {kvm.num_free_blocks} of {kvm.num_blocks} "
+      f"({len(pool.snapshot().cached_free)} of them prefix-cached)")
 stats = llm.get_stats()
 print(f"over the engine's life: {stats.num_steps} steps, {stats.num_prompt_tokens_computed} prompt tokens computed, "
       f"{stats.num_generated_tokens} tokens generated")
@@ -427,8 +442,8 @@ print(f"prefix cache: {stats.prefix_cache_hits} of {stats.prefix_cache_queries} 
 draw_pool(engine, "KV block pool after the run")
 
 # %%
-assert engine.block_manager.num_free_blocks == engine.block_manager.num_blocks
-assert all(b.ref_count == 0 for b in engine.block_manager.blocks)
+assert engine.kv_cache_manager.num_free_blocks == engine.kv_cache_manager.num_blocks
+assert set(engine.kv_cache_manager.block_pool.snapshot().ref_counts) == {0}
 assert stats.prefix_cache_hits == 32 + 16 + 16 and stats.num_preemptions == 0
 engine.check_integrity()
 
@@ -449,8 +464,8 @@ def self_check(llm):
     assert all(r.outputs[0].token_ids == first.outputs[0].token_ids for r in repeats), "greedy is not deterministic"
     batch = llm.generate(["The quick brown fox", "Once upon a time"], sp, use_tqdm=False)
     assert [len(o.outputs[0].token_ids) for o in batch] == [16, 16]
-    bm = llm.llm_engine.block_manager
-    assert bm.num_free_blocks == bm.num_blocks, f"{bm.num_blocks - bm.num_free_blocks} blocks still held"
+    kvm = llm.llm_engine.kv_cache_manager
+    assert kvm.num_free_blocks == kvm.num_blocks, f"{kvm.num_blocks - kvm.num_free_blocks} blocks still held"
     assert not llm.llm_engine.has_unfinished_requests()
     llm.llm_engine.check_integrity()
     return "all checks passed"
@@ -463,10 +478,12 @@ self_check(llm)
 #
 # Each box in the diagram at the top has its own lesson, next to the module of the same name:
 #
-# - **01 block manager & prefix caching**: ref counts, chained block hashes, eviction (`block_manager.py`).
-# - **02 scheduler & chunked prefill**: one token budget per step, prefills and decodes in one batch
-#   (`scheduler.py`).
-# - **03 preemption**: what happens when the pool runs out mid-generation.
-# - **04 paged attention & Triton kernels**: reading K/V through a block table (`attention.py`, `kernels/`).
-# - **05 tensor parallelism**: splitting heads and MLPs across devices (`layers.py`).
-# - **06 serving**: streaming, an OpenAI-compatible API and a chat UI.
+# - **01 block manager & prefix caching**: ref counts, chained block hashes, eviction, and what a failed step
+#   leaves behind (`core/kv_cache_manager.py`, `core/block_pool.py`).
+# - **02 scheduler & chunked prefill**: one token budget per step, prefills and decodes in one batch, a step
+#   as a transaction (`core/scheduler.py`).
+# - **03 preemption**: what happens when the pool runs out mid-generation (`core/scheduler.py`).
+# - **04 paged attention & Triton kernels**: reading K/V through a block table (`model/attention.py`, `kernels/`).
+# - **05 tensor parallelism**: splitting heads and MLPs across devices (`model/layers.py`).
+# - **06 serving**: streaming, an OpenAI-compatible API and a chat UI (`engine/async_llm.py`,
+#   `entrypoints/api_server.py`).
