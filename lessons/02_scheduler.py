@@ -38,6 +38,22 @@
 #
 # Finished requests leave at the end of any step and waiting ones join at the start of the next:
 # **continuous batching**, as opposed to a static batch that waits for its slowest member.
+#
+# `schedule()` is only the plan. An engine step (`LLMEngine.step`, `minivllm/engine/llm_engine.py`) wraps it:
+#
+# ```
+# scheduler.begin_step()                       open the step's journal
+# plan = scheduler.schedule()                  who runs, how many tokens each; blocks allocated for them
+# tokens = forward + sampler(plan)             the model runner computes their KV and samples
+# scheduler.update_from_output(plan, tokens)   num_computed_tokens += scheduled tokens; newly full blocks
+#                                              join the prefix cache; new tokens appended; EOS, a stop
+#                                              token or max_tokens finishes a request
+# detokenize; a stop string -> finish_request  the output processor (engine/output_processor.py)
+# scheduler.commit_step()                      keep all of it (or rollback_step() if anything above raised)
+# ```
+#
+# `update_from_output` is the only code that moves `num_computed_tokens` (as in vLLM v1): the planner never
+# claims a token is computed before the forward pass has actually computed it.
 
 # %%
 import warnings
@@ -113,14 +129,55 @@ for rid, prompt in PROMPTS.items():
 # %% [markdown]
 # ## 2. Step by step
 #
-# `with engine.record_traces() as traces:` gives a list that every step run inside the `with` block appends a
-# `StepTrace` to: plain data copied out of the engine (see `minivllm/core/trace.py`). Recording stops when the block
-# ends. We add three requests, then step until everything is done, adding `late` after step 4.
+# We add three requests. Before running anything, we look at the plan of the first step.
 
 # %%
 for rid in ("short", "long", "medium"):
     engine.add_request(PROMPTS[rid], params, request_id=rid)
 
+# %% [markdown]
+# ### A step is a transaction
+#
+# Everything the scheduler and the KV cache manager change between `begin_step()` and `commit_step()` (queues,
+# statuses, block tables, ref counts, hashes, `num_computed_tokens`) is written to a journal
+# (`minivllm/core/journal.py`) together with how to undo it. If anything raises in between (the model, the
+# sampler, the detokenizer, a Ctrl-C), the engine calls `rollback_step()`: the journal is replayed backwards and
+# the scheduler and the KV cache are as they were before the step (except that the blocks the failed step handed
+# out can no longer be trusted as prefix-cache hits: its forward may have written them), and the engine keeps
+# serving. Lesson 01's section "When a step fails" draws the blocks before, during and after a failed step.
+# Here we use the same machinery to peek at the first step's plan and take it back:
+
+# %%
+scheduler = engine.scheduler
+
+
+def queue_state(scheduler):
+    return [(r.request_id, r.status.value, r.num_computed_tokens, tuple(r.block_table))
+            for r in scheduler.running + scheduler.waiting]
+
+
+before = queue_state(scheduler)
+scheduler.begin_step()
+plan = scheduler.schedule()
+during = queue_state(scheduler)
+scheduler.rollback_step()
+after = queue_state(scheduler)
+print("plan:", plan.num_scheduled_tokens)
+for name, state in [("before", before), ("during", during), ("after", after)]:
+    print(f"{name:6}", ", ".join(f"{rid} {status} computed={n} blocks={len(table)}"
+                                 for rid, status, n, table in state))
+
+# %%
+assert after == before                                     # the plan is gone without a trace
+assert all(n == 0 for _, _, n, _ in during)                # schedule() allocates blocks but computes nothing
+engine.check_integrity()
+
+# %% [markdown]
+# Now the real run. `with engine.record_traces() as traces:` gives a list that every step run inside the `with`
+# block appends a `StepTrace` to: plain data copied out of the engine (see `minivllm/core/trace.py`). Recording
+# stops when the block ends. We step until everything is done, adding `late` after step 4.
+
+# %%
 outputs = {}
 with engine.record_traces() as traces:
     while engine.has_unfinished_requests():
@@ -202,6 +259,7 @@ plt.show()
 
 # %%
 assert all(t.num_prefill_tokens + t.num_decode_tokens <= BUDGET for t in traces)     # the budget is never exceeded
+assert {r.request_id: r.num_scheduled_tokens for r in traces[0].requests if r.kind} == plan.num_scheduled_tokens
 assert sum(t.num_prefill_tokens for t in traces) == sum(
     len(tokenizer.encode(p, add_special_tokens=False)) for p in PROMPTS.values())    # every prompt token, once
 assert sum(t.num_decode_tokens for t in traces) == sum(len(o.outputs[0].token_ids) - 1 for o in outputs.values())
@@ -380,7 +438,7 @@ def self_check(llm):
     assert len(long_chunks) > 1 and sum(long_chunks) == len(tokenizer.encode(PROMPTS["long"], add_special_tokens=False))
     assert tr[0].by_id["check-short"].num_scheduled_tokens == tr[0].by_id["check-short"].num_prompt_tokens
     assert done["check-long"] == results[8192][1] and done["check-short"] == results[8192][0]
-    assert engine.block_manager.num_free_blocks == engine.block_manager.num_blocks
+    assert engine.kv_cache_manager.num_free_blocks == engine.kv_cache_manager.num_blocks
     engine.check_integrity()
     return "all checks passed"
 
