@@ -21,9 +21,9 @@
 # some hang up halfway, and some send nonsense. Yet `LLMEngine` is a plain, single-threaded object: one
 # `step()` at a time, and nothing else may touch it while a step runs.
 #
-# `minivllm/engine/async_llm.py` (vLLM's `AsyncLLMEngine`) squares that circle with one rule: **only one thread
-# ever calls the engine**. Everybody else talks to that thread through a command queue and gets outputs back
-# through per-request streams:
+# `minivllm/engine/async_llm.py` (vLLM's `AsyncLLMEngine`) squares that circle with one rule: **only one
+# thread ever calls the engine**. Everybody else talks to that thread through a command queue and gets outputs
+# back through per-request streams:
 #
 # ```
 # asyncio loop (HTTP handlers, the dashboard)           engine thread
@@ -35,9 +35,13 @@
 #
 # The engine thread's loop: run every queued command (add, abort, pause, ...), then one step, and sleep on
 # the queue when there is nothing to step. Continuous batching needs nothing more: a request added between
-# two steps simply joins the next one.
+# two steps simply joins the next one. If a step raises (in the model, the sampler, the detokenizer), the
+# engine rolls it back, so the scheduler and the KV cache are exactly as they were before it; only the
+# requests that step had scheduled end, with an error (the API answers them with a 500), and the rest keep
+# being served.
 #
-# On top of it, `minivllm/entrypoints/api_server.py` is an OpenAI-compatible HTTP server, and `minivllm/entrypoints/dashboard.py` a
+# On top of it, `minivllm/entrypoints/api_server.py` is an OpenAI-compatible HTTP server (its request and
+# response schemas live in `minivllm/entrypoints/protocol.py`), and `minivllm/entrypoints/dashboard.py` a
 # Gradio page; `python app.py` runs both on one engine. This lesson uses the async engine directly, then
 # starts the HTTP server inside the notebook and talks to it with the official `openai` client.
 
@@ -57,8 +61,9 @@ from IPython.display import HTML, display
 from matplotlib.ticker import MaxNLocator
 
 from minivllm import SamplingParams
-from minivllm.entrypoints.api_server import build_api_server, run_server_in_thread
+from minivllm.core.sampling_params import RequestOutputKind
 from minivllm.engine.async_llm import AsyncLLMEngine
+from minivllm.entrypoints.api_server import build_api_server, run_server_in_thread
 from minivllm.entrypoints.dashboard import DASHBOARD_CSS, render_block_grid, render_queues
 
 torch.manual_seed(0)
@@ -80,28 +85,44 @@ print("KV blocks:", snap.stats.num_kv_blocks, "free:", snap.stats.num_free_block
 # %% [markdown]
 # ### Streaming one request
 #
-# `async_engine.generate(prompt, params)` is an async generator: one `RequestOutput` per new token, whose
-# `delta_text` is the text added since the previous one; the last has `finished=True`. A notebook cell can
-# `await` directly, so `async for` works at the top level.
+# `async_engine.generate(prompt, params)` is an async generator: one `RequestOutput` per step that made a
+# token; the last has `finished=True`. What each output carries is `SamplingParams.output_kind`, as in vLLM:
+# `CUMULATIVE` (the default: everything so far), `DELTA` (only what is new since the previous output) or
+# `FINAL_ONLY` (one output at the end, what `LLM.generate` uses). Streaming uses `DELTA`, as vLLM's server
+# does: then `out.outputs[0].text` and `out.outputs[0].token_ids` hold just the new piece. A notebook cell
+# can `await` directly, so `async for` works at the top level.
 
 # %%
 question = async_engine.chat_prompt([{"role": "user", "content": "What is the capital of France?"}])
-greedy = SamplingParams(temperature=0, max_tokens=16)
+greedy = SamplingParams(temperature=0, max_tokens=16, output_kind=RequestOutputKind.DELTA)
 
 deltas = []
 async for out in async_engine.generate(question, greedy):
-    deltas.append(out.delta_text)
+    deltas.append(out.outputs[0].text)
 print(deltas)
-print("final text:   ", repr(out.outputs[0].text))
 print("finish reason:", out.outputs[0].finish_reason)
 
 # %% [markdown]
 # Each delta is one token's worth of text (a token that completes no character yet would give an empty
-# delta, and the detokenizer holds back text that might still turn into a stop string). Joined, the deltas
-# are exactly the final text: that is all a streaming client has to do.
+# delta, and the detokenizer holds back text that might still turn into a stop string). The last one is
+# empty: its token is the end-of-sequence token `<|im_end|>`, which ends the request and, as in vLLM, is
+# left out of the text. Joined, the deltas are exactly the text that the default, `CUMULATIVE`, outputs end
+# with: that is all a streaming client has to do.
+#
+# Why deltas: streaming n tokens as deltas hands out each token once, O(n) in time and memory, where
+# cumulative outputs copy the whole answer so far at every token, 1 + 2 + ... + n tokens in all, O(n^2)
+# (`tests/test_streaming_cost.py` measures it). The text is the same either way:
 
 # %%
-assert "".join(deltas) == out.outputs[0].text and out.finished
+cumulative = [out.outputs[0].text async for out in async_engine.generate(
+    question, SamplingParams(temperature=0, max_tokens=16))]
+print("the last cumulative output:", repr(cumulative[-1]))
+copied = sum(len("".join(deltas[:i + 1])) for i in range(len(deltas)))
+print(f"characters these {len(deltas)} outputs carry: {sum(map(len, deltas))} as deltas, "
+      f"{copied} if each were cumulative")
+
+# %%
+assert "".join(deltas) == cumulative[-1] and out.finished
 
 # %% [markdown]
 # ## 2. Many clients, one step at a time
@@ -123,8 +144,8 @@ def chat(text):
     return async_engine.chat_prompt([{"role": "system", "content": SYSTEM}, {"role": "user", "content": text}])
 
 
-async def wait_for_step(n):
-    while async_engine.snapshot().stats.num_steps < n:
+async def wait_for_step(n, engine=async_engine):
+    while engine.snapshot().stats.num_steps < n:
         await asyncio.sleep(0.01)
 
 
@@ -155,11 +176,14 @@ print("prefix hits on blocks:", trace.prefix_hit_blocks)
 # %% [markdown]
 # All three prompts ran as one prefill batch. They share the system prompt, so the second and third found its
 # full blocks in the prefix cache *within the same step* (lesson 01). The dashboard draws the pool as a grid:
-# one cell per block, colored by the request holding it, with the ref count written in shared blocks. The
-# same render function, in the notebook:
+# one cell per block, colored by the request holding it, with the ref count written in shared blocks. A
+# trace lists only the blocks its step touched, so for the whole pool the dashboard asks for
+# `snapshot(with_pool=True)`, which adds the block pool's ref counts, copied on the engine thread between two
+# steps. The same render function, in the notebook:
 
 # %%
-display(HTML(f"<style>{DASHBOARD_CSS}</style>" + render_block_grid(trace, trace.num_kv_blocks)
+pool = async_engine.snapshot(with_pool=True).pool
+display(HTML(f"<style>{DASHBOARD_CSS}</style>" + render_block_grid(trace, trace.num_kv_blocks, pool)
              + render_queues(trace)))
 
 # %% [markdown]
@@ -173,7 +197,9 @@ for n in (first_step + 1, first_step + 2):
 
 # %% [markdown]
 # Now let the engine run and read the three streams at once. Each stream already holds the outputs of the
-# steps we took (a stream is a queue: nothing is lost while nobody reads).
+# steps we took: nothing is lost while nobody reads, and nothing piles up either. A stream keeps at most one
+# unread output (vLLM's `RequestOutputCollector`): a new delta is merged into it (a new cumulative output
+# replaces it), so a reader that falls behind gets the missed text in one piece.
 
 
 # %%
@@ -181,7 +207,7 @@ async def read(stream):
     text = ""
     async with stream:                 # leaving this block early would abort the request
         async for out in stream:
-            text += out.delta_text
+            text += out.outputs[0].text    # a DELTA output: only the new text
     return text, out.outputs[0].finish_reason
 
 
@@ -201,7 +227,7 @@ for rid, (text, reason) in answers.items():
 long_params = SamplingParams(temperature=0, max_tokens=200, ignore_eos=True)
 gen = async_engine.generate(chat("Tell me a very long story about the sea."), long_params, request_id="story")
 async for out in gen:
-    if len(out.outputs[0].token_ids) == 3:
+    if len(out.outputs[0].token_ids) >= 3:   # CUMULATIVE (long_params' default): all tokens so far
         break
 await gen.aclose()                      # what the HTTP server does when the connection drops
 
@@ -323,8 +349,8 @@ plt.show()
 # %% [markdown]
 # The requests arrive a few milliseconds apart. If a step starts before the last of them is in, it runs the
 # early ones and the rest join at the next step; either way they are soon all in one batch, and they finish
-# together (unless one stops early, at EOS). That is the point of serving through one engine: sixteen clients cost
-# little more per step than one.
+# together (unless one stops early, at EOS). That is the point of serving through one engine: sixteen clients
+# cost little more per step than one.
 #
 # ### /metrics
 #
@@ -375,13 +401,13 @@ async def self_check():
     srv = run_server_in_thread(build_api_server(ae))
     try:
         outs = [o async for o in ae.generate(question, greedy)]
-        assert "".join(o.delta_text for o in outs) == outs[-1].outputs[0].text == answer_text
+        assert "".join(o.outputs[0].text for o in outs) == answer_text and outs[-1].finished
 
         ae.pause()
         s = await ae.add_request(chat(QUESTIONS["sky"]), greedy, request_id="check")
         steps = ae.snapshot().stats.num_steps
         ae.step_once()
-        await wait_for_step(steps + 1)
+        await wait_for_step(steps + 1, ae)
         await asyncio.sleep(0.2)
         assert ae.snapshot().stats.num_steps == steps + 1, "a paused engine runs only the steps it is given"
         ae.resume()
