@@ -22,13 +22,14 @@
 # (an all-reduce, an all-gather) at a few places in every layer. Each rank then holds 1/N of the weights
 # and 1/N of the KV cache, and all ranks work on every token together.
 #
-# minivllm does it for real, on a CPU: gloo ranks in separate processes (NCCL on GPUs). Three modules:
+# minivllm does it for real, on a CPU: gloo ranks in separate processes (NCCL on GPUs). Three modules,
+# under `minivllm/`:
 #
 # ```
-# layers.py       how each weight is split: ColumnParallelLinear, RowParallelLinear (+ all-reduce),
-#                 QKVParallelLinear, MergedColumnParallelLinear, VocabParallelEmbedding, ParallelLMHead
-# distributed.py  the process group: which TP sizes a model allows, joining (gloo / NCCL), a free port
-# executor.py     the processes: rank 0 in the engine, N - 1 workers; pipes for control, gloo for tensors
+# model/layers.py        how each weight is split: ColumnParallelLinear, RowParallelLinear (+ all-reduce),
+#                        QKVParallelLinear, MergedColumnParallelLinear, VocabParallelEmbedding, ParallelLMHead
+# worker/distributed.py  the process group: which TP sizes a model allows, joining (gloo / NCCL), a free port
+# worker/executor.py     the processes: rank 0 in the engine, N - 1 workers; pipes for control, gloo for tensors
 # ```
 #
 # The lesson goes from a matrix to the engine:
@@ -176,9 +177,9 @@ gap = (sum(F.silu(p) for p in partials) - F.silu(sum(partials))).abs().max().ite
 print(f"silu of the sum vs sum of silus: they differ by up to {gap:.2f}")
 
 # %% [markdown]
-# That is why every `RowParallelLinear` in `layers.py` ends with its all-reduce: after a row split, the next
-# thing is usually nonlinear (a norm, an activation), so the sum cannot wait. A Llama decoder layer is two
-# such pairs:
+# That is why every `RowParallelLinear` in `model/layers.py` ends with its all-reduce: after a row split, the
+# next thing is usually nonlinear (a norm, an activation), so the sum cannot wait. A Llama decoder layer is
+# two such pairs:
 #
 # ```
 # attention   qkv_proj (column: each rank gets whole heads)  ->  attention, head by head  ->  o_proj (row)    all-reduce
@@ -404,9 +405,9 @@ print(f"TP 3: {per_rank:,} per rank ({per_rank * 4 / 2**20:.0f} MiB), of which {
 #  K/V                                    this rank's KV heads
 # ```
 #
-# Every rank has the *same* blocks (the same block ids and slots: the block manager on rank 0 hands out block
-# ids, and every rank writes token t of a request to the same slot), only for different heads. So a block
-# costs each rank a third of what it costs a single process, and a memory budget per rank
+# Every rank has the *same* blocks (the same block ids and slots: the KV cache manager on rank 0 hands out
+# block ids, and every rank writes token t of a request to the same slot), only for different heads. So a
+# block costs each rank a third of what it costs a single process, and a memory budget per rank
 # (`kv_cache_memory_gb` on a CPU, `gpu_memory_utilization` on a GPU) holds three times as many blocks: the
 # second reason to use TP, after fitting the weights.
 
@@ -432,7 +433,7 @@ for tp_size in (1, TP):
 #
 # Whole heads per rank means the TP size must divide the query heads, the KV heads, the vocabulary and the MLP
 # width. For this model that leaves 1 and 3 (9 and 3 heads). The engine checks before it starts any process
-# (`check_tp_size` in `distributed.py`), and the error says which numbers failed and what would work:
+# (`check_tp_size` in `worker/distributed.py`), and the error says which numbers failed and what would work:
 
 # %%
 try:
@@ -453,10 +454,10 @@ check_tp_size(cfg, 3)                                                      # no 
 # %% [markdown]
 # ## 4. The engine with `tensor_parallel_size=3`
 #
-# `LLM(tensor_parallel_size=3)` hands the ranks to a `MultiprocExecutor` (`executor.py`). It starts 2 worker
-# processes (ranks 1 and 2, forked like ours in section 2) and makes this process rank 0, the *driver*. All
-# three join one gloo group on a free port and load only their own shards; then each says how many KV blocks
-# it can hold and all allocate the smallest answer. One step:
+# `LLM(tensor_parallel_size=3)` hands the ranks to a `MultiprocExecutor` (`worker/executor.py`). It starts 2
+# worker processes (ranks 1 and 2, forked like ours in section 2) and makes this process rank 0, the *driver*.
+# All three join one gloo group on a free port and load only their own shards; then each says how many KV
+# blocks it can hold and all allocate the smallest answer. One step:
 #
 # ```
 # driver (rank 0)                       worker 1                    worker 2
@@ -468,10 +469,10 @@ check_tp_size(cfg, 3)                                                      # no 
 # sampler(logits) -> tokens             (drops its logits)          (drops its logits)
 # ```
 #
-# Only rank 0 has a scheduler, a block manager and a sampler. What it sends is a `ModelInput`
-# (`model_runner.py`): the step's flat batch as plain lists (token ids, positions, slots, block tables),
-# pickled through a `multiprocessing` pipe. Control goes over pipes and tensors over gloo: a pipe can wait for
-# hours while the engine is idle, where a collective would time out.
+# Only rank 0 has a scheduler, a KV cache manager and a sampler. What it sends is a `ModelInput`
+# (`worker/model_runner.py`): the step's flat batch as plain lists (token ids, positions, slots, block
+# tables), pickled through a `multiprocessing` pipe. Control goes over pipes and tensors over gloo: a pipe can
+# wait for hours while the engine is idle, where a collective would time out.
 #
 # First the reference, one process:
 
