@@ -14,28 +14,32 @@
 # ---
 
 # %% [markdown]
-# # Lesson 01: the block manager and prefix caching
+# # Lesson 01: the KV cache manager, the block pool and prefix caching
 #
 # Lesson 00 showed that the KV cache is one big tensor cut into fixed-size **blocks**, and that each request
-# owns a list of block ids, its **block table**. This lesson opens `minivllm/core/kv_cache_manager.py`, the module that
-# decides which block goes to whom. It owns three things and nobody else touches them:
+# owns a list of block ids, its **block table**. This lesson opens the two modules that decide which block goes
+# to whom, split the way vLLM v1 splits them:
 #
-# - which blocks are free,
-# - who holds each block (a **ref count** per block: how many block tables list it),
-# - the **prefix cache**: a map from a block's hash to the block that holds that KV, so that a new request
-#   whose prompt starts the same way can take the KV instead of computing it again.
+# - `minivllm/core/block_pool.py`, the **`BlockPool`**: the physical blocks. It owns every block's **ref count**
+#   (how many block tables list it) and **hash**, the free queues, the **prefix cache** (a map from a block's
+#   hash to the block that holds that KV) and eviction. It knows nothing about requests.
+# - `minivllm/core/kv_cache_manager.py`, the **`KVCacheManager`**: which blocks each request holds (it alone
+#   writes `request.block_table`), the prefix-cache lookup for a new request, allocation (all or nothing), and
+#   hashing a request's full blocks once the step that computed them has committed.
 #
-# It never touches a tensor. The model runner reads `request.block_table` and writes KV there; the block
-# manager only decides where. That makes it easy to study on its own: the first half of this lesson drives a
-# `BlockManager` by hand with made-up token ids, no model at all. The second half runs the real engine with a
-# shared system prompt and measures what the prefix cache saves.
+# (A third module, `swap_space.py`, holds the CPU tier for swap preemption; that is lesson 03's.)
 #
-# The module's docstring names the three places a block can be. Keep this table in mind; every picture below
+# Neither touches a tensor. The model runner reads `request.block_table` and writes KV there; these modules only
+# decide where. That makes them easy to study on their own: the first half of this lesson drives a
+# `KVCacheManager` by hand with made-up token ids, no model at all. The second half runs the real engine: a
+# shared system prompt and what the prefix cache saves, then a step that fails halfway and what is left of it.
+#
+# The pool's docstring names the three places a block can be. Keep this table in mind; every picture below
 # colours blocks by it:
 #
 # ```
 # in use         ref_count > 0    in the block tables of ref_count running requests
-# cached-free    ref_count == 0   still holds the KV of a full block, listed in the hash map:
+# cached-free    ref_count == 0   still holds the KV of a full, computed block, listed in the hash map:
 #                                 free to reuse, but a request with the same prefix can take it back
 # clean-free     ref_count == 0   holds nothing worth keeping
 # ```
@@ -50,7 +54,9 @@ import torch
 from matplotlib.patches import Patch, Rectangle
 
 from minivllm import LLM, SamplingParams
-from minivllm.core.kv_cache_manager import ROOT_HASH, BlockManager, hash_block_tokens
+from minivllm.core.block_pool import ROOT_HASH, hash_block_tokens
+from minivllm.core.journal import StepJournal
+from minivllm.core.kv_cache_manager import KVCacheManager
 from minivllm.core.request import Request
 
 torch.manual_seed(0)
@@ -62,12 +68,16 @@ torch.set_num_threads(1)   # one thread: faster on a busy 2-core CPU, and the sa
 # A real pool has thousands of blocks of 16 tokens. Here: 12 blocks of 4 tokens, so every token fits in the
 # picture. Token ids are made-up numbers: `101 ... 108` play the part of a system prompt that many requests
 # share, `2xx` are the user's own words, `3xx` are generated tokens.
+#
+# The manager is built with a `StepJournal`, the undo log of an engine step (section 10). Outside a step it
+# records nothing, so for now it plays no part.
 
 # %%
-bm = BlockManager(num_blocks=12, block_size=4)
-print(f"{bm.num_blocks} blocks of {bm.block_size} tokens; free: {bm.num_free_blocks}")
-print("clean-free:", list(bm.clean_free))
-print("cached-free:", list(bm.cached_free))
+kv = KVCacheManager(num_blocks=12, block_size=4, journal=StepJournal())
+pool = kv.block_pool
+print(f"{kv.num_blocks} blocks of {kv.block_size} tokens; free: {kv.num_free_blocks}")
+print("clean-free:", list(pool.clean_free))
+print("cached-free:", list(pool.cached_free))
 
 # %% [markdown]
 # A `Request` is plain data: the token ids, how many of them already have KV (`num_computed_tokens`) and the
@@ -77,39 +87,47 @@ print("cached-free:", list(bm.cached_free))
 SYSTEM = [101, 102, 103, 104, 105, 106, 107, 108]    # two full blocks' worth
 greedy = SamplingParams(temperature=0)
 
-a = Request("A", None, SYSTEM + [201, 202, 203], greedy)
+a = Request("A", SYSTEM + [201, 202, 203], greedy)
 print(a)
 
 # %% [markdown]
-# ## 2. Allocate, compute, append
+# ## 2. Allocate, compute, commit
 #
-# Every engine step does the same three things to a scheduled request, and we will do them by hand:
+# Every engine step does the same things to a scheduled request, and we will do them by hand:
 #
-# 1. the scheduler asks `allocate_slots(request, n)` for room for `n` more tokens after
-#    `num_computed_tokens`; the block manager adds blocks to the block table if the last one is full
-#    (all or nothing: it returns `False` and changes nothing if there are not enough free blocks), and gives
-#    every block that these `n` tokens fill completely its hash, right away (more in sections 3 and 4);
-# 2. the model writes the KV of those `n` tokens, and `num_computed_tokens` moves forward by `n`;
-# 3. the sampler appends one new token. It has no KV yet: the next step computes it.
+# 1. `schedule()`: the scheduler asks `allocate_slots(request, n)` for room for `n` more tokens after
+#    `num_computed_tokens`; the manager adds blocks to the block table if the last one is full (all or
+#    nothing: it returns `False` and changes nothing if there are not enough free blocks). Nothing is hashed
+#    here: room is not KV yet;
+# 2. the model runner writes the KV of those `n` tokens into the blocks;
+# 3. `update_from_output()`: the step succeeded, so the scheduler moves `num_computed_tokens` forward by `n`
+#    (it is the only writer of that field) and calls `cache_blocks(request, num_computed_tokens)`, which hashes
+#    every block that is now full and computed (sections 3 and 4); the sampled token is appended. It has no KV
+#    yet: the next step computes it.
 #
 # The first step of a request computes its whole prompt (the **prefill**); every later step computes the
 # one token sampled last time (a **decode**).
 
 # %%
-def run_step(bm, req, num_new_tokens, sampled_token, computed_blocks=None):
-    """What the scheduler, the model runner and the engine do to one request in one step."""
-    assert bm.allocate_slots(req, num_new_tokens, computed_blocks), "no free blocks"   # 1. room, blocks it fills hashed
-    req.num_computed_tokens += num_new_tokens      # 2. the model wrote the KV of these tokens
-    req.append_output_token(sampled_token)         # 3. the sampled token (no KV yet)
+def run_step(kv, req, num_new_tokens, sampled_token, computed_blocks=()):
+    """What the scheduler and the model runner do to one request in one step."""
+    # 1. schedule(): room for the new tokens, after the prefix-cache hits (which join the block table first)
+    assert kv.allocate_slots(req, num_new_tokens, computed_blocks), "no free blocks"
+    req.num_computed_tokens += len(computed_blocks) * kv.block_size   # the hits' KV is already there
+    # 2. the model runner writes the KV of the new tokens
+    # 3. update_from_output(): the step committed
+    req.num_computed_tokens += num_new_tokens
+    kv.cache_blocks(req, req.num_computed_tokens)      # blocks now full and computed join the prefix cache
+    req.append_output_token(sampled_token)             # the sampled token (no KV yet)
 
 
-run_step(bm, a, a.num_tokens, 301)                 # prefill: 11 prompt tokens -> 3 blocks
+run_step(kv, a, a.num_tokens, 301)                 # prefill: 11 prompt tokens -> 3 blocks
 print("after the prefill:", a)
-run_step(bm, a, 1, 302)                            # decode: token 301 fills slot 12, the last of block 2
+run_step(kv, a, 1, 302)                            # decode: token 301 fills slot 12, the last of block 2
 print("after a decode:   ", a)
-run_step(bm, a, 1, 303)                            # decode: token 302 needs a 4th block
+run_step(kv, a, 1, 303)                            # decode: token 302 needs a 4th block
 print("after a decode:   ", a)
-print("free blocks:", bm.num_free_blocks)
+print("free blocks:", kv.num_free_blocks)
 
 # %% [markdown]
 # (The status stays `waiting`: only the scheduler changes it, and we are standing in for the scheduler.)
@@ -129,9 +147,11 @@ PALETTE = ["tab:blue", "tab:orange", "tab:green", "tab:red", "tab:purple", "tab:
 COLORS = {"A": "tab:blue", "B": "tab:orange", "D": "tab:green", "E": "tab:red"}   # one colour per request
 
 
-def draw_pool(num_blocks, tables, ref_counts, cached_free, title, tokens=None, labels=None, cols=12, size=1.0):
-    """One cell per block. tables: {request_id: block table}; tokens: {block id: token ids} (optional);
-    labels: {request_id: legend text} (optional). Small cells show the ref count only where it is > 0."""
+def draw_pool(num_blocks, tables, ref_counts, cached_free, title, tokens=None, labels=None, cols=12, size=1.0,
+              marked=(), marked_label=""):
+    """One cell per block. tables: {request_id: block table}; ref_counts: one per block; tokens: {block id:
+    token ids} (optional); labels: {request_id: legend text} (optional); marked: blocks to outline in red
+    (legend text marked_label). Small cells show the ref count only where it is > 0."""
     colors = {rid: COLORS.get(rid, PALETTE[i % len(PALETTE)]) for i, rid in enumerate(tables)}
     holders = {}
     for rid, table in tables.items():
@@ -147,6 +167,8 @@ def draw_pool(num_blocks, tables, ref_counts, cached_free, title, tokens=None, l
                 ax.add_patch(Rectangle((x, y + 0.92 - (k + 1) * band), 0.92, band, color=colors[rid], alpha=0.55))
         else:
             ax.add_patch(Rectangle((x, y), 0.92, 0.92, color="#a9a9a9" if b in cached_free else "#ececec"))
+        if b in marked:
+            ax.add_patch(Rectangle((x, y), 0.92, 0.92, fill=False, edgecolor="tab:red", lw=2.5, hatch="//"))
         ax.text(x + 0.06, y + 0.84, f"{b}", ha="left", va="top", fontsize=8, fontweight="bold")
         if size >= 0.9 or ref_counts[b] > 0:
             ax.text(x + 0.86, y + 0.84 if size >= 0.9 else y + 0.12, f"ref {ref_counts[b]}", ha="right",
@@ -158,8 +180,10 @@ def draw_pool(num_blocks, tables, ref_counts, cached_free, title, tokens=None, l
     labels = labels or {}
     legend = [Patch(color=c, alpha=0.55, label=labels.get(rid, f"held by {rid}")) for rid, c in colors.items()]
     legend += [Patch(color="#a9a9a9", label="cached-free"), Patch(color="#ececec", label="clean-free")]
-    ax.legend(handles=legend, loc="upper center", bbox_to_anchor=(0.5, -0.01), ncol=3 if labels else len(legend),
-              fontsize=8, frameon=False)
+    if marked:
+        legend.append(Patch(fill=False, edgecolor="tab:red", hatch="//", label=marked_label))
+    ax.legend(handles=legend, loc="upper center", bbox_to_anchor=(0.5, -0.01),
+              ncol=3 if labels or marked else len(legend), fontsize=8, frameon=False)
     ax.set_xlim(0, cols)
     ax.set_ylim(0, rows)
     ax.set_aspect("equal")
@@ -168,39 +192,39 @@ def draw_pool(num_blocks, tables, ref_counts, cached_free, title, tokens=None, l
     plt.show()
 
 
-def block_tokens(bm, requests):
+def block_tokens(kv, requests):
     """Which tokens' KV each block holds: from a holder's token list, or the block's own record when free."""
-    out = {b.block_id: b.token_ids for b in bm.blocks if b.token_ids}
+    out = {b.block_id: b.token_ids for b in kv.block_pool.blocks if b.token_ids}
     for r in requests:
         for i, b in enumerate(r.block_table):
-            out[b] = tuple(r.all_token_ids[i * bm.block_size:min((i + 1) * bm.block_size, r.num_computed_tokens)])
+            out[b] = tuple(r.all_token_ids[i * kv.block_size:min((i + 1) * kv.block_size, r.num_computed_tokens)])
     return out
 
 
-def draw(bm, requests, title, **kwargs):
-    draw_pool(bm.num_blocks, {r.request_id: r.block_table for r in requests},
-              [b.ref_count for b in bm.blocks], set(bm.cached_free), title, tokens=block_tokens(bm, requests),
-              **kwargs)
+def draw(kv, requests, title, **kwargs):
+    snap = kv.block_pool.snapshot()          # the whole pool: a ref count per block, the cached-free set
+    draw_pool(kv.num_blocks, {r.request_id: r.block_table for r in requests}, snap.ref_counts, snap.cached_free,
+              title, tokens=block_tokens(kv, requests), **kwargs)
 
 
 # %%
 # NBVAL_IGNORE_OUTPUT
-draw(bm, [a], "A after its prefill and two decodes")
+draw(kv, [a], "A after its prefill and two decodes")
 
 # %% [markdown]
 # Block 3 holds only token 302: the newest token, 303, has no KV yet. Every block but the last is full.
 
 # %%
 assert a.block_table == [0, 1, 2, 3] and a.num_computed_tokens == 13
-assert [b.ref_count for b in bm.blocks[:5]] == [1, 1, 1, 1, 0]
-assert bm.num_free_blocks == 8
+assert [b.ref_count for b in pool.blocks[:5]] == [1, 1, 1, 1, 0]
+assert kv.num_free_blocks == 8
 
 # %% [markdown]
 # ## 3. Chained block hashes
 #
-# When `allocate_slots` makes room for the tokens that fill a block, it gives the block a hash and enters it in
-# the hash map (`hash_to_block`) at once, before the model has run (section 4 shows why that is useful and why
-# it is safe). The hash is **chained**: it covers the block's own tokens *and* the hash of the block before it,
+# When the step that filled a block commits, `cache_blocks` gives the block a hash and enters it in the pool's
+# hash map (`pool.hash_to_block`). The hash is **chained**: it covers the block's own tokens *and* the hash of
+# the block before it,
 #
 # ```
 # hash(block 0) = hash_block_tokens(ROOT_HASH,      tokens of block 0)
@@ -213,20 +237,23 @@ assert bm.num_free_blocks == 8
 
 # %%
 for i, b in enumerate(a.block_table):
-    blk = bm.blocks[b]
+    blk = pool.blocks[b]
     print(f"block {b}: tokens {blk.token_ids!s:22} hash {blk.block_hash}")
+print("leading blocks hashed:", kv.num_cached_blocks["A"])
 
 # %% [markdown]
-# Blocks 0 to 2 are full and hashed: 0 and 1 by the prefill's `allocate_slots`, 2 by the first decode's, the
-# one that made room for token 301 in its last slot. Block 3 is not full, so it has no hash yet and cannot be
-# shared. We can recompute the chain ourselves:
+# Blocks 0 to 2 are full and hashed: 0 and 1 when the prefill committed, 2 when the first decode did (it wrote
+# the KV of token 301, in the block's last slot). Block 3 is not full, so it has no hash yet and cannot be
+# shared. `num_cached_blocks` remembers how many leading blocks of each request are hashed, so the next
+# `cache_blocks` starts there: hashing costs O(new blocks) per step, not a walk over the whole block table.
+# We can recompute the chain ourselves:
 
 # %%
 h0 = hash_block_tokens(ROOT_HASH, (101, 102, 103, 104))
 h1 = hash_block_tokens(h0, (105, 106, 107, 108))
 h2 = hash_block_tokens(h1, (201, 202, 203, 301))
-print([h0, h1, h2] == [bm.blocks[b].block_hash for b in a.block_table[:3]])
-print("hash map:", {h: b for h, b in bm.hash_to_block.items()} == {h0: 0, h1: 1, h2: 2})
+print([h0, h1, h2] == [pool.blocks[b].block_hash for b in a.block_table[:3]])
+print("hash map:", {h: b for h, b in pool.hash_to_block.items()} == {h0: 0, h1: 1, h2: 2})
 
 # %% [markdown]
 # The same four tokens after a different prefix get a different hash, so they can never be confused:
@@ -237,8 +264,8 @@ print("same tokens, same parent:     ", hash_block_tokens(h0, (105, 106, 107, 10
 print("same tokens, different parent:", other_prefix == h1)
 
 # %%
-assert [bm.blocks[b].block_hash for b in a.block_table] == [h0, h1, h2, None]
-assert other_prefix != h1
+assert [pool.blocks[b].block_hash for b in a.block_table] == [h0, h1, h2, None]
+assert other_prefix != h1 and kv.num_cached_blocks["A"] == 3
 
 # %% [markdown]
 # Python's hash of a tuple of ints is the same in every process (string hashing is randomised per process,
@@ -253,23 +280,24 @@ assert other_prefix != h1
 # first hash that is not in the map. That is the longest cached prefix. It changes nothing yet.
 
 # %%
-b_req = Request("B", None, SYSTEM + [211, 212, 213, 214, 215], greedy)
-hits = bm.get_computed_blocks(b_req)
-print("B's cached prefix:", hits, f"= {len(hits) * bm.block_size} tokens")
+b_req = Request("B", SYSTEM + [211, 212, 213, 214, 215], greedy)
+hits = kv.get_computed_blocks(b_req)
+print("B's cached prefix:", hits, f"= {len(hits) * kv.block_size} tokens")
 
 # %% [markdown]
-# Now allocate with the hits: they join B's block table first, their ref counts go up, and B's
-# `num_computed_tokens` jumps past them. Only the remaining 5 tokens need fresh blocks and model work.
+# Now allocate with the hits: they join B's block table first, the pool raises their ref counts
+# (`pool.touch`), and the scheduler moves B's `num_computed_tokens` past them. Only the remaining 5 tokens
+# need fresh blocks and model work.
 
 # %%
-run_step(bm, b_req, b_req.num_tokens - len(hits) * bm.block_size, 311, computed_blocks=hits)
+run_step(kv, b_req, b_req.num_tokens - len(hits) * kv.block_size, 311, computed_blocks=hits)
 print(b_req)
-for blk in bm.blocks[:6]:
+for blk in pool.blocks[:6]:
     print(f"block {blk.block_id}: ref_count={blk.ref_count}")
 
 # %%
 # NBVAL_IGNORE_OUTPUT
-draw(bm, [a, b_req], "B shares A's two system-prompt blocks (ref 2)")
+draw(kv, [a, b_req], "B shares A's two system-prompt blocks (ref 2)")
 
 # %% [markdown]
 # One physical block, two block tables, `ref_count == 2`: the KV of the system prompt exists once. Sharing
@@ -283,15 +311,15 @@ draw(bm, [a, b_req], "B shares A's two system-prompt blocks (ref 2)")
 # `(num_tokens - 1) // block_size` blocks), and C recomputes its last block.
 
 # %%
-c_req = Request("C", None, list(SYSTEM), greedy)
-print("C's cached prefix:", bm.get_computed_blocks(c_req), "of its", c_req.num_tokens // bm.block_size,
+c_req = Request("C", list(SYSTEM), greedy)
+print("C's cached prefix:", kv.get_computed_blocks(c_req), "of its", c_req.num_tokens // kv.block_size,
       "full blocks")
 
 # %%
 assert hits == [0, 1] and b_req.block_table[:2] == [0, 1]
-assert bm.blocks[0].ref_count == bm.blocks[1].ref_count == 2
+assert pool.blocks[0].ref_count == pool.blocks[1].ref_count == 2
 assert b_req.num_computed_tokens == 13 and b_req.num_cached_tokens == 0   # num_cached_tokens is set by the scheduler
-assert bm.get_computed_blocks(c_req) == [0]
+assert kv.get_computed_blocks(c_req) == [0]
 
 # %% [markdown]
 # (`num_cached_tokens`, the count that ends up in `RequestOutput`, is recorded by the scheduler when it
@@ -299,74 +327,89 @@ assert bm.get_computed_blocks(c_req) == [0]
 #
 # ### Sharing within one step
 #
-# B found A's blocks because A had run a step earlier. What if two requests with the same prefix arrive
+# B found A's blocks because A's step had committed. What if two requests with the same prefix arrive
 # together and are admitted in the same step? Within one `schedule()` call the scheduler admits waiting
-# requests one after the other, `get_computed_blocks` then `allocate_slots` for each. Since `allocate_slots`
-# hashes the blocks that this step's tokens will fill, the first request's blocks are already in the hash map
-# when the scheduler looks up the second, although no KV has been computed yet (vLLM v1 does the same).
+# requests one after the other, `get_computed_blocks` then `allocate_slots` for each. When it looks up the
+# second, the first one's blocks are not in the hash map: their step has not even run.
+#
+# So after admitting a request the scheduler calls `register_pending(request, n)`: the full blocks that this
+# step will compute for it are **offered** in `kv.pending` (hash → block), and `get_computed_blocks` looks
+# there after the hash map. An offer lives only as long as the open step: `clear_pending()` at commit, and the
+# journal takes it back if the step fails. (vLLM v1 gets the same sharing by hashing blocks in
+# `allocate_slots`, before the forward; it can, because a failed step ends its engine. Section 10 shows why
+# minivllm does not.)
 #
 # A fresh pool of 8 blocks. P and Q both start with the 8 system tokens and are admitted in the same step:
 
 # %%
-bm2 = BlockManager(num_blocks=8, block_size=4)
-p = Request("P", None, SYSTEM + [231, 232, 233], greedy)
-q = Request("Q", None, SYSTEM + [241, 242], greedy)
+kv2 = KVCacheManager(num_blocks=8, block_size=4, journal=StepJournal())
+pool2 = kv2.block_pool
+p = Request("P", SYSTEM + [231, 232, 233], greedy)
+q = Request("Q", SYSTEM + [241, 242], greedy)
 
+kv2.journal.begin()                            # scheduler.begin_step()
 # schedule(): admit P, then Q; the model has not run yet
-assert bm2.allocate_slots(p, p.num_tokens, bm2.get_computed_blocks(p))
-q_hits = bm2.get_computed_blocks(q)
-assert bm2.allocate_slots(q, q.num_tokens - len(q_hits) * bm2.block_size, q_hits)
+assert kv2.allocate_slots(p, p.num_tokens, kv2.get_computed_blocks(p))
+kv2.register_pending(p, p.num_tokens)          # offer the full blocks this step computes for P
+q_hits = kv2.get_computed_blocks(q)
+assert kv2.allocate_slots(q, q.num_tokens - len(q_hits) * kv2.block_size, q_hits)
+q.num_computed_tokens = len(q_hits) * kv2.block_size
+kv2.register_pending(q, q.num_tokens)
 print("P:", p)
 print("Q:", q, "  prefix hits:", q_hits)
-print("hashed:", {b: bm2.blocks[b].block_hash is not None for b in range(4)})
+print("offered:", {block: tokens for block, tokens in kv2.pending.values()})
+print("hashed: ", {b: pool2.blocks[b].block_hash is not None for b in range(4)})
 
 # %% [markdown]
 # Q's `num_computed_tokens` is already 8, yet blocks 0 and 1 hold no KV so far: P's prefill computes them in
 # this very step. That works because of how a step runs: P's 11 tokens and Q's 2 go through the model as one
 # flat batch, and in every layer the model runner first stores the keys and values of *all* the batch's
 # tokens in the cache and only then runs attention. When Q's two tokens attend to positions 0-7 in a layer,
-# P has just written them. Now the step runs:
+# P has just written them. Now the step runs and commits, and only then are blocks 0 and 1 hashed:
 
 # %%
-for req, sampled in [(p, 331), (q, 341)]:      # one flat batch: P's 11 tokens and Q's 2
+for req, sampled in [(p, 331), (q, 341)]:      # update_from_output(): one flat batch, P's 11 tokens and Q's 2
     req.num_computed_tokens = req.num_tokens
+    kv2.cache_blocks(req, req.num_computed_tokens)
     req.append_output_token(sampled)
-bm2.check_integrity([p, q])
+kv2.clear_pending()                            # scheduler.commit_step()
+kv2.journal.commit()
+kv2.check_integrity([p, q])
 print("P:", p)
 print("Q:", q)
+print("hashed: ", {b: pool2.blocks[b].block_hash is not None for b in range(4)}, " offered:", kv2.pending)
 
 # %%
 # NBVAL_IGNORE_OUTPUT
-draw(bm2, [p, q], "P and Q, admitted in the same step, share blocks 0 and 1", cols=8)
+draw(kv2, [p, q], "P and Q, admitted in the same step, share blocks 0 and 1", cols=8)
 
 # %% [markdown]
-# ### A step that never runs
+# ### Room is not KV
 #
-# Hashing ahead has one risk: a block can be hashed for a step that then never computes its tokens. The
-# scheduler may preempt a request it has already made room for in the same `schedule()` call (preemption is
-# lesson 03), and then its hashed blocks hold nothing. `free()` checks for this: a block at or past
-# `num_computed_tokens // block_size` never got its KV, so when its ref count reaches 0 its hash is dropped
-# and it goes clean-free, not cached-free. Once a step is over, every block in the hash map holds computed KV.
+# The scheduler may make room for a request and then, in the same `schedule()` call, preempt it before its
+# step runs (preemption is lesson 03). Since `allocate_slots` hashes nothing, there is nothing to take back:
+# the request's blocks go back clean-free, and the prefix cache never heard of them. (The old block manager
+# hashed blocks when it allocated them, and its `free()` had to guess from `num_computed_tokens` which hashed
+# blocks really held KV. Section 10 shows a case where that guess went wrong.)
 #
-# R gets room for its 9-token prompt (blocks 4 and 5 are hashed), then is freed before any step computes it:
+# R gets room for its 9-token prompt, then is freed before any step computes it:
 
 # %%
-r = Request("R", None, [501, 502, 503, 504, 505, 506, 507, 508, 509], greedy)
-twin = Request("R2", None, list(r.prompt_token_ids), greedy)       # the same prompt, to probe the cache
-assert bm2.allocate_slots(r, r.num_tokens)
-print("R:", r, "  hashed:", [bm2.blocks[b].block_hash is not None for b in r.block_table])
-print("R's twin would hit:", bm2.get_computed_blocks(twin))
-bm2.free(r)                                    # preempted before its step ran: num_computed_tokens is 0
-print("after free(R): hashed:", [bm2.blocks[b].block_hash is not None for b in (4, 5, 6)],
-      " cached-free:", list(bm2.cached_free), " clean-free:", list(bm2.clean_free))
-print("R's twin would hit:", bm2.get_computed_blocks(twin))
+r = Request("R", [501, 502, 503, 504, 505, 506, 507, 508, 509], greedy)
+twin = Request("R2", list(r.prompt_token_ids), greedy)       # the same prompt, to probe the cache
+assert kv2.allocate_slots(r, r.num_tokens)
+print("R:", r, "  hashed:", [pool2.blocks[b].block_hash is not None for b in r.block_table])
+print("R's twin would hit:", kv2.get_computed_blocks(twin))
+kv2.free(r)                                    # preempted before its step ran
+print("after free(R): cached-free:", list(pool2.cached_free), " clean-free:", list(pool2.clean_free))
 
 # %%
 assert q_hits == [0, 1] and q.block_table[:2] == p.block_table[:2] == [0, 1]
-assert bm2.blocks[0].ref_count == bm2.blocks[1].ref_count == 2
-assert not bm2.cached_free and bm2.get_computed_blocks(twin) == []
-assert all(bm2.blocks[b].block_hash is None for b in (4, 5, 6))
-bm2.check_integrity([p, q])
+assert pool2.blocks[0].ref_count == pool2.blocks[1].ref_count == 2
+assert not kv2.pending and set(pool2.hash_to_block.values()) == {0, 1}
+assert not pool2.cached_free and kv2.get_computed_blocks(twin) == []
+assert all(pool2.blocks[b].block_hash is None for b in (4, 5, 6))
+kv2.check_integrity([p, q])
 
 # %% [markdown]
 # ## 5. Freeing: in use → cached-free or clean-free
@@ -374,22 +417,22 @@ bm2.check_integrity([p, q])
 # When A finishes, `free(A)` drops its hold on every block in its table. A block whose ref count reaches 0
 # leaves "in use":
 #
-# - if it is full, hashed and computed (and it is the block the hash map points to) it becomes
-#   **cached-free**: free, but its KV stays and can be found again;
-# - otherwise (the partial last block, or a block whose KV was never computed) it becomes **clean-free**.
+# - if it is hashed (so full and computed: only a committed step hashes) and it is the block the hash map
+#   points to, it becomes **cached-free**: free, but its KV stays and can be found again;
+# - otherwise (the partial last block, or a duplicate of a block already in the map) it becomes **clean-free**.
 #
 # Blocks 0 and 1 are still held by B, so they only drop to ref count 1.
 
 # %%
-bm.free(a)
+kv.free(a)
 print("A's block table:", a.block_table)
-print("ref counts:  ", [blk.ref_count for blk in bm.blocks])
-print("cached-free: ", list(bm.cached_free))
-print("clean-free:  ", list(bm.clean_free))
+print("ref counts:  ", [blk.ref_count for blk in pool.blocks])
+print("cached-free: ", list(pool.cached_free))
+print("clean-free:  ", list(pool.clean_free))
 
 # %%
 # NBVAL_IGNORE_OUTPUT
-draw(bm, [b_req], "A finished: its own full block is cached-free, its tail block clean-free")
+draw(kv, [b_req], "A finished: its own full block is cached-free, its tail block clean-free")
 
 # %% [markdown]
 # Now B finishes too. `free` walks the block table **from the tail**, so a request's last blocks enter the
@@ -398,17 +441,17 @@ draw(bm, [b_req], "A finished: its own full block is cached-free, its tail block
 # requests are most likely to share.
 
 # %%
-bm.free(b_req)
-print("cached-free, evicted first -> last:", list(bm.cached_free))
-print("clean-free:                        ", list(bm.clean_free))
+kv.free(b_req)
+print("cached-free, evicted first -> last:", list(pool.cached_free))
+print("clean-free:                        ", list(pool.clean_free))
 
 # %%
 # NBVAL_IGNORE_OUTPUT
-draw(bm, [], "Everyone finished: the prefix cache keeps 4 blocks of KV")
+draw(kv, [], "Everyone finished: the prefix cache keeps 4 blocks of KV")
 
 # %%
-assert list(bm.cached_free) == [2, 4, 1, 0]
-assert bm.num_free_blocks == bm.num_blocks and all(blk.ref_count == 0 for blk in bm.blocks)
+assert list(pool.cached_free) == [2, 4, 1, 0]
+assert kv.num_free_blocks == kv.num_blocks and all(blk.ref_count == 0 for blk in pool.blocks)
 
 # %% [markdown]
 # ## 6. A hit revives a cached-free block
@@ -417,51 +460,51 @@ assert bm.num_free_blocks == bm.num_blocks and all(blk.ref_count == 0 for blk in
 # the pool, so D gets them back: they leave the cached-free list and their ref count goes 0 → 1.
 
 # %%
-d_req = Request("D", None, SYSTEM + [221, 222, 223, 224, 225, 226], greedy)
-hits = bm.get_computed_blocks(d_req)
-run_step(bm, d_req, d_req.num_tokens - len(hits) * bm.block_size, 321, computed_blocks=hits)
+d_req = Request("D", SYSTEM + [221, 222, 223, 224, 225, 226], greedy)
+hits = kv.get_computed_blocks(d_req)
+run_step(kv, d_req, d_req.num_tokens - len(hits) * kv.block_size, 321, computed_blocks=hits)
 print("D:", d_req)
-print("cached-free:", list(bm.cached_free))
+print("cached-free:", list(pool.cached_free))
 
 # %%
-assert d_req.block_table[:2] == [0, 1] and list(bm.cached_free) == [2, 4]
+assert d_req.block_table[:2] == [0, 1] and list(pool.cached_free) == [2, 4]
 
 # %% [markdown]
 # ## 7. Eviction, least recently freed first
 #
-# Fresh blocks come from the clean-free list first. Only when it is empty does the block manager **evict** a
-# cached-free block: take the front of the LRU list, delete its hash from the map (its KV can no longer be
-# found) and hand it out. Request E has nothing in common with anyone and needs 7 blocks; only 6 are
-# clean-free, so one cached block has to go. `pop_events()` returns what happened to blocks since it was
-# last called (the engine's step trace is built from it).
+# Fresh blocks come from the clean-free list first. Only when it is empty does the pool **evict** a
+# cached-free block (`pool.take_fresh`): take the front of the LRU list, delete its hash from the map (its KV
+# can no longer be found) and hand it out. Request E has nothing in common with anyone and needs 7 blocks;
+# only 6 are clean-free, so one cached block has to go. `pool.pop_events()` returns what happened to blocks
+# since it was last called (the engine's step trace is built from it).
 
 # %%
-bm.pop_events()                                          # start a fresh record
-e_req = Request("E", None, list(range(400, 428)), greedy)   # 28 tokens = 7 blocks
-print("clean-free before:", len(bm.clean_free), " cached-free before:", list(bm.cached_free))
-run_step(bm, e_req, e_req.num_tokens, 331)
-events = bm.pop_events()
+pool.pop_events()                                        # start a fresh record
+e_req = Request("E", list(range(400, 428)), greedy)      # 28 tokens = 7 blocks
+print("clean-free before:", len(pool.clean_free), " cached-free before:", list(pool.cached_free))
+run_step(kv, e_req, e_req.num_tokens, 331)
+events = pool.pop_events()
 print("allocated:", events.allocated)
 print("evicted:  ", events.evicted)
-print("cached-free after:", list(bm.cached_free))
+print("cached-free after:", list(pool.cached_free))
 
 # %%
 # NBVAL_IGNORE_OUTPUT
-draw(bm, [d_req, e_req], "E evicted block 2, the least recently freed; block 4 is still cached")
+draw(kv, [d_req, e_req], "E evicted block 2, the least recently freed; block 4 is still cached")
 
 # %% [markdown]
 # Block 2 was freed before block 4, so it went first. Its hash is gone from the map: a request that repeated
 # A's whole prompt now hits only the system-prompt blocks.
 
 # %%
-a_again = Request("A2", None, SYSTEM + [201, 202, 203, 301, 302], greedy)
-print("A's prompt again hits:", bm.get_computed_blocks(a_again))
-print("evictions so far:", bm.num_evictions)
+a_again = Request("A2", SYSTEM + [201, 202, 203, 301, 302], greedy)
+print("A's prompt again hits:", kv.get_computed_blocks(a_again))
+print("evictions so far:", pool.num_evictions)
 
 # %%
-assert events.evicted == [2] and list(bm.cached_free) == [4]
-assert bm.get_computed_blocks(a_again) == [0, 1]
-assert all(blk.block_hash != h2 for blk in bm.blocks)
+assert events.evicted == [2] and list(pool.cached_free) == [4]
+assert kv.get_computed_blocks(a_again) == [0, 1]
+assert all(blk.block_hash != h2 for blk in pool.blocks)
 
 # %% [markdown]
 # A free list that keeps useful data until the space is really needed costs nothing: an evicted block is
@@ -472,12 +515,13 @@ assert all(blk.block_hash != h2 for blk in bm.blocks)
 #
 # Everything above must stay consistent: each ref count equals the number of block tables that list the
 # block, every block is either in use or free (never both, never neither), every hash-map entry points at a
-# block holding exactly those tokens, and so on. `check_integrity(requests)` asserts all of it, given every
-# request that may hold blocks. The tests call it after every random operation; the engine exposes it as
-# `engine.check_integrity()`.
+# block holding exactly those tokens, and every hashed block of a request lies within its computed tokens
+# (a hashed block is a computed block). `kv.check_integrity(requests)` asserts all of it, given every request
+# that may hold blocks; the pool checks its own part. The tests call it after every random operation; the
+# engine exposes it as `engine.check_integrity()`.
 
 # %%
-bm.check_integrity([d_req, e_req])
+kv.check_integrity([d_req, e_req])
 print("consistent")
 
 # %% [markdown]
@@ -485,19 +529,19 @@ print("consistent")
 # check names the block and the numbers:
 
 # %%
-bm.blocks[5].ref_count += 1
+pool.blocks[5].ref_count += 1
 try:
-    bm.check_integrity([d_req, e_req])
+    kv.check_integrity([d_req, e_req])
 except AssertionError as err:
     print("AssertionError:", err)
-bm.blocks[5].ref_count -= 1
-bm.check_integrity([d_req, e_req])
+pool.blocks[5].ref_count -= 1
+kv.check_integrity([d_req, e_req])
 
 # %%
-bm.free(d_req)
-bm.free(e_req)
-bm.check_integrity([])
-assert bm.num_free_blocks == bm.num_blocks
+kv.free(d_req)
+kv.free(e_req)
+kv.check_integrity([])
+assert kv.num_free_blocks == kv.num_blocks
 
 # %% [markdown]
 # ## 9. The real engine: a shared system prompt
@@ -556,9 +600,9 @@ for out in first:
 # shared prefix: the others found its 3 system-prompt blocks (48 tokens) in the cache. The last one, "What is
 # greedy decoding?", found a fourth block as well: its tokens 48-63 (the end of the system prompt,
 # `<|im_end|>`, the user-turn markup and "What is") are the same as in "What is a KV cache?". That is section
-# 4's rule at work in the real engine. The first request's blocks were hashed when the scheduler allocated them, a moment before
-# it looked up the second request; in the forward pass that followed, every layer stored the KV of all four
-# prompts before any attention read it. The first step's trace:
+# 4's rule at work in the real engine: the first request's full blocks were offered (`register_pending`) a
+# moment before the scheduler looked up the second request, and in the forward pass that followed, every layer
+# stored the KV of all four prompts before any attention read it. The first step's trace:
 
 # %%
 t1 = first_traces[0]
@@ -569,8 +613,17 @@ print("ref counts of the hit blocks:", [t1.block_ref_counts[b] for b in sorted(s
 # Now the second batch, four new questions with the same system prompt, after the first batch has finished:
 
 # %%
+snapshots = []                   # the whole pool after each step (a trace lists only the blocks it touched)
+
+
+def take_snapshot(trace):
+    snapshots.append(engine.kv_cache_manager.block_pool.snapshot())
+
+
+engine.add_trace_listener(take_snapshot)
 with engine.record_traces() as second_traces:
     second = llm.chat(conversations(SECOND), params, use_tqdm=False)
+engine.remove_trace_listener(take_snapshot)
 for out in second:
     print(f"{len(out.prompt_token_ids)} prompt tokens, {out.num_cached_tokens:2d} cached  "
           f"{out.outputs[0].text!r}")
@@ -586,7 +639,9 @@ print(f"prefix cache over both batches: {stats.prefix_cache_hits} of {stats.pref
 # `prefix_cache_hit_rate` is vLLM's definition: cached prompt tokens over prompt tokens looked up, over the
 # engine's life (both batches here).
 #
-# The first step of the second batch, from its trace: which blocks were hits, and the pool right after:
+# The first step of the second batch, from its trace: which blocks were hits, and the pool right after (the
+# trace's `block_ref_counts` covers only the blocks the step touched; for the whole pool, the listener above
+# took `block_pool.snapshot()` after every step):
 
 # %%
 t = second_traces[0]
@@ -598,7 +653,7 @@ print("ref counts of the hit blocks:", [t.block_ref_counts[b] for b in sorted(se
 # NBVAL_IGNORE_OUTPUT
 questions = {out.request_id: out.prompt.split("user\n")[1].split("<|im_end|>")[0] for out in second}
 draw_pool(t.num_kv_blocks, {r.request_id: list(r.block_table) for r in t.requests if r.block_table},
-          t.block_ref_counts, set(t.cached_free_blocks),
+          snapshots[0].ref_counts, snapshots[0].cached_free,
           f"Step {t.step}: four requests share 3 system-prompt blocks (ref 4)", labels=questions, cols=16, size=0.62)
 
 # %% [markdown]
@@ -641,42 +696,203 @@ assert on_stats.prefix_cache_hits == 384 and off_stats.prefix_cache_hits == 0
 engine.check_integrity()
 
 # %% [markdown]
-# ## Check yourself
+# ## 10. When a step fails
 #
-# Run this cell. It rebuilds the lesson's claims from scratch on fresh block managers (sharing, chaining,
-# never the whole prompt, tail-first freeing, LRU eviction, hashing at allocation and un-hashing a block
-# whose step never ran), then asks the engine once more: a repeated conversation hits the cache and answers
-# the same.
+# A step can fail halfway: the model raises (out of memory, a bad kernel), the sampler raises, or someone
+# presses Ctrl-C while `llm.generate` runs. By then the scheduler has admitted requests, given them blocks and
+# offered their full blocks for sharing, but the forward has not written their KV.
+#
+# The old block manager hashed blocks when it allocated them, so after such a failure the hash map listed
+# blocks whose KV was never written, and its `free()` kept them cached whenever a request's
+# `num_computed_tokens` said they were computed (a request admitted on a prefix hit says so before its step
+# runs). The next request with the same prompt hit those blocks and attended to garbage, and `check_integrity()`
+# saw nothing wrong. (On the core before this rewrite, the scenario below ends with our prompt answered
+# `' the past.'`, from 12 "cached" prompt tokens, instead of `' Germany.\n\nThe capital of France'`.)
+#
+# Now every change the core makes during a step (the scheduler's queues, `num_computed_tokens`, block tables,
+# ref counts, free queues, pending offers) is recorded in the step's `StepJournal` (`core/journal.py`) along
+# with its undo. `LLMEngine.step` opens the journal before `schedule()` and commits it after the step's tokens
+# are in; if anything raises in between, `Scheduler.rollback_step()` replays the undos newest first and the
+# exception goes on to the caller. Blocks are hashed only at commit, so a rolled-back step has hashed nothing.
+#
+# A small engine, 16 blocks of 4 tokens so the whole pool fits in one row. First the reference answer for our
+# prompt; then `reset_prefix_cache()` so that the failing step below has to compute that prompt's blocks:
 
 # %%
-def self_check(llm):
-    bm = BlockManager(num_blocks=6, block_size=4)
-    x = Request("x", None, [1, 2, 3, 4, 5, 6, 7, 8, 9], greedy)
-    run_step(bm, x, x.num_tokens, 10)
-    assert x.block_table == [0, 1, 2] and [bm.blocks[b].ref_count for b in range(3)] == [1, 1, 1]
-    assert bm.blocks[1].block_hash == hash_block_tokens(hash_block_tokens(ROOT_HASH, (1, 2, 3, 4)), (5, 6, 7, 8))
-    y = Request("y", None, [1, 2, 3, 4, 5, 6, 7, 8], greedy)           # fully cached prompt
-    hit = bm.get_computed_blocks(y)
-    assert hit == [0], "the last block of a fully cached prompt is recomputed"
-    run_step(bm, y, y.num_tokens - 4, 11, computed_blocks=hit)
-    assert bm.blocks[0].ref_count == 2
-    bm.check_integrity([x, y])
-    bm.free(x)
-    bm.free(y)
-    assert list(bm.cached_free)[:2] == [1, 0], "x's tail-side block is freed (and evicted) before its head"
-    z = Request("z", None, list(range(50, 74)), greedy)                 # 24 tokens: all 6 blocks
-    run_step(bm, z, z.num_tokens, 12)
-    assert bm.pop_events().evicted == [1, 0]
-    bm.free(z)
-    bm.check_integrity([])
+small = LLM(device="cpu", dtype="float32", num_kv_blocks=16, block_size=4, max_num_seqs=4, seed=0)
+small_engine = small.llm_engine
+short = SamplingParams(temperature=0, max_tokens=8)
+PROMPT = "Paris is the capital of France, and Berlin is the capital of"   # 13 tokens: 3 full blocks and 1
 
-    bm = BlockManager(num_blocks=4, block_size=4)                       # hashed at allocation
-    u, v = Request("u", None, [1, 2, 3, 4, 5], greedy), Request("v", None, [1, 2, 3, 4, 6], greedy)
-    assert bm.allocate_slots(u, u.num_tokens)
-    assert bm.get_computed_blocks(v) == [0], "a block can be shared in the step that allocates it"
-    bm.free(u)                                                          # u's step never ran
-    assert bm.get_computed_blocks(v) == [] and not bm.cached_free, "a block without KV is not cached"
-    bm.check_integrity([])
+reference = small.generate([PROMPT], short, use_tqdm=False)[0].outputs[0].text
+small_engine.reset_prefix_cache()
+print("reference:", repr(reference))
+
+# X runs first, so that a request is already running (with hashed blocks) when the failure comes
+small_engine.add_request("Paged attention stores the KV cache in", short, request_id="X")
+small_engine.step()
+
+
+def pool_state(engine):
+    """Plain data: the running requests' blocks and computed tokens, and the whole pool."""
+    pool = engine.kv_cache_manager.block_pool
+    snap = pool.snapshot()
+    return {"tables": {r.request_id: tuple(r.block_table) for r in engine.scheduler.running},
+            "computed": {r.request_id: r.num_computed_tokens for r in engine.scheduler.running},
+            "ref_counts": snap.ref_counts, "cached_free": snap.cached_free,
+            "hashed": frozenset(pool.hash_to_block.values())}
+
+
+def show(state):
+    for rid, table in state["tables"].items():
+        print(f"  request {rid}: blocks {list(table)}, {state['computed'][rid]} tokens computed")
+    print(f"  hashed (in the prefix cache): {sorted(state['hashed'])}   cached-free: {sorted(state['cached_free'])}")
+
+
+def draw_state(state, title, **kwargs):
+    labels = {rid: "X" if rid == "X" else f"request {rid}: the prompt" for rid in state["tables"]}
+    draw_pool(len(state["ref_counts"]), state["tables"], state["ref_counts"], state["cached_free"], title,
+              labels=labels, cols=16, size=0.62, **kwargs)
+
+
+before = pool_state(small_engine)
+print("before the step:")
+show(before)
+
+# %%
+# NBVAL_IGNORE_OUTPUT
+draw_state(before, f"Before: X holds blocks {list(before['tables']['X'])}, of which {sorted(before['hashed'])} are hashed")
+
+# %% [markdown]
+# Now `small.generate([PROMPT, PROMPT])`, the same prompt twice, as in the bug report. We replace the model
+# runner's `execute_model` for one call with a function that looks at the pool and then raises
+# `KeyboardInterrupt`, as if Ctrl-C arrived just as the forward began: the step's blocks are allocated, none of
+# their KV is written. We also wrap the journal's `rollback` to count the undo actions it replays.
+
+# %%
+runner, journal = small_engine.model_runner, small_engine.scheduler.journal
+seen = {}
+
+
+def interrupted_forward(model_input):
+    """Stands in for the model forward: record the pool mid-step, then fail before any KV is written."""
+    kvm = small_engine.kv_cache_manager
+    seen["state"] = pool_state(small_engine)
+    seen["allocated"] = list(kvm.block_pool.events.allocated)              # handed out by this step
+    seen["offered"] = sorted(block for block, _ in kvm.pending.values())   # the old code hashed these already
+    raise KeyboardInterrupt
+
+
+def counting_rollback():
+    seen["undone"] = StepJournal.rollback(journal)
+    return seen["undone"]
+
+
+def generate_interrupted(prompts):
+    """llm.generate, with Ctrl-C arriving in the first step's forward. Returns what reached the caller."""
+    runner.execute_model = interrupted_forward     # instance attributes shadow the methods, for this call only
+    journal.rollback = counting_rollback
+    try:
+        small.generate(prompts, short, use_tqdm=False)
+        return "no exception"
+    except KeyboardInterrupt:
+        return "KeyboardInterrupt"
+    finally:
+        del runner.execute_model, journal.rollback
+
+
+print("caller got:", generate_interrupted([PROMPT, PROMPT]))
+print("during the failed step:")
+show(seen["state"])
+print("  blocks this step allocated:", seen["allocated"])
+print("  offered for same-step sharing (the old code had already hashed them):", seen["offered"])
+
+# %%
+# NBVAL_IGNORE_OUTPUT
+draw_state(seen["state"], f"During: the two copies share blocks {seen['offered']}, whose KV was never written",
+           marked=seen["offered"], marked_label="hashed at allocation by the old code")
+
+# %% [markdown]
+# Both copies of the prompt were admitted with X's decode: the first got four fresh blocks, the second shared
+# the first's three full ones (offered in this step) and got one of its own for its last token. Its
+# `num_computed_tokens` already says 12, and nothing is hashed but X's two blocks. The red blocks are the ones
+# the old code would have put in the hash map at that moment, with no KV in them. Then the forward failed, the
+# engine rolled the step back and re-raised, and `generate` aborted its two requests and passed the
+# `KeyboardInterrupt` on. After:
+
+# %%
+after = pool_state(small_engine)
+show(after)
+print("identical to before:", after == before)
+print("undo actions replayed:", seen["undone"])
+print("failed steps:", small_engine.get_stats().num_failed_steps, "  their requests:", small_engine.failed_request_ids)
+small_engine.check_integrity()
+print("integrity holds")
+
+# %%
+# NBVAL_IGNORE_OUTPUT
+draw_state(after, "After the rollback: exactly as before")
+
+# %% [markdown]
+# Every block the step took is clean-free again, X is back where it was, and nothing of the prompt is in the
+# prefix cache. (If the failed step had evicted cached-free blocks, the rollback would put them back, but
+# without their hashes: the failed forward may have written into them, so they are no longer trusted.)
+# X never noticed; the next request with the same prompt computes it from scratch and gives the reference text:
+
+# %%
+again = small.generate([PROMPT], short, use_tqdm=False)[0]
+print(repr(again.outputs[0].text), f" ({again.num_cached_tokens} prompt tokens from the prefix cache)")
+while small_engine.has_unfinished_requests():        # let X finish too
+    small_engine.step()
+small_engine.check_integrity()
+
+# %%
+assert after == before and seen["undone"] > 0
+assert seen["offered"] and not set(seen["offered"]) & seen["state"]["hashed"], "nothing hashed before commit"
+assert small_engine.failed_request_ids == ["X", "1", "2"] and small_engine.get_stats().num_failed_steps == 1
+assert again.outputs[0].text == reference and again.num_cached_tokens == 0
+
+# %% [markdown]
+# ## Check yourself
+#
+# Run this cell. It rebuilds the lesson's claims from scratch on fresh KV cache managers (sharing, chaining,
+# never the whole prompt, tail-first freeing, LRU eviction, nothing hashed before a step commits, same-step
+# offers that a rollback takes back), then asks the engines once more: a repeated conversation hits the cache
+# and answers the same, and a second interrupted `generate` leaves the small engine as it found it.
+
+# %%
+def self_check(llm, small):
+    kv = KVCacheManager(num_blocks=6, block_size=4, journal=StepJournal())
+    pool = kv.block_pool
+    x = Request("x", [1, 2, 3, 4, 5, 6, 7, 8, 9], greedy)
+    run_step(kv, x, x.num_tokens, 10)
+    assert x.block_table == [0, 1, 2] and [pool.blocks[b].ref_count for b in range(3)] == [1, 1, 1]
+    assert pool.blocks[1].block_hash == hash_block_tokens(hash_block_tokens(ROOT_HASH, (1, 2, 3, 4)), (5, 6, 7, 8))
+    y = Request("y", [1, 2, 3, 4, 5, 6, 7, 8], greedy)                 # fully cached prompt
+    hit = kv.get_computed_blocks(y)
+    assert hit == [0], "the last block of a fully cached prompt is recomputed"
+    run_step(kv, y, y.num_tokens - 4, 11, computed_blocks=hit)
+    assert pool.blocks[0].ref_count == 2
+    kv.check_integrity([x, y])
+    kv.free(x)
+    kv.free(y)
+    assert list(pool.cached_free)[:2] == [1, 0], "x's tail-side block is freed (and evicted) before its head"
+    z = Request("z", list(range(50, 74)), greedy)                       # 24 tokens: all 6 blocks
+    run_step(kv, z, z.num_tokens, 12)
+    assert pool.pop_events().evicted == [1, 0]
+    kv.free(z)
+    kv.check_integrity([])
+
+    kv = KVCacheManager(num_blocks=4, block_size=4, journal=StepJournal())   # a step that fails
+    u, v = Request("u", [1, 2, 3, 4, 5], greedy), Request("v", [1, 2, 3, 4, 6], greedy)
+    kv.journal.begin()
+    assert kv.allocate_slots(u, u.num_tokens)
+    assert not kv.block_pool.hash_to_block, "allocation hashes nothing"
+    kv.register_pending(u, u.num_tokens)
+    assert kv.get_computed_blocks(v) == [0], "a block is offered within the step that computes it"
+    assert kv.journal.rollback() > 0                                     # the forward raised
+    assert u.block_table == [] and kv.num_free_blocks == 4 and kv.get_computed_blocks(v) == []
+    kv.check_integrity([u, v])
 
     sp = SamplingParams(temperature=0, max_tokens=8)
     conv = conversations(["What is a KV cache?"])
@@ -685,16 +901,22 @@ def self_check(llm):
     assert again.num_cached_tokens >= 48 and llm.get_stats().prefix_cache_hits > before
     assert again.outputs[0].token_ids == first[0].outputs[0].token_ids[:8]
     eng = llm.llm_engine
-    assert eng.block_manager.num_free_blocks == eng.block_manager.num_blocks
+    assert eng.kv_cache_manager.num_free_blocks == eng.kv_cache_manager.num_blocks
     eng.check_integrity()
+
+    state = pool_state(small.llm_engine)
+    assert generate_interrupted([PROMPT, PROMPT]) == "KeyboardInterrupt"
+    assert pool_state(small.llm_engine) == state, "a failed step leaves the pool as it found it"
+    small.llm_engine.check_integrity()
+    assert small.generate([PROMPT], short, use_tqdm=False)[0].outputs[0].text == reference
     return "all checks passed"
 
 
-self_check(llm)
+self_check(llm, small)
 
 # %% [markdown]
 # ## Where next
 #
 # Lesson 02 moves one level up, to the scheduler: each step it decides which requests run and how many tokens
-# each, asks this block manager for room, and splits long prompts into chunks. Lesson 03 is what happens when
+# each, asks the KV cache manager for room, and splits long prompts into chunks. Lesson 03 is what happens when
 # `allocate_slots` says no.
