@@ -16,7 +16,7 @@
 # %% [markdown]
 # # Lesson 04: paged attention and the Triton kernels
 #
-# Lessons 00-03 showed *where* the KV cache lives: fixed-size blocks handed out by the block manager, one
+# Lessons 00-03 showed *where* the KV cache lives: fixed-size blocks handed out by the KV cache manager, one
 # block table per sequence. This lesson is about *reading* it: how attention is computed when a sequence's
 # keys and values are scattered over the pool. We build it up the way the Triton tutorials do, one idea at
 # a time, each checked against the one before:
@@ -93,7 +93,7 @@ print("same as F.scaled_dot_product_attention:", torch.allclose(o, o_sdpa, atol=
 # ## 2. Paged K/V: gather through the block table
 #
 # In the engine nothing is contiguous. The cache is one tensor of shape
-# `(num_blocks, block_size, num_kv_heads, head_dim)` and a sequence owns whichever blocks the block manager
+# `(num_blocks, block_size, num_kv_heads, head_dim)` and a sequence owns whichever blocks the KV cache manager
 # gave it, in any order. Its **block table** lists them: token `t` lives in
 # `cache[block_table[t // block_size], t % block_size]`.
 #
@@ -412,9 +412,9 @@ print(f"prefill: max abs error {err_pre:.1e}")
 # ## 7. The whole engine on the Triton backend
 #
 # `attention_backend="triton"` makes every layer's attention call the kernels above (`TritonAttentionBackend`
-# in `minivllm/model/attention.py`); `"torch"` calls the reference. Run one prompt for 4 greedy tokens with both, in
-# fp32 on the CPU. Under the interpreter this is slow (seconds: 30 layers x 5 steps of kernels run by
-# NumPy), which is why the pool is tiny and the answer short. On a GPU leave `attention_backend="auto"`,
+# in `minivllm/model/attention.py`); `"torch"` calls the reference. Run one prompt for 4 greedy tokens with
+# both, in fp32 on the CPU. Under the interpreter this is slow (seconds: 30 layers x 5 steps of kernels run
+# by NumPy), which is why the pool is tiny and the answer short. On a GPU leave `attention_backend="auto"`,
 # which picks Triton there.
 
 # %%
