@@ -22,9 +22,15 @@
 # someone: it takes a running request out of the batch, frees its blocks, and puts it back in the waiting
 # queue to finish later.
 #
-# Whom? `scheduler.py` picks the running request with the **highest `(priority, arrival)`**: the least
-# important, and among equals the one that arrived last (it has had the least time invested in it). That may
-# be the very request that asked for the block.
+# Whom? `Scheduler.schedule()` (`minivllm/core/scheduler.py`) picks the running request with the **highest
+# `(priority, arrival)`**: the lowest priority (the largest number), and among equals the one that arrived
+# last (it has had the least time invested in it), as vLLM does. That may be the very request that asked for
+# the block.
+#
+# Preemption happens while the step is being planned, inside the step's transaction (lesson 02): if the step
+# fails later, `rollback_step()` undoes the preemption too. The victim is running again with its blocks, cut
+# back to before the first one the failed step handed to someone else (that step's forward may have
+# overwritten it; lesson 01, "When a step fails").
 #
 # What happens to the victim's KV? vLLM's two answers, both in minivllm (`preemption_mode=`):
 #
@@ -70,12 +76,13 @@ PARAMS = SamplingParams(temperature=0, max_tokens=40, ignore_eos=True)
 NUM_BLOCKS = 10
 
 
-def run(**engine_kwargs):
-    """Add the four requests (A first), step until all finish; return the engine, outputs and step traces."""
+def run(priority=None, **engine_kwargs):
+    """Add the four requests (A first; `priority`: request id -> priority, 0 if absent), step until all
+    finish; return the engine, outputs and step traces."""
     llm = LLM(seed=0, **engine_kwargs)
     engine = llm.llm_engine
     for rid, prompt in PROMPTS.items():
-        engine.add_request(prompt, PARAMS, request_id=rid)
+        engine.add_request(prompt, PARAMS, request_id=rid, priority=(priority or {}).get(rid, 0))
     outputs = {}
     with engine.record_traces() as traces:               # every step inside the block appends its StepTrace
         while engine.has_unfinished_requests():
@@ -227,6 +234,24 @@ assert sum(r.num_scheduled_tokens for t in rc_traces for r in t.requests if r.ki
     rc_engine.get_stats().num_prompt_tokens_computed
 
 # %% [markdown]
+# ### Priority comes before arrival
+#
+# The same run, but A, the first to arrive, has priority 1 (lower runs first, so A is now the least
+# important) and the others keep the default 0. A moves to the back of the waiting queue (step 1 still admits
+# all four, A last) and becomes the first victim, although it arrived first; among the others, the latest
+# arrival (D) goes next.
+
+# %%
+_, prio_out, prio_traces = run(priority={"A": 1}, num_kv_blocks=NUM_BLOCKS, enable_prefix_caching=False)
+for t in prio_traces:
+    if t.preempted or any(e.startswith("admit") for e in t.events):
+        print(f"step {t.step:2d}: {'; '.join(t.events)}")
+
+# %%
+assert [t.preempted for t in prio_traces if t.preempted] == [("A",), ("D",)]
+assert prio_out == reference                                       # priorities change the order, not the answers
+
+# %% [markdown]
 # ## 3. Swap
 #
 # Now `preemption_mode="swap"` with `swap_space=0.05` (GiB): a CPU pool of the same block layout, big
@@ -238,7 +263,7 @@ assert sum(r.num_scheduled_tokens for t in rc_traces for r in t.requests if r.ki
 # %%
 sw_engine, sw_out, sw_traces = run(num_kv_blocks=NUM_BLOCKS, preemption_mode="swap", swap_space=0.05,
                                    enable_prefix_caching=False)
-print(f"CPU pool: {sw_engine.block_manager.num_cpu_blocks} blocks")
+print(f"CPU pool: {sw_engine.kv_cache_manager.swap_space.num_cpu_blocks} blocks")
 print(f"{len(sw_traces)} steps, {sw_engine.get_stats().num_preemptions} preemptions")
 for t in sw_traces:
     if t.blocks_swapped_out or t.blocks_swapped_in:
@@ -274,7 +299,7 @@ assert sw_out == reference
 assert [t.preempted for t in sw_traces if t.preempted] == [("D",), ("C",)]
 assert all(r.status != "preempted" for t in sw_traces for r in t.requests)      # nobody was recomputed ...
 assert not any(what_ran(r) == "recompute" for t in sw_traces for r in t.requests)   # ... and nothing re-ran
-assert sw_engine.block_manager.cpu_block_tables == {}                           # the CPU pool is empty again
+assert sw_engine.kv_cache_manager.swap_space.tables == {}                        # the CPU pool is empty again
 
 # %% [markdown]
 # ## 4. What each mode paid
@@ -338,9 +363,10 @@ assert rc_out == sw_out == reference
 #
 # The default engine has prefix caching on. Then a recomputed request's full blocks are not really lost: when
 # it is preempted they go to the cached-free list like any finished request's blocks (lesson 01), and if
-# nobody has evicted them by the time it returns, its "recompute" is mostly a prefix-cache hit. (Only blocks
-# whose KV exists: had the victim been given room earlier in the same step, `free` would drop the hash of
-# every block that step was to fill, since the step never computes it.)
+# nobody has evicted them by the time it returns, its "recompute" is mostly a prefix-cache hit. Only blocks
+# whose KV exists are in the cache: a block is hashed when the step that computed it commits
+# (`update_from_output`), so the blocks a victim was given earlier in the step that preempts it were never
+# hashed, and they go back as empty blocks.
 
 # %%
 rcp_engine, rcp_out, rcp_traces = run(num_kv_blocks=NUM_BLOCKS, preemption_mode="recompute")
@@ -406,7 +432,7 @@ for rid, out in done.items():
 # %%
 assert set(done) == {"fits-A", "fits-B"} and all(o.outputs[0].finish_reason == "length" for o in done.values())
 assert done["fits-A"].outputs[0].token_ids == reference["A"][:20]
-assert engine.block_manager.num_free_blocks == NUM_BLOCKS
+assert engine.kv_cache_manager.num_free_blocks == NUM_BLOCKS
 engine.check_integrity()
 
 # %% [markdown]
@@ -440,14 +466,14 @@ def self_check():
             assert prefill == base_prefill and copies > 0, "swap copies blocks and re-runs nothing"
             assert not recomputes
             assert sum(len(t.blocks_swapped_out) for t in traces) == sum(len(t.blocks_swapped_in) for t in traces)
-        bm = engine.block_manager
+        kvm = engine.kv_cache_manager
         try:
-            engine.add_request("x", SamplingParams(max_tokens=bm.num_blocks * bm.block_size + 1))
+            engine.add_request("x", SamplingParams(max_tokens=kvm.num_blocks * kvm.block_size + 1))
             raise AssertionError("an impossible request was accepted")
         except ValueError as err:
-            assert f"whole pool has {bm.num_blocks} blocks" in str(err)
+            assert f"whole pool has {kvm.num_blocks} blocks" in str(err)
         assert not engine.has_unfinished_requests()
-        assert bm.num_free_blocks == bm.num_blocks and not bm.cpu_block_tables
+        assert kvm.num_free_blocks == kvm.num_blocks and not kvm.swap_space.tables
         engine.check_integrity()
     return "all checks passed"
 
