@@ -22,18 +22,20 @@
 #
 # 1. **measure first**: profile the engine's steps with `torch.profiler`: where does a prefill step's time
 #    go, and where does a decode step's?
-# 2. **the ceiling**: time this machine's matmul rate and memory bandwidth (`minivllm/bench/roofline.py`), turn
-#    them into a floor for each step, and place the engine's real steps on a *roofline* picture,
+# 2. **the ceiling**: time this machine's matmul rate and memory bandwidth
+#    (`minivllm/bench/roofline.py`), turn them into a floor for each step, and place the engine's real
+#    steps on a *roofline* picture,
 # 3. **before and after**: one optimisation that the profile pointed at, the CPU decode attention in
 #    `kernels/reference.py`: the old version next to the new, the same output, both timed and profiled,
 #    alone and inside a whole decode step,
 # 4. **what bounds a decode step here**, and what would move it (bf16, bigger batches, a GPU), as
 #    `python -m minivllm.bench` reports it,
-# 5. **CUDA graphs**, the GPU's answer to launch overhead (`minivllm/worker/cuda_graph.py`), rehearsed on a CPU:
-#    capture sizes, static buffers and padding rows, checked against the eager path.
+# 5. **CUDA graphs**, the GPU's answer to launch overhead (`minivllm/worker/cuda_graph.py`), rehearsed on
+#    a CPU: capture sizes, static buffers and padding rows, checked against the eager path.
 #
-# Read it next to `minivllm/bench/roofline.py` (the ceilings), `minivllm/bench/offline.py` (the benchmark that prints
-# them), `kernels/reference.py` and `minivllm/model/attention.py` (the decode attention of section 3).
+# Read it next to `minivllm/bench/roofline.py` (the ceilings), `minivllm/bench/offline.py` (the benchmark
+# that prints them), `kernels/reference.py` and `minivllm/model/attention.py` (the decode attention of
+# section 3).
 #
 # **Every number below is measured when the notebook runs**, on whatever machine runs it; none is typed in.
 # So the prose talks about what to look for, and the printouts say what this machine did. On a busy shared
@@ -60,9 +62,11 @@ import torch.nn.functional as F
 from matplotlib.patches import Patch
 from torch.profiler import ProfilerActivity, profile
 
-from minivllm import LLM, SamplingParams, roofline
+from minivllm import LLM, SamplingParams
+from minivllm.bench import roofline
+from minivllm.bench.roofline import StepWork, step_work
+from minivllm.bench.workload import Workload
 from minivllm.model._kernels import kernels
-from minivllm.bench.offline import StepWork, Workload, step_work
 
 ref = kernels.reference      # the plain PyTorch kernels, the CPU serving path, reached as minivllm/model/attention.py does
 torch.manual_seed(0)
@@ -73,9 +77,10 @@ torch.set_num_threads(1)     # one thread: on a busy 2-core machine two threads 
 # ## 1. Measure first: where does a decode step's time go?
 #
 # We build an engine and give it work shaped like the benchmark's: 32 requests of random token ids
-# (`bench.Workload`, the generator `python -m minivllm.bench` uses), greedy, `ignore_eos` so that none stops
-# early. Prompts are short (16-64 tokens) so that the prefill, the expensive part on a CPU, takes only a few
-# seconds. We drive the engine ourselves with `add_request` and `step()`, as in lesson 00.
+# (`Workload.random` from `minivllm/bench/workload.py`, the generator `python -m minivllm.bench` uses),
+# greedy, `ignore_eos` so that none stops early. Prompts are short (16-64 tokens) so that the prefill, the
+# expensive part on a CPU, takes only a few seconds. We drive the engine ourselves with `add_request` and
+# `step()`, as in lesson 00.
 
 # %%
 llm = LLM(num_kv_blocks=256, seed=0)
@@ -350,8 +355,8 @@ assert rate > 0 and rate_batch > 0 and bandwidth > 0
 #
 # In the decode profile, after the matmuls, the next ops were attention's: the K/V **gather** and **SDPA**.
 # Their cost grows with the context, and with it their share of the step. `kernels/reference.py`'s
-# `paged_decode_attention` (the CPU serving path; `TorchAttentionBackend` in `minivllm/model/attention.py` calls it
-# for every decode step) was changed in two ways. Here is the old version, re-implemented inline:
+# `paged_decode_attention` (the CPU serving path; `TorchAttentionBackend` in `minivllm/model/attention.py`
+# calls it for every decode step) was changed in two ways. Here is the old version, re-implemented inline:
 
 # %%
 def paged_decode_attention_before(query, key_cache, value_cache, block_tables, seq_lens, scale,
@@ -392,7 +397,7 @@ def paged_decode_attention_before(query, key_cache, value_cache, block_tables, s
 #
 # Neither change alters the math, so the outputs must agree. The test shape is a batch-32 decode of this
 # model (9 heads, 3 KV heads, head_dim 64, blocks of 16 tokens) with contexts from 32 to 512 tokens, each
-# sequence's blocks scattered over the pool as the block manager would leave them.
+# sequence's blocks scattered over the pool as the KV cache manager would leave them.
 
 # %%
 g = torch.Generator().manual_seed(0)
@@ -556,12 +561,12 @@ plt.tight_layout(rect=(0, 0.1, 1, 1))
 plt.show()
 
 # %% [markdown]
-# Honestly, then: per call the new attention is a few times faster, but a whole step gains only what
-# attention lost. At these contexts (the engine's requests hold 16-64 prompt tokens plus a few generated)
-# attention is a small slice of the step; the matmuls, the bulk of it, did not change at all (compare the blue
-# bars). The micro-benchmark's longer contexts show where the change pays: there the K and V a step reads
-# approach the size of the weights, and attention's share of the step grows with them. Against the matmul
-# time of a step just measured:
+# Honestly, then: per call the new attention is faster (by the factor printed above, which varies with the
+# machine's load), but a whole step gains only what attention lost. At these contexts (the engine's requests
+# hold 16-64 prompt tokens plus a few generated) attention is a small slice of the step; the matmuls, the bulk
+# of it, did not change at all (compare the blue bars). The micro-benchmark's longer contexts show where the
+# change pays: there the K and V a step reads approach the size of the weights, and attention's share of the
+# step grows with them. Against the matmul time of a step just measured:
 
 # %%
 # NBVAL_IGNORE_OUTPUT
@@ -585,8 +590,9 @@ assert len(step_profiles["before"]) == len(step_profiles["after"]) == 2
 # `2 * batch` FLOPs per weight. At small batches that is memory-bound on any hardware; how far up the batch
 # stays memory-bound depends on the ridge point, and a CPU core's ridge is low (section 2 printed this
 # one's): a batch of a few dozen rows can already be near it. Section 2 also printed which side of the ridge
-# a batch-32 step sits on here, and how far above its floor the measured step is. The rest of the gap is mostly the matmul routines running
-# below their big-matrix rate at a few dozen rows, plus the Python around every step.
+# a batch-32 step sits on here, and how far above its floor the measured step is. The rest of the gap is
+# mostly the matmul routines running below their big-matrix rate at a few dozen rows, plus the Python around
+# every step.
 #
 # This bounds the comparison with Hugging Face `generate` too. Both run the same matmuls on the same
 # weights, so at the same batch size they share the same floor; minivllm's lead comes from less wasted work
@@ -649,9 +655,9 @@ print(f"running {stats.num_running}, waiting {stats.num_waiting}, KV usage {stat
 #
 # On a GPU a decode step of a small model is a few hundred small kernels, and launching them from Python
 # can take longer than running them. A **CUDA graph** records one step's launches once and replays them
-# with a single call (`minivllm/worker/cuda_graph.py`, on by default on CUDA; `enforce_eager=True` turns it off, as
-# in vLLM). A replay repeats the recorded kernels on the same memory with the same shapes, which shapes the
-# whole design:
+# with a single call (`minivllm/worker/cuda_graph.py`, on by default on CUDA; `enforce_eager=True` turns it
+# off, as in vLLM). A replay repeats the recorded kernels on the same memory with the same shapes, which
+# shapes the whole design:
 #
 # - one graph per **capture size** (vLLM's 1, 2, 4, 8, 16, 24, ...); a batch of 5 runs the graph of 8;
 # - the inputs live in **static buffers**; each step copies its inputs in, and the 3 rows of padding get slot
@@ -727,7 +733,7 @@ def self_check():
     assert stats.num_running == stats.num_waiting == 0 and stats.kv_usage == 0
     # 5. the CUDA graphs' static path: same tokens, and it ran (with padding)
     assert graph_tokens == eager_tokens and graphs.stats.replays > 0 and graphs.stats.padded_rows > 0
-    assert engine.block_manager.num_free_blocks == engine.block_manager.num_blocks
+    assert engine.kv_cache_manager.num_free_blocks == engine.kv_cache_manager.num_blocks
     return "all checks passed"
 
 
