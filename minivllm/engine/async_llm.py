@@ -163,8 +163,9 @@ class AsyncLLMEngine:
 
     async def generate(self, prompt: PromptType, sampling_params: SamplingParams | None = None,
                        request_id: str | None = None, priority: int = 0) -> AsyncIterator[RequestOutput]:
-        """`async for out in engine.generate(...)`: one RequestOutput per new token (`out.delta_text`),
-        the last with `finished=True`. Closing or cancelling the iteration aborts the request."""
+        """`async for out in engine.generate(...)`: the request's outputs as `params.output_kind` says (DELTA: only
+        what is new; CUMULATIVE: everything so far; FINAL_ONLY: the last), the last with `finished=True`. A reader
+        that lags gets the unread outputs merged into one. Closing or cancelling the iteration aborts the request."""
         stream = await self.add_request(prompt, sampling_params, request_id, priority)
         async with stream:
             async for out in stream:
