@@ -525,8 +525,6 @@ def sigint_at_line(k: int, files: tuple[str, ...]) -> Callable[[], bool]:
     return lambda: fired[0]
 
 
-@pytest.mark.xfail(strict=True, reason="a SIGINT that lands inside the core's bookkeeping (between a change and its "
-                   "undo record, inside begin_step, inside commit_step) is not rolled back cleanly; see the report")
 def test_a_sigint_at_any_line_of_a_steps_bookkeeping_leaves_a_working_engine(engines, prompts):
     """Ctrl-C is asynchronous: it can land at any line, not only inside the forward. Wherever it lands in a step,
     the step must either roll back or commit, and the engine must go on serving. The model is not what this is

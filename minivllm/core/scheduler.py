@@ -115,8 +115,8 @@ class Scheduler:
         self._events_at_begin = self.kv_cache_manager.block_pool.events.lengths()
 
     def commit_step(self) -> None:
-        self.kv_cache_manager.clear_pending()
         self.journal.commit()
+        self.kv_cache_manager.clear_pending()       # same-step offers end with their step
 
     def rollback_step(self) -> None:
         """Undo everything since `begin_step()`. Then, because the failed forward may have written the KV of

@@ -28,6 +28,7 @@ from minivllm.core.sampling_params import SamplingParams
 from minivllm.core.scheduler import Scheduler
 from minivllm.core.trace import StepTrace, StepTracer
 from minivllm.engine.output_processor import OutputProcessor
+from minivllm.engine.sigint import SigintGuard
 from minivllm.model.llama import ModelConfig
 from minivllm.model.loader import check_checkpoint_files, load_tokenizer, resolve_device, resolve_model_path
 from minivllm.outputs import RequestOutput
@@ -91,6 +92,7 @@ class LLMEngine:
         self.num_generated_tokens = 0
         self.trace_listeners: list[Callable[[StepTrace], None]] = []
         self._tracer = StepTracer()
+        self._sigint = SigintGuard()
 
     # ------------------------------------------------------------------ requests in
     def tokenize(self, prompt: PromptType) -> tuple[str | None, list[int]]:
@@ -177,42 +179,45 @@ class LLMEngine:
         start = time.perf_counter()
         scheduler, sampler = self.scheduler, self.model_runner.sampler
         sched, rng_state = None, None
-        scheduler.begin_step()
-        try:
-            sched = scheduler.schedule()
-            if sched.is_empty:
+        with self._sigint:                  # Ctrl-C waits for a consistent point, except in the forward (sigint.py)
+            scheduler.begin_step()
+            try:
+                sched = scheduler.schedule()
+                if sched.is_empty:
+                    scheduler.commit_step()
+                    return []
+                rng_state = sampler.get_rng_state(sched.scheduled)
+                with self._sigint.open():
+                    sampling_reqs, tokens = self.executor.execute_model(sched)
+                sampled = {req.request_id: tok for req, tok in zip(sampling_reqs, tokens)}
+                core_outputs = scheduler.update_from_output(sched, sampled)
+                update = self.output_processor.process_outputs(core_outputs)
+                for req, stop_string in update.stop_strings:
+                    scheduler.finish_request(req, RequestStatus.FINISHED_STOPPED, stop_string)
+                self._sigint.raise_if_held()    # the last point a held Ctrl-C can still fail the step
                 scheduler.commit_step()
-                return []
-            rng_state = sampler.get_rng_state(sched.scheduled)
-            sampling_reqs, tokens = self.executor.execute_model(sched)
-            sampled = {req.request_id: tok for req, tok in zip(sampling_reqs, tokens)}
-            core_outputs = scheduler.update_from_output(sched, sampled)
-            update = self.output_processor.process_outputs(core_outputs)
-            for req, stop_string in update.stop_strings:
-                scheduler.finish_request(req, RequestStatus.FINISHED_STOPPED, stop_string)
-            scheduler.commit_step()
-        except BaseException:
-            scheduler.rollback_step()
-            if rng_state is not None:
-                sampler.set_rng_state(rng_state)
-            self.num_failed_steps += 1
-            if sched is None:   # the plan itself failed: blame what it was working on, so no caller retries forever
-                blamed = self.scheduler.running or self.scheduler.waiting[:1]
-            else:
-                blamed = sched.scheduled
-            self.failed_request_ids = [r.request_id for r in blamed]
-            raise
-
-        now = time.time()
-        self.output_processor.mark_scheduled(sched.scheduled, now)
-        outputs = self.output_processor.apply(update, now)
-        finished = [co.request for co in core_outputs if co.request.is_finished]
-        for req in finished:
-            del self.requests[req.request_id]
-        self.num_steps += 1
-        self.num_prompt_tokens_computed += sched.num_prefill_tokens
-        self.num_generated_tokens += len(core_outputs)
-        events = self.kv_cache_manager.block_pool.pop_events()
+            except BaseException:
+                scheduler.rollback_step()
+                if rng_state is not None:
+                    sampler.set_rng_state(rng_state)
+                self.num_failed_steps += 1
+                if sched is None:   # the plan itself failed: blame what it was working on, so no caller retries forever
+                    blamed = self.scheduler.running or self.scheduler.waiting[:1]
+                else:
+                    blamed = sched.scheduled
+                self.failed_request_ids = [r.request_id for r in blamed]
+                raise
+            # committed: the front end's share of the step (a Ctrl-C held until here is raised on leaving the guard)
+            now = time.time()
+            self.output_processor.mark_scheduled(sched.scheduled, now)
+            outputs = self.output_processor.apply(update, now)
+            finished = [co.request for co in core_outputs if co.request.is_finished]
+            for req in finished:
+                del self.requests[req.request_id]
+            self.num_steps += 1
+            self.num_prompt_tokens_computed += sched.num_prefill_tokens
+            self.num_generated_tokens += len(core_outputs)
+            events = self.kv_cache_manager.block_pool.pop_events()
         if self.trace_listeners:
             trace = self._tracer.build(self.num_steps, time.perf_counter() - start, sched, events,
                                        self.scheduler, finished)
