@@ -14,7 +14,7 @@ from minivllm import LLM, SamplingParams
     (dict(top_p=1.5), ["top_p is 1.5", "(0, 1]"]),
     (dict(top_k=-3), ["top_k is -3"]),
     (dict(max_tokens=2.5), ["max_tokens is 2.5", "int"]),
-    (dict(n=2), ["n is 2"]),
+    (dict(n=200), ["n is 200", "[1, 128]"]),
     (dict(stop=[""]), ["stop contains ''"]),
     (dict(temperature=float("nan")), ["temperature is nan", "finite"]),
     (dict(top_p=float("inf")), ["top_p is inf", "finite"]),

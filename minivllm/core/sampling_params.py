@@ -29,6 +29,7 @@ class SamplingParams:
     top_p: keep the smallest set of tokens whose probability mass reaches top_p; 1.0 keeps all.
     top_k: keep the k most likely tokens; -1 (or 0) keeps all.
     seed: a per-request seed: the same seed gives the same tokens whatever else is in the batch.
+    n: how many completions to generate for the prompt (parallel sampling: the prompt's KV blocks are shared).
     max_tokens: the most tokens to generate (the output may stop earlier on EOS or a stop string).
     stop: strings that end generation; the stop string itself is not included in the text.
     stop_token_ids: token ids that end generation (kept in token_ids, like EOS, but not in the text).
@@ -75,9 +76,8 @@ class SamplingParams:
         if self.seed is not None:
             _check_number("seed", self.seed, (int,))
         _check_number("n", self.n, (int,))
-        if self.n != 1:
-            raise ValueError(f"n is {self.n}; minivllm generates one completion per request (n=1). "
-                             "Send the prompt several times with different seeds instead.")
+        if not 1 <= self.n <= MAX_N:
+            raise ValueError(f"n is {self.n}; it must be in [1, {MAX_N}] (completions per prompt).")
         if not isinstance(self.output_kind, RequestOutputKind):
             raise ValueError(f"output_kind is {self.output_kind!r}; use a RequestOutputKind "
                              f"({', '.join(k.name for k in RequestOutputKind)}).")
@@ -106,6 +106,7 @@ class SamplingParams:
 
 
 INT64_MAX = 2 ** 63 - 1
+MAX_N = 128                 # completions per prompt: each is a sequence in the batch
 
 
 def _check_number(name: str, value, types: tuple) -> None:

@@ -23,11 +23,12 @@ from dataclasses import dataclass
 from minivllm.config import EngineConfig
 from minivllm.core.journal import StepJournal
 from minivllm.core.kv_cache_manager import KVCacheManager
-from minivllm.core.request import Request, RequestStatus
+from minivllm.core.request import Request, RequestMetrics, RequestStatus
 from minivllm.core.sampling_params import SamplingParams
 from minivllm.core.scheduler import Scheduler
 from minivllm.core.trace import StepTrace, StepTracer
 from minivllm.engine.output_processor import OutputProcessor
+from minivllm.engine.parallel_sampling import ParentRequest
 from minivllm.engine.sigint import SigintGuard
 from minivllm.model.llama import ModelConfig
 from minivllm.model.loader import check_checkpoint_files, load_tokenizer, resolve_device, resolve_model_path
@@ -145,26 +146,46 @@ class LLMEngine:
                 "shorten the prompt, or raise num_kv_blocks.")
 
     def add_request(self, prompt: PromptType, sampling_params: SamplingParams | None = None,
-                    request_id: str | None = None, priority: int = 0) -> Request:
-        """Validate and queue a request. All or nothing: if it raises, the engine holds no trace of it."""
+                    request_id: str | None = None, priority: int = 0) -> Request | ParentRequest:
+        """Validate and queue a request. All or nothing: if it raises, the engine holds no trace of it.
+        With `n > 1` the request fans out into n core requests (parallel_sampling.py); the ParentRequest returned
+        carries the id its outputs come back under."""
         params = sampling_params or SamplingParams()
         text, token_ids = self.tokenize(prompt)
         self.validate_request(token_ids, params, priority)
         request_id = str(next(self._ids)) if request_id is None else str(request_id)
-        if request_id in self.requests:
+        parent = None
+        if params.n > 1:
+            parent = ParentRequest(request_id, text, token_ids, params, RequestMetrics(time.time()))
+        ids = [request_id] if parent is None else parent.child_ids
+        if any(i in self.requests for i in ids) or request_id in self.output_processor.parents:
             raise ValueError(f"request_id {request_id!r} is already in use.")
-        req = Request(request_id, token_ids, params, eos_token_ids=self.eos_token_ids, priority=priority)
-        self.scheduler.add_request(req)             # the only step that can refuse; nothing recorded before it
-        self.output_processor.add_request(req, text)
-        self.requests[request_id] = req
-        return req
+        reqs = [Request(rid, token_ids, params if parent is None else parent.child_params(i),
+                        eos_token_ids=self.eos_token_ids, priority=priority) for i, rid in enumerate(ids)]
+        added = []
+        try:
+            for req in reqs:                        # the only step that can refuse; nothing recorded before it
+                self.scheduler.add_request(req)
+                added.append(req)
+        except BaseException:
+            for req in added:
+                self.scheduler.finish_request(req, RequestStatus.FINISHED_ABORTED)
+            raise
+        for i, req in enumerate(reqs):
+            self.output_processor.add_request(req, text, parent, i)
+            self.requests[req.request_id] = req
+        return reqs[0] if parent is None else parent
 
     def abort_request(self, request_id: str) -> RequestOutput | None:
-        """Stop a request at any point and free everything it held. Unknown or finished ids are ignored."""
-        req = self.requests.pop(request_id, None)
-        if req is None or req.is_finished:
+        """Stop a request (or all samples of an n > 1 request) at any point and free everything it held.
+        Unknown or finished ids are ignored."""
+        parent = self.output_processor.parents.get(request_id)
+        ids = [request_id] if parent is None else parent.child_ids
+        live = [req for rid in ids if (req := self.requests.pop(rid, None)) is not None and not req.is_finished]
+        if not live:
             return None
-        self.scheduler.finish_request(req, RequestStatus.FINISHED_ABORTED)
+        for req in live:
+            self.scheduler.finish_request(req, RequestStatus.FINISHED_ABORTED)
         return self.output_processor.abort_request(request_id)
 
     def has_unfinished_requests(self) -> bool:
@@ -205,7 +226,8 @@ class LLMEngine:
                     blamed = self.scheduler.running or self.scheduler.waiting[:1]
                 else:
                     blamed = sched.scheduled
-                self.failed_request_ids = [r.request_id for r in blamed]
+                self.failed_request_ids = list(dict.fromkeys(self.output_processor.external_id(r.request_id)
+                                                             for r in blamed))     # parents' ids for n > 1
                 raise
             # committed: the front end's share of the step (a Ctrl-C held until here is raised on leaving the guard)
             now = time.time()

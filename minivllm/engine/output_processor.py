@@ -27,6 +27,7 @@ from minivllm.core.request import Request, RequestMetrics, RequestStatus
 from minivllm.core.sampling_params import RequestOutputKind, SamplingParams
 from minivllm.core.scheduler import EngineCoreOutput
 from minivllm.engine.detokenizer import DetokState, detokenize_incrementally, find_stop_string
+from minivllm.engine.parallel_sampling import ParentRequest
 from minivllm.outputs import CompletionOutput, RequestOutput
 
 
@@ -36,6 +37,8 @@ class RequestState:
     prompt: str | None
     params: SamplingParams
     metrics: RequestMetrics
+    parent: ParentRequest | None = None   # n > 1: the request this one is sample `index` of
+    index: int = 0
     detok: DetokState = field(default_factory=DetokState)
     sent_pieces: list[str] = field(default_factory=list)   # text handed out, in the pieces it went out in
     pending: str = ""                 # text not handed out yet (held back in case it starts a stop string)
@@ -69,11 +72,21 @@ class OutputUpdate:
 class OutputProcessor:
     def __init__(self, tokenizer):
         self.tokenizer = tokenizer
-        self.states: dict[str, RequestState] = {}
+        self.states: dict[str, RequestState] = {}          # core request id -> its state
+        self.parents: dict[str, ParentRequest] = {}        # n > 1: parent id -> the parent
 
-    def add_request(self, request: Request, prompt: str | None) -> None:
+    def add_request(self, request: Request, prompt: str | None, parent: ParentRequest | None = None,
+                    index: int = 0) -> None:
         self.states[request.request_id] = RequestState(request, prompt, request.sampling_params,
-                                                       RequestMetrics(arrival_time=request.arrival_time))
+                                                       RequestMetrics(arrival_time=request.arrival_time),
+                                                       parent, index)
+        if parent is not None:
+            self.parents[parent.request_id] = parent
+
+    def external_id(self, request_id: str) -> str:
+        """The id the caller knows: a child's parent id, or the request's own."""
+        st = self.states.get(request_id)
+        return st.parent.request_id if st is not None and st.parent is not None else request_id
 
     def mark_scheduled(self, requests: list[Request], now: float) -> None:
         for req in requests:
@@ -109,35 +122,53 @@ class OutputProcessor:
     def apply(self, update: OutputUpdate, now: float | None = None) -> list[RequestOutput]:
         """The step committed: keep its text, and build one output per request that has something to say."""
         now = time.time() if now is None else now
-        outputs = []
+        outputs, samples = [], {}
         for c in update.changes:
             st = c.state
             st.detok, st.pending = c.detok, c.pending
             if c.delta_text:
                 st.sent_pieces.append(c.delta_text)
-            m = st.metrics
-            if m.first_token_time is None:
-                m.first_token_time = now
-            m.last_token_time = now
-            out = self._make_output(st, c.delta_text, now)
+            for m in (st.metrics,) if st.parent is None else (st.metrics, st.parent.metrics):
+                if m.first_token_time is None:
+                    m.first_token_time = now
+                m.last_token_time = now
+            if st.parent is not None and st.index == 0:     # the prompt's cache hits, counted once per parent
+                st.parent.num_cached_tokens = st.request.num_cached_tokens
+            completion = self._completion(st, c.delta_text, now)
+            if st.parent is not None:
+                samples.setdefault(st.parent.request_id, []).append(completion)
+            elif completion is not None:
+                outputs.append(self._request_output(st, [completion]))
+        for parent_id, completions in samples.items():
+            out = self._parent_output(self.parents[parent_id], completions, now)
             if out is not None:
                 outputs.append(out)
         return outputs
 
     def abort_request(self, request_id: str, now: float | None = None) -> RequestOutput | None:
-        """The final output of a request that was aborted (with any text still held back), and forget it."""
-        st = self.states.get(request_id)
-        if st is None:
-            return None
-        delta, st.pending = st.pending, ""
-        if delta:
-            st.sent_pieces.append(delta)
-        return self._make_output(st, delta, time.time() if now is None else now)
+        """The final output of a request (or of all the samples of a parent) that was aborted, with any text still
+        held back, and forget it. The core has finished the request(s) already."""
+        now = time.time() if now is None else now
+        parent = self.parents.get(request_id)
+        ids = [request_id] if parent is None else parent.child_ids
+        completions = []
+        for rid in ids:
+            st = self.states.get(rid)
+            if st is None:
+                continue
+            delta, st.pending = st.pending, ""
+            if delta:
+                st.sent_pieces.append(delta)
+            completions.append(self._completion(st, delta, now, final=True))
+        if parent is not None:
+            return self._parent_output(parent, completions, now)
+        return self._request_output(st, completions) if completions else None
 
     # ------------------------------------------------------------------ outputs
-    def _make_output(self, st: RequestState, delta_text: str, now: float) -> RequestOutput | None:
+    def _completion(self, st: RequestState, delta_text: str, now: float, final: bool = False) -> CompletionOutput | None:
+        """What one sample hands out now, by its output kind (None: nothing, FINAL_ONLY before the end)."""
         req, kind = st.request, st.params.output_kind
-        finished = req.is_finished
+        finished = req.is_finished or final
         if finished:
             st.metrics.finished_time = now
             del self.states[req.request_id]
@@ -148,7 +179,34 @@ class OutputProcessor:
         else:
             text, token_ids = "".join(st.sent_pieces), list(req.output_token_ids)
         st.num_sent_tokens = req.num_output_tokens
-        completion = CompletionOutput(0, text, token_ids, req.status.finish_reason if finished else None,
-                                      req.stop_reason if finished else None)
-        return RequestOutput(req.request_id, st.prompt, req.prompt_token_ids, [completion], finished,
-                             dataclasses.replace(st.metrics), req.num_cached_tokens)
+        return CompletionOutput(st.index, text, token_ids, req.status.finish_reason if finished else None,
+                                req.stop_reason if finished else None)
+
+    def _request_output(self, st: RequestState, completions: list[CompletionOutput]) -> RequestOutput:
+        req = st.request
+        return RequestOutput(req.request_id, st.prompt, req.prompt_token_ids, completions,
+                             completions[0].finished, dataclasses.replace(st.metrics), req.num_cached_tokens)
+
+    def _parent_output(self, parent: ParentRequest, completions: list[CompletionOutput | None],
+                       now: float) -> RequestOutput | None:
+        """One output for the n samples: DELTA carries the samples that changed, CUMULATIVE and FINAL_ONLY all of
+        them (FINAL_ONLY once, when the last sample finishes)."""
+        completions = [c for c in completions if c is not None]
+        for c in completions:
+            if c.finished:
+                parent.finished.add(c.index)
+        kind = parent.sampling_params.output_kind
+        if kind is not RequestOutputKind.DELTA:
+            parent.latest.update((c.index, c) for c in completions)
+        done = parent.is_finished
+        if done:
+            parent.metrics.finished_time = now
+            del self.parents[parent.request_id]
+        if kind is RequestOutputKind.FINAL_ONLY and not done:
+            return None
+        shown = completions if kind is RequestOutputKind.DELTA else list(parent.latest.values())
+        if not shown:
+            return None
+        return RequestOutput(parent.request_id, parent.prompt, parent.prompt_token_ids,
+                             sorted(shown, key=lambda c: c.index), done, dataclasses.replace(parent.metrics),
+                             parent.num_cached_tokens)

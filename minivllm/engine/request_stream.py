@@ -11,7 +11,7 @@ import asyncio
 import dataclasses
 from collections.abc import Callable
 
-from minivllm.outputs import RequestOutput
+from minivllm.outputs import CompletionOutput, RequestOutput
 
 
 class RequestStream:
@@ -84,8 +84,15 @@ class RequestStream:
 
 
 def _merge_deltas(outputs: list[RequestOutput]) -> RequestOutput:
-    """Several DELTA outputs of one request as one: texts and token ids joined, the rest from the newest."""
-    last = outputs[-1]
-    merged = dataclasses.replace(last.outputs[0], text="".join(o.outputs[0].text for o in outputs),
-                                 token_ids=[t for o in outputs for t in o.outputs[0].token_ids])
-    return dataclasses.replace(last, outputs=[merged])
+    """Several DELTA outputs of one request as one: each sample's (by index) texts and token ids joined, its
+    finish reason from its newest piece; the rest from the newest output. Linear in what is merged."""
+    texts: dict[int, list[str]] = {}
+    token_ids: dict[int, list[int]] = {}
+    newest: dict[int, CompletionOutput] = {}
+    for out in outputs:
+        for c in out.outputs:
+            texts.setdefault(c.index, []).append(c.text)
+            token_ids.setdefault(c.index, []).extend(c.token_ids)
+            newest[c.index] = c
+    merged = [dataclasses.replace(newest[i], text="".join(texts[i]), token_ids=token_ids[i]) for i in sorted(newest)]
+    return dataclasses.replace(outputs[-1], outputs=merged)
