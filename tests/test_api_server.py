@@ -339,12 +339,12 @@ BAD_REQUESTS = [
     ("body_not_utf8", "completions", b'\xff\xfe{"prompt"', None),
     ("missing_prompt", "completions", {"model": MODEL}, "prompt"),
     ("prompt_wrong_type", "completions", {"prompt": 42}, "prompt"),
-    ("batched_prompts", "completions", {"prompt": ["a", "b"]}, "prompt"),
+    ("empty_prompt_list", "completions", {"prompt": []}, "prompt"),
+    ("prompt_list_with_a_number", "completions", {"prompt": ["a", 3]}, "prompt"),
     ("empty_prompt", "completions", {"prompt": ""}, "prompt"),
     ("prompt_over_the_context", "completions", {"prompt": LONG_IDS}, "prompt"),
     ("prompt_plus_max_tokens_over_the_kv_pool", "completions", {"prompt": "hi", "max_tokens": 5000}, "prompt"),
     ("token_id_out_of_vocab", "completions", {"prompt": [1, 2, 10 ** 9]}, "prompt"),
-    ("unknown_model", "completions", {"model": "gpt-4", "prompt": "hi"}, "model"),
     ("model_wrong_type", "completions", {"model": 7, "prompt": "hi"}, "model"),
     ("max_tokens_zero", "completions", {"prompt": "hi", "max_tokens": 0}, "max_tokens"),
     ("max_tokens_negative", "chat", {"messages": CHAT, "max_tokens": -5}, "max_tokens"),
@@ -361,7 +361,18 @@ BAD_REQUESTS = [
     ("top_k_below_minus_one", "completions", {"prompt": "hi", "top_k": -2}, "top_k"),
     ("top_k_huge", "completions", {"prompt": "hi", "top_k": 10 ** 30}, "top_k"),
     ("seed_string", "completions", {"prompt": "hi", "seed": "abc"}, "seed"),
-    ("n_above_one", "chat", {"messages": CHAT, "n": 2}, "n"),
+    ("n_above_128", "chat", {"messages": CHAT, "n": 129}, "n"),
+    ("n_zero", "completions", {"prompt": "hi", "n": 0}, "n"),
+    ("max_tokens_past_the_context", "completions", {"prompt": "hi", "max_tokens": 8192}, "max_tokens"),
+    ("max_completion_tokens_past_the_context", "chat", {"messages": CHAT, "max_completion_tokens": 9000},
+     "max_completion_tokens"),
+    ("a_typo", "completions", {"prompt": "hi", "max_tokenz": 3}, "max_tokenz"),
+    ("chat_field_on_completions", "completions", {"prompt": "hi", "continue_final_message": True},
+     "continue_final_message"),
+    ("continue_final_message_and_add_generation_prompt", "chat", {
+        "messages": CHAT, "continue_final_message": True, "add_generation_prompt": True}, "continue_final_message"),
+    ("chat_template_that_does_not_parse", "chat", {"messages": CHAT, "chat_template": "{% for %}"},
+     "chat_template"),
     ("stop_wrong_type", "completions", {"prompt": "hi", "stop": 5}, "stop"),
     ("stop_list_with_a_number", "completions", {"prompt": "hi", "stop": ["x", 1]}, "stop"),
     ("stop_empty_string", "completions", {"prompt": "hi", "stop": [""]}, "stop"),
@@ -390,7 +401,6 @@ BAD_REQUESTS = [
     ("prompt_with_a_lone_surrogate", "completions", b'{"prompt": "caf\\ud800"}', "prompt"),
     ("content_with_a_lone_surrogate", "chat", b'{"messages": [{"role": "user", "content": "\\udfff"}]}',
      "messages[0].content"),
-    ("model_with_a_lone_surrogate", "completions", b'{"model": "\\ud800", "prompt": "hi"}', "model"),
 ]
 
 
@@ -423,7 +433,7 @@ def test_the_official_client_raises_bad_request_and_the_server_keeps_serving(cli
     with pytest.raises(openai.BadRequestError) as e:
         client.chat.completions.create(model=MODEL, messages=CHAT, temperature=-1)
     assert e.value.status_code == 400 and "temperature" in e.value.message
-    with pytest.raises(openai.BadRequestError):
+    with pytest.raises(openai.NotFoundError):
         client.completions.create(model="not-this-one", prompt="hi")
     assert client.completions.create(model=MODEL, prompt="hi", max_tokens=2).choices[0].finish_reason
     assert httpx.get(server.url + "/health").status_code == 200
@@ -452,12 +462,14 @@ def test_no_field_value_makes_a_500(server):
     statuses = set()
     for (route, body), r in zip(bodies, responses):
         statuses.add(r.status_code)
-        assert r.status_code in (200, 400), (route, body, r.status_code, r.text)
+        # 404: a model name that is not served (every string but the served name)
+        assert r.status_code in (200, 400) or (r.status_code == 404 and isinstance(body.get("model"), str)), \
+            (route, body, r.status_code, r.text)
         if r.status_code == 400:
             assert r.json()["error"]["type"] == "invalid_request_error"
         if route == "chat/completions" and not isinstance(body["messages"], list):
             assert r.status_code == 400
-    assert statuses == {200, 400}
+    assert statuses == {200, 400, 404}
     drained(server)
     check_integrity(server)
     assert server.engine.snapshot().num_step_errors == 0
@@ -559,3 +571,186 @@ def test_bench_serve_streams_poisson_requests_and_reports_latencies(server, tmp_
     assert 0 < report["ttft_p50_ms"] <= report["ttft_p99_ms"] <= report["e2e_p99_ms"]
     assert 0 < report["itl_p50_ms"] <= report["itl_p99_ms"]
     drained(server)
+
+
+# ---------------------------------------------------------------------- no silent acceptance (issue 14, part 5)
+# Each of these was once accepted and ignored: the caller believed it had an effect.
+NOT_IMPLEMENTED_VALUES = [("min_p", 0.1), ("min_tokens", 4), ("bad_words", ["Paris"]), ("prompt_logprobs", 1),
+                          ("guided_json", {"type": "object"}), ("guided_regex", "[0-9]+"),
+                          ("guided_choice", ["yes", "no"]), ("guided_grammar", "root ::= \"a\""),
+                          ("structured_outputs", {"json": {}}), ("response_format", {"type": "json_object"}),
+                          ("presence_penalty", 0.5), ("logit_bias", {"42": 5})]
+
+
+@pytest.mark.parametrize("name,value", NOT_IMPLEMENTED_VALUES, ids=[n for n, _ in NOT_IMPLEMENTED_VALUES])
+def test_an_unimplemented_field_is_a_400_naming_it(client, name, value):
+    for create, kwargs in ((client.completions.create, dict(prompt="hi")),
+                           (client.chat.completions.create, dict(messages=CHAT))):
+        with pytest.raises(openai.BadRequestError) as e:
+            create(model=MODEL, max_tokens=2, **kwargs, extra_body={name: value})
+        assert e.value.body["param"] == name and "does not implement" in e.value.message
+
+
+def test_a_typo_is_a_400_that_names_the_field_meant(client):
+    with pytest.raises(openai.BadRequestError) as e:
+        client.completions.create(model=MODEL, prompt="hi", extra_body={"max_tokenz": 3})
+    assert e.value.body["param"] == "max_tokenz" and "Did you mean 'max_tokens'?" in e.value.message
+
+
+def test_fields_left_at_their_off_value_are_accepted(client):
+    """Clients (vLLM's benchmark, the openai SDK's defaults) send some unimplemented fields as 'off'."""
+    out = client.completions.create(model=MODEL, prompt="hi", max_tokens=2, logprobs=None, best_of=1, echo=False,
+                                    presence_penalty=0, extra_body={"min_p": 0.0, "min_tokens": 0}, user="me")
+    assert out.usage.completion_tokens <= 2
+
+
+def test_include_stop_str_in_output_keeps_the_stop_string(client):
+    kwargs = dict(model=MODEL, prompt="1, 2, 3, 4,", max_tokens=16, temperature=0, stop=[" 7"])
+    without = client.completions.create(**kwargs).choices[0]
+    kept = client.completions.create(**kwargs, extra_body={"include_stop_str_in_output": True}).choices[0]
+    assert kept.finish_reason == "stop" and kept.text == without.text + " 7"
+
+
+def test_an_unknown_model_is_a_404_as_vllm_answers_it(client, server):
+    with pytest.raises(openai.NotFoundError):
+        client.chat.completions.create(model="gpt-4", messages=CHAT)
+    r = httpx.post(server.url + "/v1/completions", json={"model": "gpt-4", "prompt": "hi"})
+    error = r.json()["error"]
+    assert r.status_code == 404 and error["type"] == "NotFoundError" and error["code"] == 404
+    assert error["param"] == "model" and "gpt-4" in error["message"]
+    r = httpx.post(server.url + "/v1/completions", content=b'{"model": "\\ud800", "prompt": "hi"}',
+                   headers={"content-type": "application/json"})     # a name JSON can hold but UTF-8 cannot
+    assert r.status_code == 404 and "\\ud800" in r.json()["error"]["message"]
+
+
+def test_max_tokens_that_fits_the_context_exactly_is_accepted(client, server, hf_tokenizer):
+    with pytest.raises(openai.BadRequestError) as e:
+        client.completions.create(model=MODEL, prompt="Hi there", max_tokens=server.engine.max_model_len)
+    assert e.value.body["param"] == "max_tokens" and "max_model_len is 8192" in e.value.message
+    n = len(hf_tokenizer.encode("Hi there"))
+    # The 400 is for the context only; the KV pool's own (smaller) limit is the engine's check.
+    assert server.engine.max_request_tokens < server.engine.max_model_len
+    with pytest.raises(openai.BadRequestError) as e:
+        client.completions.create(model=MODEL, prompt="Hi there", max_tokens=server.engine.max_model_len - n)
+    assert e.value.body["param"] == "prompt" and "KV blocks" in e.value.message
+
+
+# ---------------------------------------------------------------------- lists of prompts, n choices
+def test_a_list_of_prompts_gets_one_choice_each_with_usage_summed(client):
+    prompts = ["The capital of France is", "One, two, three,", [504, 3458, 282]]
+    alone = [client.completions.create(model=MODEL, prompt=p, max_tokens=6, temperature=0) for p in prompts]
+    out = client.completions.create(model=MODEL, prompt=prompts, max_tokens=6, temperature=0)
+    assert [c.index for c in out.choices] == [0, 1, 2]
+    assert [c.text for c in out.choices] == [a.choices[0].text for a in alone]
+    assert [c.finish_reason for c in out.choices] == [a.choices[0].finish_reason for a in alone]
+    for field in ("prompt_tokens", "completion_tokens", "total_tokens"):
+        assert getattr(out.usage, field) == sum(getattr(a.usage, field) for a in alone)
+    # Streamed: each chunk's choice carries its index; joined per index they are the same texts.
+    texts, reasons, usage = {}, {}, None
+    for chunk in client.completions.create(model=MODEL, prompt=prompts, max_tokens=6, temperature=0, stream=True,
+                                           stream_options={"include_usage": True}):
+        usage = chunk.usage or usage
+        for c in chunk.choices:
+            texts[c.index] = texts.get(c.index, "") + c.text
+            reasons[c.index] = c.finish_reason or reasons.get(c.index)
+    assert texts == {i: c.text for i, c in enumerate(out.choices)}
+    assert reasons == {i: c.finish_reason for i, c in enumerate(out.choices)}
+    assert usage.completion_tokens == out.usage.completion_tokens and usage.prompt_tokens == out.usage.prompt_tokens
+
+
+def test_n_choices_are_seeded_samples_streamed_by_index(client):
+    kwargs = dict(model=MODEL, prompt="Once upon a time", max_tokens=8, temperature=1.0, seed=3, n=3,
+                  extra_body={"ignore_eos": True})
+    out = client.completions.create(**kwargs)
+    assert [c.index for c in out.choices] == [0, 1, 2]
+    assert len({c.text for c in out.choices}) > 1                    # the samples differ
+    assert out.usage.completion_tokens == 3 * 8                      # every sample counted, the prompt once
+    texts, usage = {}, None
+    for chunk in client.completions.create(**kwargs, stream=True, stream_options={"include_usage": True}):
+        usage = chunk.usage or usage
+        for c in chunk.choices:
+            texts[c.index] = texts.get(c.index, "") + c.text
+    assert texts == {c.index: c.text for c in out.choices}           # seeded: the stream is the same answer
+    assert usage.completion_tokens == 24 and usage.prompt_tokens == out.usage.prompt_tokens
+
+
+def test_n_chat_choices_and_prompt_lists_number_choices_as_vllm(client):
+    chat = client.chat.completions.create(model=MODEL, messages=CHAT, max_tokens=8, temperature=0, n=2)
+    assert [c.index for c in chat.choices] == [0, 1]
+    assert chat.choices[0].message.content == chat.choices[1].message.content     # greedy: the same answer
+    roles, content = {}, {}
+    for chunk in client.chat.completions.create(model=MODEL, messages=CHAT, max_tokens=8, temperature=0, n=2,
+                                                stream=True):
+        for c in chunk.choices:
+            roles[c.index] = c.delta.role or roles.get(c.index)
+            content[c.index] = content.get(c.index, "") + (c.delta.content or "")
+    assert roles == {0: "assistant", 1: "assistant"}
+    assert content == {0: chat.choices[0].message.content, 1: chat.choices[1].message.content}
+    # Two prompts, n=2: choice index = prompt_index * n + sample_index.
+    prompts = ["The capital of France is", "One, two, three,"]
+    out = client.completions.create(model=MODEL, prompt=prompts, max_tokens=5, temperature=0, n=2)
+    greedy = [client.completions.create(model=MODEL, prompt=p, max_tokens=5, temperature=0).choices[0].text
+              for p in prompts]
+    assert [(c.index, c.text) for c in out.choices] == [(0, greedy[0]), (1, greedy[0]), (2, greedy[1]),
+                                                        (3, greedy[1])]
+
+
+# ---------------------------------------------------------------------- vLLM's tokenizer routes, chat options
+def test_tokenize_and_detokenize_match_the_tokenizer(server, hf_tokenizer):
+    text = "The capital of France is Paris."
+    r = httpx.post(server.url + "/tokenize", json={"model": MODEL, "prompt": text})
+    assert r.status_code == 200
+    ids = hf_tokenizer.encode(text)
+    assert r.json() == {"count": len(ids), "max_model_len": server.engine.max_model_len, "tokens": ids,
+                        "token_strs": None}
+    r = httpx.post(server.url + "/tokenize", json={"messages": CHAT})
+    chat_ids = hf_tokenizer.apply_chat_template(CHAT, tokenize=False, add_generation_prompt=True)
+    assert r.json()["tokens"] == hf_tokenizer.encode(chat_ids, add_special_tokens=False)
+    r = httpx.post(server.url + "/detokenize", json={"model": MODEL, "tokens": ids})
+    assert r.status_code == 200 and r.json() == {"prompt": text}
+    assert httpx.get(server.url + "/version").json() == {"version": __import__("minivllm").__version__}
+
+
+@pytest.mark.parametrize("route,body,param", [
+    ("/tokenize", {}, "prompt"),
+    ("/tokenize", {"prompt": "a", "messages": CHAT}, "prompt"),
+    ("/tokenize", {"prompt": 5}, "prompt"),
+    ("/tokenize", {"prompt": "a", "max_tokens": 3}, "max_tokens"),
+    ("/detokenize", {"tokens": [1, 10 ** 9]}, "tokens"),
+    ("/detokenize", {"tokens": "abc"}, "tokens"),
+    ("/detokenize", {"tokens": [1], "prompt": "x"}, "prompt"),
+])
+def test_tokenizer_routes_refuse_bad_bodies_with_a_400(server, route, body, param):
+    r = httpx.post(server.url + route, json=body)
+    assert r.status_code == 400 and r.json()["error"]["param"] == param, r.text
+
+
+def test_continue_final_message_and_a_per_request_chat_template(client, server, hf_tokenizer):
+    partial = CHAT + [{"role": "assistant", "content": "The capital of France is"}]
+    expected = hf_tokenizer.apply_chat_template(partial, tokenize=False, continue_final_message=True)
+    assert expected.endswith("The capital of France is")             # the message is left open
+    body = {"messages": partial, "continue_final_message": True, "add_generation_prompt": False}
+    tokens = httpx.post(server.url + "/tokenize", json=body).json()["tokens"]
+    assert tokens == hf_tokenizer.encode(expected, add_special_tokens=False)
+    out = client.chat.completions.create(model=MODEL, messages=partial, max_tokens=4, temperature=0,
+                                         extra_body={"continue_final_message": True, "add_generation_prompt": False})
+    assert out.usage.prompt_tokens == len(tokens)
+    template = "{% for m in messages %}[{{ m['role'] }}] {{ m['content'] }}\n{% endfor %}"
+    rendered = "[user] What is the capital of France?\n"
+    r = httpx.post(server.url + "/tokenize", json={"messages": CHAT, "chat_template": template})
+    assert r.json()["tokens"] == hf_tokenizer.encode(rendered, add_special_tokens=False)
+    out = client.chat.completions.create(model=MODEL, messages=CHAT, max_tokens=3, temperature=0,
+                                         extra_body={"chat_template": template, "ignore_eos": True})
+    assert out.usage.prompt_tokens == r.json()["count"] and out.usage.completion_tokens == 3
+    alone = client.completions.create(model=MODEL, prompt=rendered, max_tokens=3, temperature=0)
+    assert out.choices[0].message.content == alone.choices[0].text    # the template really was used
+
+
+def test_streamed_usage_is_exact(client, hf_tokenizer):
+    prompt = "Counting: one, two,"
+    chunks = list(client.completions.create(model=MODEL, prompt=prompt, max_tokens=7, temperature=0, stream=True,
+                                            stream_options={"include_usage": True}, extra_body={"ignore_eos": True}))
+    usage = chunks[-1].usage
+    assert chunks[-1].choices == [] and all(c.usage is None for c in chunks[:-1])
+    n = len(hf_tokenizer.encode(prompt))
+    assert (usage.prompt_tokens, usage.completion_tokens, usage.total_tokens) == (n, 7, n + 7)

@@ -5,11 +5,13 @@ running a parsed request on the engine, and the response and server-sent-event s
 body may hold and what a response looks like is protocol.py's; the /metrics text is metrics.py's.
 It never calls the LLMEngine: everything goes through the AsyncLLMEngine's command queue.
 
-Routes: GET /v1/models, POST /v1/completions, POST /v1/chat/completions (stream true or false),
-GET /health, GET /metrics (Prometheus text format).
+Routes: GET /v1/models, POST /v1/completions (one prompt or a list), POST /v1/chat/completions (stream
+true or false, n choices), POST /tokenize, POST /detokenize, GET /version, GET /health, GET /metrics
+(Prometheus text format).
 
 Bad input is always a 400 with OpenAI's error body (protocol.APIError), never a 500 and never a dead
-engine. A client that hangs up (mid-stream, or while waiting for a non-streamed answer) gets its request
+engine; a field a route does not read is a 400 too (protocol.ACCEPTED_FIELDS), and an unknown model a 404.
+A client that hangs up (mid-stream, or while waiting for a non-streamed answer) gets its request
 aborted: its blocks are free before the engine's next step.
 """
 
@@ -23,6 +25,7 @@ import logging
 import threading
 import time
 import uuid
+from collections import defaultdict
 from collections.abc import AsyncIterator, Awaitable
 from dataclasses import dataclass
 from pathlib import Path
@@ -33,14 +36,16 @@ from fastapi.responses import JSONResponse, PlainTextResponse, Response, Streami
 from starlette.background import BackgroundTask
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
+import minivllm
 from minivllm.core.sampling_params import SamplingParams
 from minivllm.engine.async_llm import AsyncLLMEngine, RequestError
 from minivllm.engine.request_stream import RequestStream
 from minivllm.entrypoints.metrics import render_metrics
-from minivllm.entrypoints.protocol import (APIError, ParsedRequest, ResponseMeta, check_model, make_choice,
-                                           parse_json_body, parse_messages, parse_prompt, parse_stream,
-                                           read_field, requested_max_tokens, sampling_params_from_body,
-                                           usage_of)
+from minivllm.entrypoints.protocol import (APIError, ParsedRequest, ResponseMeta, check_fields, check_model,
+                                           make_choice, parse_chat_options, parse_json_body, parse_messages,
+                                           parse_prompt, parse_stream, parse_token_ids, read_field, read_text,
+                                           requested_max_tokens, sampling_params_from_body, usage_of)
+from minivllm.outputs import RequestOutput
 
 logger = logging.getLogger(__name__)
 
@@ -134,52 +139,107 @@ def build_api_server(async_engine: AsyncLLMEngine, served_model_name: str | None
     @app.post("/v1/completions")
     async def completions(request: Request):
         body = await read_body(request)
-        prompt = parse_prompt(body)
-        return await serve(request, ParsedRequest(prompt, body, *parse_stream(body), "prompt"), chat=False)
+        prompts = parse_prompt(body)
+        return await serve(request, ParsedRequest(prompts, body, *parse_stream(body), "prompt"), chat=False)
+
+    def render_chat(messages: list[dict], options: dict) -> str:
+        """The chat template (the model's, or the request's `chat_template`) applied to messages, as text.
+        Only renders (no tokenizer state is touched), so the HTTP thread may call it."""
+        try:
+            return async_engine.tokenizer.apply_chat_template(messages, tokenize=False, **options)
+        except Exception as e:      # the template's own checks (jinja2 raises on e.g. bad role order)
+            param = "chat_template" if "chat_template" in options else "messages"
+            raise APIError(f"the chat template rejected these messages: {e}", param=param) from None
 
     @app.post("/v1/chat/completions")
     async def chat_completions(request: Request):
         body = await read_body(request)
-        messages = parse_messages(body)
-        add_generation_prompt = read_field(body, "add_generation_prompt", "bool", True)
-        try:
-            prompt = async_engine.chat_prompt(messages, add_generation_prompt)
-        except Exception as e:      # the template's own checks (jinja2 raises on e.g. bad role order)
-            raise APIError(f"the chat template rejected these messages: {e}", param="messages") from None
-        return await serve(request, ParsedRequest(prompt, body, *parse_stream(body), "messages"), chat=True)
+        check_fields(body, "/v1/chat/completions")
+        prompt = render_chat(parse_messages(body), parse_chat_options(body))
+        return await serve(request, ParsedRequest([prompt], body, *parse_stream(body), "messages"), chat=True)
+
+    # ------------------------------------------------------------------ vLLM's tokenizer routes
+    @app.post("/tokenize")
+    async def tokenize(request: Request):
+        body = await read_body(request)
+        check_fields(body, "/tokenize")
+        if ("prompt" in body) == ("messages" in body):
+            raise APIError("/tokenize takes either 'prompt' (text) or 'messages' (a chat), exactly one.",
+                           param="prompt")
+        if "messages" in body:     # as vLLM: the template carries the special tokens, so none are added
+            text = render_chat(parse_messages(body), parse_chat_options(body))
+            add_special_tokens = read_field(body, "add_special_tokens", "bool", False)
+        else:
+            prompt = read_field(body, "prompt", "string")
+            if prompt is None:
+                raise APIError("'prompt' is null; it must be a string.", param="prompt")
+            text = read_text(prompt, "prompt")
+            add_special_tokens = read_field(body, "add_special_tokens", "bool", True)
+        ids = await async_engine.call_async(lambda e: e.tokenizer.encode(text, add_special_tokens=add_special_tokens))
+        return {"count": len(ids), "max_model_len": async_engine.max_model_len, "tokens": ids, "token_strs": None}
+
+    @app.post("/detokenize")
+    async def detokenize(request: Request):
+        body = await read_body(request)
+        check_fields(body, "/detokenize")
+        ids = parse_token_ids(body, "tokens", len(async_engine.tokenizer))
+        return {"prompt": await async_engine.call_async(lambda e: e.tokenizer.decode(ids))}
+
+    @app.get("/version")
+    async def version():
+        return {"version": minivllm.__version__}
 
     # ------------------------------------------------------------------ running a request
     async def serve(request: Request, parsed: ParsedRequest, chat: bool):
-        prompt, params = await prepare(parsed, chat)
+        prompts, params = await prepare(parsed, chat)
         request_id = f"{'chatcmpl' if chat else 'cmpl'}-{uuid.uuid4().hex[:16]}"
+        streams: list[RequestStream] = []
         try:
-            stream = await async_engine.add_request(prompt, params, request_id)
+            for i, (prompt, p) in enumerate(zip(prompts, params)):   # one engine request per prompt, as vLLM
+                streams.append(await async_engine.add_request(
+                    prompt, p, request_id if len(prompts) == 1 else f"{request_id}-{i}"))
         except ValueError as e:                    # the engine's own checks: length, pool size, token ids
+            close_all(streams)
             raise APIError(str(e), param=parsed.prompt_param) from None
         except RequestError as e:
+            close_all(streams)
             raise APIError(str(e), status_code=503, type="service_unavailable") from None
+        except BaseException:
+            close_all(streams)
+            raise
         meta = ResponseMeta(request_id, int(time.time()), name, chat)
+        n = params[0].n
         if parsed.stream:
             # The background task runs once the response is over, even when the client hung up before the
-            # first event (the generator never started, so its `async with stream` never ran).
-            return StreamingResponse(stream_events(stream, meta, parsed.include_usage),
-                                     media_type="text/event-stream", background=BackgroundTask(close_async, stream))
-        return await until_disconnect(request, full_response(stream, meta), stream)
+            # first event (the generator never started, so its `async with` never ran).
+            return StreamingResponse(stream_events(streams, n, meta, parsed.include_usage),
+                                     media_type="text/event-stream",
+                                     background=BackgroundTask(close_async, streams))
+        return await until_disconnect(request, full_response(streams, n, meta), streams)
 
-    async def prepare(parsed: ParsedRequest, chat: bool) -> tuple[str | list[int] | dict, SamplingParams]:
-        """The prompt and SamplingParams to add. Completions default to 16 tokens (OpenAI's default). Chat
-        defaults to the rest of the context, which needs the prompt's token count: then the prompt is
-        tokenized first (on the engine thread) and passed on as ids, so it is tokenized once."""
-        if not chat or requested_max_tokens(parsed.body, chat)[1] is not None:
-            return parsed.prompt, sampling_params_from_body(parsed.body, chat, default_max_tokens=16)
+    async def prepare(parsed: ParsedRequest, chat: bool) -> tuple[list[dict], list[SamplingParams]]:
+        """Each prompt (tokenized once, on the engine thread, and passed on as ids) and its SamplingParams.
+        An explicit max_tokens must fit the context with the prompt (400 otherwise, as vLLM). Without one,
+        completions take 16 tokens (OpenAI's default) and chat the rest of the context, both capped by it."""
         sampling_params_from_body(parsed.body, chat, default_max_tokens=1)   # bad fields first: no engine work
+        max_tokens_name, max_tokens = requested_max_tokens(parsed.body, chat)
         try:
-            text, ids = await async_engine.tokenize(parsed.prompt)
+            tokenized = await async_engine.call_async(lambda e: [e.tokenize(p) for p in parsed.prompts])
         except ValueError as e:
             raise APIError(str(e), param=parsed.prompt_param) from None
-        room = max(1, async_engine.max_request_tokens - len(ids))
-        return ({"prompt": text, "prompt_token_ids": ids},
-                sampling_params_from_body(parsed.body, chat, default_max_tokens=room))
+        prompts, params = [], []
+        limit = async_engine.max_model_len
+        for text, ids in tokenized:
+            if max_tokens is not None and len(ids) < limit < len(ids) + max_tokens:
+                raise APIError(f"prompt ({len(ids)} tokens) + '{max_tokens_name}' ({max_tokens}) is "
+                               f"{len(ids) + max_tokens} tokens; max_model_len is {limit}. Lower "
+                               f"'{max_tokens_name}' to at most {limit - len(ids)} or shorten the prompt.",
+                               param=max_tokens_name)
+            room = max(1, async_engine.max_request_tokens - len(ids))
+            default = room if chat else min(16, max(1, limit - len(ids)))
+            prompts.append({"prompt": text, "prompt_token_ids": ids} if text is not None else ids)
+            params.append(sampling_params_from_body(parsed.body, chat, default_max_tokens=default))
+        return prompts, params
 
     return app
 
@@ -223,18 +283,58 @@ class BackgroundServer:
 
 
 # ---------------------------------------------------------------------- responses
-async def full_response(stream: RequestStream, meta: ResponseMeta) -> dict:
-    """The whole answer: the request's deltas joined."""
-    pieces, num_tokens, final = [], 0, None
-    async with stream:
-        async for out in stream:
-            pieces.append(out.outputs[0].text)
-            num_tokens += len(out.outputs[0].token_ids)
-            final = out
-    o = final.outputs[0]
-    body = meta.envelope([make_choice(meta, "".join(pieces), o.finish_reason, o.stop_reason, stream=False)],
-                         stream=False)
-    body["usage"] = usage_of(final, num_tokens)
+async def merged(streams: list[RequestStream]) -> AsyncIterator[tuple[int, RequestOutput]]:
+    """(prompt index, output) from several requests' streams as the outputs arrive."""
+    if len(streams) == 1:
+        async for out in streams[0]:
+            yield 0, out
+        return
+    queue: asyncio.Queue = asyncio.Queue()
+
+    async def pump(i: int, stream: RequestStream) -> None:
+        try:
+            async for out in stream:
+                queue.put_nowait((i, out))
+            queue.put_nowait((i, None))
+        except Exception as e:                       # RequestError: re-raised by the reader
+            queue.put_nowait((i, e))
+
+    tasks = [asyncio.ensure_future(pump(i, s)) for i, s in enumerate(streams)]
+    try:
+        left = len(streams)
+        while left:
+            i, item = await queue.get()
+            if item is None:
+                left -= 1
+            elif isinstance(item, Exception):
+                raise item
+            else:
+                yield i, item
+    finally:
+        for t in tasks:
+            t.cancel()
+
+
+async def full_response(streams: list[RequestStream], n: int, meta: ResponseMeta) -> dict:
+    """The whole answer: each sample's deltas joined into one choice (index prompt_index * n + sample)."""
+    pieces: dict[int, list[str]] = defaultdict(list)
+    ends: dict[int, tuple] = {}
+    finals: dict[int, RequestOutput] = {}
+    num_tokens = 0
+    try:
+        async for i, out in merged(streams):
+            for o in out.outputs:
+                pieces[i * n + o.index].append(o.text)
+                num_tokens += len(o.token_ids)
+                if o.finished:
+                    ends[i * n + o.index] = (o.finish_reason, o.stop_reason)
+            finals[i] = out
+    finally:
+        close_all(streams)                   # no-op for finished requests; aborts the rest
+    choices = [make_choice(meta, k, "".join(pieces[k]), *ends.get(k, (None, None)), stream=False)
+               for k in range(len(streams) * n)]
+    body = meta.envelope(choices, stream=False)
+    body["usage"] = usage_of([finals[i] for i in range(len(streams))], num_tokens)
     return body
 
 
@@ -242,36 +342,46 @@ def _sse(data: dict) -> str:
     return f"data: {json.dumps(data, ensure_ascii=False)}\n\n"
 
 
-async def stream_events(stream: RequestStream, meta: ResponseMeta, include_usage: bool) -> AsyncIterator[str]:
-    """Server-sent events: one chunk per new piece of text, the last with finish_reason, an optional usage
-    chunk (choices: []), then `data: [DONE]`. If the client hangs up, Starlette cancels this generator
-    and `async with stream` aborts the request."""
-    async with stream:
-        try:
-            if meta.chat:        # OpenAI opens a chat stream with the role
-                yield _sse(meta.envelope([make_choice(meta, "", None, None, stream=True, first=True)], stream=True))
-            num_tokens, final = 0, None
-            async for out in stream:                  # each output holds only what is new (DELTA)
-                o = out.outputs[0]
-                if o.text or out.finished:
-                    yield _sse(meta.envelope([make_choice(meta, o.text, o.finish_reason, o.stop_reason,
-                                                          stream=True)], stream=True))
+async def stream_events(streams: list[RequestStream], n: int, meta: ResponseMeta,
+                        include_usage: bool) -> AsyncIterator[str]:
+    """Server-sent events: one chunk per new piece of a choice's text (its index says which), the choice's
+    last with finish_reason, an optional usage chunk (choices: []), then `data: [DONE]`. If the client hangs
+    up, Starlette cancels this generator and close_all aborts the requests."""
+    try:
+        if meta.chat:        # OpenAI opens a chat stream with the role, once per choice
+            for k in range(len(streams) * n):
+                yield _sse(meta.envelope([make_choice(meta, k, "", None, None, stream=True, first=True)],
+                                         stream=True))
+        num_tokens, finals = 0, {}
+        async for i, out in merged(streams):          # each output holds only what is new (DELTA)
+            for o in out.outputs:
+                if o.text or o.finished:
+                    yield _sse(meta.envelope([make_choice(meta, i * n + o.index, o.text, o.finish_reason,
+                                                          o.stop_reason, stream=True)], stream=True))
                 num_tokens += len(o.token_ids)
-                final = out
-            if include_usage:
-                yield _sse({**meta.envelope([], stream=True), "usage": usage_of(final, num_tokens)})
-        except RequestError as e:
-            yield _sse(APIError(str(e), status_code=500, type="internal_server_error").body())
+            finals[i] = out
+        if include_usage:
+            yield _sse({**meta.envelope([], stream=True),
+                        "usage": usage_of([finals[i] for i in range(len(streams))], num_tokens)})
+    except RequestError as e:
+        yield _sse(APIError(str(e), status_code=500, type="internal_server_error").body())
+    finally:
+        close_all(streams)
     yield "data: [DONE]\n\n"
 
 
-async def close_async(stream: RequestStream) -> None:
-    stream.close()
+def close_all(streams: list[RequestStream]) -> None:
+    for stream in streams:
+        stream.close()
 
 
-async def until_disconnect(request: Request, work: Awaitable[dict], stream: RequestStream):
+async def close_async(streams: list[RequestStream]) -> None:
+    close_all(streams)
+
+
+async def until_disconnect(request: Request, work: Awaitable[dict], streams: list[RequestStream]):
     """Await a non-streamed answer, unless the client hangs up first: then cancel it (which aborts the
-    request through `async with stream`) instead of computing an answer nobody will read."""
+    requests) instead of computing an answer nobody will read."""
     async def disconnected() -> None:
         while (await request.receive())["type"] != "http.disconnect":
             pass
@@ -284,7 +394,7 @@ async def until_disconnect(request: Request, work: Awaitable[dict], stream: Requ
         watcher.cancel()
         if not answer.done():
             answer.cancel()
-            stream.close()
+            close_all(streams)
     if not answer.done() or answer.cancelled():
         with contextlib.suppress(asyncio.CancelledError):
             await answer                      # let the cancellation finish before answering nobody

@@ -2,8 +2,9 @@
 
 Owns: reading a request body (JSON object, field types, ranges, unsupported options) into engine terms
 (a prompt and SamplingParams), the error body every bad request gets, and the shapes of the response
-bodies and stream chunks. Pure functions of the body: no engine, no HTTP. Anything wrong raises APIError
-naming the field (OpenAI's `param`), which the server turns into a 400:
+bodies and stream chunks. Pure functions of the body: no engine, no HTTP. Nothing is accepted and ignored:
+a field a route does not read (ACCEPTED_FIELDS) is refused. Anything wrong raises APIError naming the field
+(OpenAI's `param`), which the server turns into a 400 (a 404 for a model not served here):
 
     {"error": {"message": "temperature is -1; it must be >= 0 (0 means greedy).",
                "type": "invalid_request_error", "param": "temperature", "code": null}}
@@ -11,6 +12,7 @@ naming the field (OpenAI's `param`), which the server turns into a 400:
 
 from __future__ import annotations
 
+import difflib
 import json
 import math
 import sys
@@ -22,19 +24,60 @@ from minivllm.outputs import RequestOutput
 CHAT_ROLES = ("system", "developer", "user", "assistant")
 INT64 = (-(2 ** 63), 2 ** 63 - 1)     # torch generators and tensors take no wider ints
 FLOAT_MAX = sys.float_info.max       # a JSON integer beyond it is valid JSON but fits no float
-# Fields that change the answer in ways minivllm does not implement: refused unless left at their default.
-UNSUPPORTED = {"logprobs": (None, False), "top_logprobs": (None, 0), "echo": (None, False), "suffix": (None,),
-               "best_of": (None, 1), "presence_penalty": (None, 0), "frequency_penalty": (None, 0),
-               "repetition_penalty": (None, 1), "logit_bias": (None, {}), "tools": (None, []),
-               "functions": (None, []), "tool_choice": (None, "none"),
-               "response_format": (None, {"type": "text"})}
+MAX_PROMPTS = 1024                   # prompts in one /v1/completions request
+
+# What each route reads, field by field. Anything else in a body is a 400 naming the field: a typo, or a
+# field vLLM or OpenAI knows that minivllm does not implement (NOT_IMPLEMENTED says which). Implementing a
+# sampling option is one line: move it from NOT_IMPLEMENTED to SAMPLING_FIELDS (and read it below).
+SAMPLING_FIELDS = {"temperature", "top_p", "top_k", "seed", "n", "max_tokens", "stop", "stop_token_ids",
+                   "ignore_eos", "skip_special_tokens", "include_stop_str_in_output"}
+COMMON_FIELDS = {"model", "stream", "stream_options", "user"} | SAMPLING_FIELDS
+CHAT_TEMPLATE_FIELDS = {"add_generation_prompt", "continue_final_message", "chat_template"}
+ACCEPTED_FIELDS = {
+    "/v1/completions": COMMON_FIELDS | {"prompt"},
+    "/v1/chat/completions": COMMON_FIELDS | CHAT_TEMPLATE_FIELDS | {"messages", "max_completion_tokens"},
+    "/tokenize": {"model", "prompt", "messages", "add_special_tokens"} | CHAT_TEMPLATE_FIELDS,
+    "/detokenize": {"model", "tokens"},
+}
+# Fields vLLM or OpenAI define that change the answer in ways minivllm does not (yet) implement: refused
+# unless left at a value that means "off" (clients such as vLLM's benchmark send some of them that way).
+NOT_IMPLEMENTED = {
+    "logprobs": (None, False), "top_logprobs": (None, 0), "prompt_logprobs": (None,), "echo": (None, False),
+    "suffix": (None,), "best_of": (None, 1), "use_beam_search": (None, False), "length_penalty": (None, 1),
+    "presence_penalty": (None, 0), "frequency_penalty": (None, 0), "repetition_penalty": (None, 1),
+    "min_p": (None, 0), "min_tokens": (None, 0), "bad_words": (None, []), "allowed_token_ids": (None,),
+    "logit_bias": (None, {}), "response_format": (None, {"type": "text"}), "structured_outputs": (None,),
+    "guided_json": (None,), "guided_regex": (None,), "guided_choice": (None,), "guided_grammar": (None,),
+    "guided_decoding_backend": (None,), "guided_whitespace_pattern": (None,), "tools": (None, []),
+    "functions": (None, []), "tool_choice": (None, "none"), "parallel_tool_calls": (None,),
+    "truncate_prompt_tokens": (None,), "chat_template_kwargs": (None, {}), "documents": (None,),
+    "spaces_between_special_tokens": (None, True), "return_tokens_as_token_ids": (None, False),
+}
+
+
+def check_fields(body: dict, route: str) -> None:
+    """Refuse any field `route` does not read, naming it (and the field meant, for a typo)."""
+    accepted = ACCEPTED_FIELDS[route]
+    for name, value in body.items():
+        if name in accepted:
+            continue
+        if name in NOT_IMPLEMENTED:
+            if any(value == off and isinstance(value, bool) == isinstance(off, bool)
+                   for off in NOT_IMPLEMENTED[name]):
+                continue
+            raise APIError(f"'{name}' is {describe(value)}; minivllm does not implement it. Leave it out (or "
+                           f"at {json.dumps(NOT_IMPLEMENTED[name][-1])}).", param=name)
+        close = difflib.get_close_matches(name, sorted(accepted), n=1)
+        hint = f"Did you mean '{close[0]}'? " if close else ""
+        raise APIError(f"'{name}' is not a field of {route}; {hint}The fields it takes are: "
+                       f"{', '.join(sorted(accepted))}.", param=name)
 
 
 class APIError(Exception):
     """Becomes OpenAI's error body. `param` names the offending field, as OpenAI does."""
 
     def __init__(self, message: str, param: str | None = None, status_code: int = 400,
-                 type: str = "invalid_request_error", code: str | None = None):
+                 type: str = "invalid_request_error", code: str | int | None = None):
         super().__init__(message)
         self.message, self.param, self.status_code, self.type, self.code = message, param, status_code, type, code
 
@@ -117,8 +160,9 @@ def json_type(value) -> str:
 def check_model(body: dict, accepted_names: set[str], served_name: str) -> None:
     model = read_field(body, "model", "string")
     if model is not None and model not in accepted_names:
-        raise APIError(f"model {describe(model)} is not served here; this server serves '{served_name}' (see "
-                       "/v1/models).", param="model", code="model_not_found")
+        # vLLM's answer: 404, type "NotFoundError", code 404.
+        raise APIError(f"The model {describe(model)} does not exist; this server serves '{served_name}' (see "
+                       "/v1/models).", param="model", status_code=404, type="NotFoundError", code=404)
 
 
 def requested_max_tokens(body: dict, chat: bool) -> tuple[str, int | None]:
@@ -133,14 +177,7 @@ def requested_max_tokens(body: dict, chat: bool) -> tuple[str, int | None]:
 
 def sampling_params_from_body(body: dict, chat: bool, default_max_tokens: int) -> SamplingParams:
     """The request's SamplingParams; raises APIError naming the field for anything wrong or unsupported."""
-    for name, defaults in UNSUPPORTED.items():
-        if name in body and body[name] not in defaults:
-            raise APIError(f"'{name}' is {describe(body[name])}; minivllm does not support it. Leave it "
-                           f"out (or at {json.dumps(defaults[-1])}).", param=name)
-    n = read_field(body, "n", "int", 1)
-    if n != 1:
-        raise APIError(f"'n' is {n}; minivllm generates one choice per request (n=1). Send the request "
-                       "several times (with different seeds) instead.", param="n")
+    check_fields(body, "/v1/chat/completions" if chat else "/v1/completions")
     max_tokens_name, max_tokens = requested_max_tokens(body, chat)
     stop = body.get("stop")
     if stop is not None and not (isinstance(stop, str) or (isinstance(stop, list)
@@ -156,10 +193,12 @@ def sampling_params_from_body(body: dict, chat: bool, default_max_tokens: int) -
         top_p=read_field(body, "top_p", "number", 1.0),
         top_k=read_field(body, "top_k", "int", -1),
         seed=read_field(body, "seed", "int"),
+        n=read_field(body, "n", "int", 1),
         max_tokens=max_tokens if max_tokens is not None else default_max_tokens,
         stop=stop, stop_token_ids=stop_token_ids,
         ignore_eos=read_field(body, "ignore_eos", "bool", False),
         skip_special_tokens=read_field(body, "skip_special_tokens", "bool", True),
+        include_stop_str_in_output=read_field(body, "include_stop_str_in_output", "bool", False),
     )
     try:
         # Every request runs as deltas: a stream forwards each new piece, a full answer joins them (O(n) both).
@@ -174,7 +213,7 @@ def sampling_params_from_body(body: dict, chat: bool, default_max_tokens: int) -
 @dataclass(frozen=True)
 class ParsedRequest:
     """A request body checked and turned into engine terms; what the completion routes share."""
-    prompt: str | list[int]
+    prompts: list[str | list[int]]   # /v1/completions takes several; chat has one
     body: dict
     stream: bool
     include_usage: bool
@@ -192,22 +231,24 @@ def parse_stream(body: dict) -> tuple[bool, bool]:
     return stream, read_field(options, "include_usage", "bool", False)
 
 
-def parse_prompt(body: dict) -> str | list[int]:
-    """A completion prompt: a string or a list of token ids (or a list holding exactly one of those)."""
+def parse_prompt(body: dict) -> list[str | list[int]]:
+    """Completion prompts: a string, a list of token ids, or a list of those (a batch: one choice each)."""
     prompt = body.get("prompt")
     if prompt is None:
-        raise APIError("'prompt' is required: a string, or a list of token ids.", param="prompt")
-    if isinstance(prompt, list) and len(prompt) == 1 and isinstance(prompt[0], (str, list)):
-        prompt = prompt[0]                      # a batch of one
-    if isinstance(prompt, str):
-        return read_text(prompt, "prompt")
-    if isinstance(prompt, list) and all(isinstance(t, int) and not isinstance(t, bool) for t in prompt):
-        return list(prompt)
-    if isinstance(prompt, list) and prompt and all(isinstance(p, (str, list)) for p in prompt):
-        raise APIError(f"'prompt' is a batch of {len(prompt)} prompts; minivllm takes one prompt per request. "
-                       "Send one request per prompt (they are batched on the server anyway).", param="prompt")
-    raise APIError(f"'prompt' is {describe(prompt)}; it must be a string or a list of token ids.",
-                   param="prompt")
+        raise APIError("'prompt' is required: a string, a list of token ids, or a list of those.", param="prompt")
+    if isinstance(prompt, str) or is_token_ids(prompt):
+        prompt = [prompt]
+    if not isinstance(prompt, list) or not prompt or not all(isinstance(p, str) or is_token_ids(p) for p in prompt):
+        raise APIError(f"'prompt' is {describe(prompt)}; it must be a string, a list of token ids, or a "
+                       "non-empty list of those.", param="prompt")
+    if len(prompt) > MAX_PROMPTS:
+        raise APIError(f"'prompt' holds {len(prompt)} prompts; one request takes at most {MAX_PROMPTS}. "
+                       "Split it into several requests.", param="prompt")
+    return [read_text(p, "prompt") if isinstance(p, str) else list(p) for p in prompt]
+
+
+def is_token_ids(value) -> bool:
+    return isinstance(value, list) and all(isinstance(t, int) and not isinstance(t, bool) for t in value)
 
 
 def parse_messages(body: dict) -> list[dict]:
@@ -246,6 +287,33 @@ def parse_messages(body: dict) -> list[dict]:
     return out
 
 
+def parse_chat_options(body: dict, default_add_generation_prompt: bool = True) -> dict:
+    """The chat template's options, as apply_chat_template takes them. continue_final_message leaves the
+    last (assistant) message open for the model to continue; it excludes add_generation_prompt, as in vLLM."""
+    options = {"add_generation_prompt": read_field(body, "add_generation_prompt", "bool",
+                                                   default_add_generation_prompt),
+               "continue_final_message": read_field(body, "continue_final_message", "bool", False)}
+    if options["continue_final_message"]:
+        if body.get("add_generation_prompt"):
+            raise APIError("'continue_final_message' and 'add_generation_prompt' are both true; the final "
+                           "message is either continued or followed by a new one. Set one of them to false.",
+                           param="continue_final_message")
+        options["add_generation_prompt"] = False
+    template = read_field(body, "chat_template", "string")
+    if template is not None:
+        options["chat_template"] = read_text(template, "chat_template")
+    return options
+
+
+def parse_token_ids(body: dict, name: str, vocab_size: int) -> list[int]:
+    """body[name] as a list of token ids, each in [0, vocab_size)."""
+    ids = body.get(name)
+    if not is_token_ids(ids) or not all(0 <= t < vocab_size for t in ids):
+        raise APIError(f"'{name}' is {'missing' if ids is None else describe(ids)}; it must be a list of token "
+                       f"ids in [0, {vocab_size}).", param=name)
+    return ids
+
+
 # ---------------------------------------------------------------------- responses
 @dataclass(frozen=True)
 class ResponseMeta:
@@ -261,19 +329,20 @@ class ResponseMeta:
                 "choices": choices}
 
 
-def usage_of(final: RequestOutput, completion_tokens: int) -> dict:
-    """The usage object: prompt and cached tokens from the request's final output; completion tokens counted
-    over its deltas by the caller."""
-    prompt_tokens = len(final.prompt_token_ids)
+def usage_of(finals: list[RequestOutput], completion_tokens: int) -> dict:
+    """The usage object: prompt and cached tokens from each prompt's final output (counted once per prompt,
+    whatever n is, as vLLM does); completion tokens counted over all deltas of all samples by the caller."""
+    prompt_tokens = sum(len(f.prompt_token_ids) for f in finals)
     return {"prompt_tokens": prompt_tokens, "completion_tokens": completion_tokens,
             "total_tokens": prompt_tokens + completion_tokens,
-            "prompt_tokens_details": {"cached_tokens": final.num_cached_tokens}}
+            "prompt_tokens_details": {"cached_tokens": sum(f.num_cached_tokens for f in finals)}}
 
 
-def make_choice(meta: ResponseMeta, text: str, finish_reason: str | None, stop_reason, stream: bool,
+def make_choice(meta: ResponseMeta, index: int, text: str, finish_reason: str | None, stop_reason, stream: bool,
                 first: bool = False) -> dict:
-    """One entry of `choices`: a chat message, a chat stream delta (the first one carries the role), or text."""
-    choice: dict = {"index": 0}
+    """One entry of `choices`: a chat message, a chat stream delta (the first one carries the role), or text.
+    index: prompt_index * n + sample_index, as vLLM numbers the choices of a batch of prompts."""
+    choice: dict = {"index": index}
     if meta.chat and stream:
         choice["delta"] = ({"role": "assistant", "content": text} if first else {"content": text}) \
             if (first or text) else {}
