@@ -67,6 +67,7 @@ class Request:
     num_preemptions: int = 0
     stop_reason: int | str | None = None  # the stop string or stop token that ended it
     generator: torch.Generator | None = None   # per-request RNG when sampling_params.seed is set
+    bad_words_token_ids: list[list[int]] = field(default_factory=list)   # sampling_params.bad_words, tokenized
 
     def __post_init__(self) -> None:
         self.all_token_ids = list(self.prompt_token_ids)   # prompt + outputs, appended as we go

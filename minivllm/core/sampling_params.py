@@ -37,6 +37,17 @@ class SamplingParams:
     ignore_eos: keep generating past EOS (benchmarks use this to fix the output length).
     skip_special_tokens: leave special tokens such as <|im_end|> out of the text.
     output_kind: CUMULATIVE (default), DELTA (streaming) or FINAL_ONLY outputs (RequestOutputKind).
+
+    Penalties and filters (vLLM's; the sampler applies them to the raw logits, so greedy rows feel them too):
+    presence_penalty: subtract this from every token already in the output (-2..2; > 0 favours new tokens).
+    frequency_penalty: subtract this times the token's count in the output (-2..2).
+    repetition_penalty: for tokens in the prompt or the output, divide positive logits and multiply negative
+        ones by this (> 0; 1 is off; > 1 discourages repeats), as Hugging Face's repetition_penalty.
+    min_p: after temperature, drop tokens whose probability is below min_p times the top token's (0..1; 0 is off).
+    min_tokens: EOS and stop_token_ids cannot be sampled until this many tokens were generated.
+    bad_words: words that must never be generated (each tokenized with and without a leading space).
+    allowed_token_ids: only these token ids can be generated.
+    logit_bias: {token_id: bias} added to the logits (bias clamped to [-100, 100], as vLLM does).
     """
 
     temperature: float = 1.0
@@ -51,6 +62,14 @@ class SamplingParams:
     include_stop_str_in_output: bool = False
     output_kind: RequestOutputKind = RequestOutputKind.CUMULATIVE
     n: int = 1
+    presence_penalty: float = 0.0
+    frequency_penalty: float = 0.0
+    repetition_penalty: float = 1.0
+    min_p: float = 0.0
+    min_tokens: int = 0
+    bad_words: list[str] | None = None
+    allowed_token_ids: list[int] | None = None
+    logit_bias: dict[int, float] | None = None
 
     def __post_init__(self) -> None:
         if isinstance(self.stop, str):
@@ -90,6 +109,58 @@ class SamplingParams:
         for t in self.stop_token_ids:
             if not isinstance(t, int) or isinstance(t, bool) or t < 0:
                 raise ValueError(f"stop_token_ids contains {t!r}; each must be a non-negative int.")
+        self._check_penalties_and_filters()
+
+    def _check_penalties_and_filters(self) -> None:
+        for name in ("presence_penalty", "frequency_penalty"):
+            value = getattr(self, name)
+            _check_number(name, value, (int, float))
+            if not -2 <= value <= 2:
+                raise ValueError(f"{name} is {value}; it must be in [-2, 2] (0 is off).")
+        _check_number("repetition_penalty", self.repetition_penalty, (int, float))
+        if self.repetition_penalty <= 0:
+            raise ValueError(f"repetition_penalty is {self.repetition_penalty}; it must be > 0 "
+                             "(1 is off; above 1 discourages repeats).")
+        _check_number("min_p", self.min_p, (int, float))
+        if not 0 <= self.min_p <= 1:
+            raise ValueError(f"min_p is {self.min_p}; it must be in [0, 1] (0 is off).")
+        _check_number("min_tokens", self.min_tokens, (int,))
+        if not 0 <= self.min_tokens <= self.max_tokens:
+            raise ValueError(f"min_tokens is {self.min_tokens}; it must be in [0, max_tokens={self.max_tokens}].")
+        if self.bad_words is not None:
+            if isinstance(self.bad_words, str) or not isinstance(self.bad_words, (list, tuple)):
+                raise ValueError(f"bad_words is {self.bad_words!r}; it must be a list of strings.")
+            self.bad_words = list(self.bad_words)
+            for w in self.bad_words:
+                if not isinstance(w, str) or not w.strip():
+                    raise ValueError(f"bad_words contains {w!r}; each bad word must be a non-empty string.")
+        if self.allowed_token_ids is not None:
+            if not isinstance(self.allowed_token_ids, (list, tuple)) or not self.allowed_token_ids:
+                raise ValueError(f"allowed_token_ids is {self.allowed_token_ids!r}; it must be a non-empty list "
+                                 "of token ids (None allows all).")
+            self.allowed_token_ids = list(self.allowed_token_ids)
+            for t in self.allowed_token_ids:
+                if not isinstance(t, int) or isinstance(t, bool) or t < 0:
+                    raise ValueError(f"allowed_token_ids contains {t!r}; each must be a non-negative int.")
+        if self.logit_bias is not None:
+            if not isinstance(self.logit_bias, dict):
+                raise ValueError(f"logit_bias is {self.logit_bias!r}; it must be a dict {{token_id: bias}}.")
+            bias = {}
+            for t, b in self.logit_bias.items():
+                if isinstance(t, str) and t.strip().isdigit():     # JSON keys arrive as strings
+                    t = int(t)
+                if not isinstance(t, int) or isinstance(t, bool) or t < 0:
+                    raise ValueError(f"logit_bias has key {t!r}; keys must be non-negative token ids.")
+                _check_number(f"logit_bias[{t}]", b, (int, float))
+                bias[t] = float(min(max(b, -100.0), 100.0))        # vLLM's clamp
+            self.logit_bias = bias
+
+    @property
+    def uses_logits_processing(self) -> bool:
+        """True when the sampler has to change this request's raw logits (penalties, masks, bias)."""
+        return (self.presence_penalty != 0 or self.frequency_penalty != 0 or self.repetition_penalty != 1
+                or self.min_tokens > 0 or bool(self.bad_words) or self.allowed_token_ids is not None
+                or bool(self.logit_bias))
 
     @property
     def greedy(self) -> bool:

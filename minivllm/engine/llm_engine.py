@@ -131,6 +131,10 @@ class LLMEngine:
         bad = [t for t in token_ids if not isinstance(t, int) or isinstance(t, bool) or not 0 <= t < vocab]
         if bad:
             raise ValueError(f"prompt_token_ids contains {bad[:3]}; token ids must be ints in [0, {vocab}).")
+        for name, ids in (("allowed_token_ids", params.allowed_token_ids), ("logit_bias", params.logit_bias)):
+            outside = [t for t in ids or () if t >= vocab]
+            if outside:
+                raise ValueError(f"{name} has token id(s) {outside[:3]}; token ids must be in [0, {vocab}).")
         if n >= self.max_model_len:
             raise ValueError(f"prompt has {n} tokens; max_model_len is {self.max_model_len}, which leaves no "
                              f"room for output. Shorten the prompt or raise max_model_len.")
@@ -144,6 +148,17 @@ class LLMEngine:
                 f"{self.config.block_size} tokens, but the whole pool has {kv.num_blocks} "
                 f"blocks ({kv.num_blocks * self.config.block_size} tokens). Lower max_tokens, "
                 "shorten the prompt, or raise num_kv_blocks.")
+
+    def bad_words_token_ids(self, params: SamplingParams) -> list[list[int]]:
+        """Each bad word as token ids, as vLLM tokenizes them: as written (leading spaces stripped), and with one
+        leading space when that gives a different first token and as many tokens (the word inside a text)."""
+        out: list[list[int]] = []
+        for word in params.bad_words or []:
+            out.append(self.tokenizer.encode(word.lstrip(), add_special_tokens=False))
+            spaced = self.tokenizer.encode(" " + word.lstrip(), add_special_tokens=False)
+            if spaced[0] != out[-1][0] and len(spaced) == len(out[-1]):
+                out.append(spaced)
+        return out
 
     def add_request(self, prompt: PromptType, sampling_params: SamplingParams | None = None,
                     request_id: str | None = None, priority: int = 0) -> Request | ParentRequest:
@@ -161,7 +176,8 @@ class LLMEngine:
         if any(i in self.requests for i in ids) or request_id in self.output_processor.parents:
             raise ValueError(f"request_id {request_id!r} is already in use.")
         reqs = [Request(rid, token_ids, params if parent is None else parent.child_params(i),
-                        eos_token_ids=self.eos_token_ids, priority=priority) for i, rid in enumerate(ids)]
+                        eos_token_ids=self.eos_token_ids, priority=priority,
+                        bad_words_token_ids=self.bad_words_token_ids(params)) for i, rid in enumerate(ids)]
         added = []
         try:
             for req in reqs:                        # the only step that can refuse; nothing recorded before it

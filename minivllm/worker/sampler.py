@@ -1,7 +1,13 @@
 """Sampler: one token per row of logits, each row with its own SamplingParams.
 
-Owns: temperature, top-k, top-p and the random draw. It reads `request.sampling_params` and, for
-seeded requests, advances `request.generator`; it changes nothing else.
+Owns: the penalties and filters, temperature, min-p, top-k, top-p and the random draw. It reads
+`request.sampling_params`, the request's tokens and `bad_words_token_ids`, and, for seeded requests, advances
+`request.generator`; it changes nothing else.
+
+The order is vLLM v1's: on the raw logits, allowed_token_ids, bad_words, min_tokens and logit_bias, then the
+repetition, frequency and presence penalties (so greedy rows feel all of these); then greedy rows take the
+argmax; the others divide by temperature, drop tokens under min_p, then apply top-k / top-p and draw.
+A batch where no request uses a penalty or filter skips all of it.
 
 Sampling uses the "exponential race": argmax(probs / E) with E ~ Exp(1) per token is an exact draw
 from `probs`. A seeded request draws its E from its own generator, so its tokens do not depend on
@@ -46,6 +52,8 @@ class Sampler:
     def __call__(self, logits: torch.Tensor, requests: list[Request]) -> list[int]:
         # logits (num_rows, vocab_size) fp32, one row per request that samples this step
         params = [r.sampling_params for r in requests]
+        if any(p.uses_logits_processing for p in params):
+            logits = apply_penalties_and_filters(logits, requests)
         greedy = torch.tensor([p.greedy for p in params])
         if bool(greedy.all()):
             return logits.argmax(dim=-1).tolist()
@@ -53,6 +61,9 @@ class Sampler:
         device = logits.device
         temperature = torch.tensor([p.temperature if not p.greedy else 1.0 for p in params], device=device)
         logits = logits / temperature[:, None]
+        min_p = [p.min_p for p in params]
+        if any(m > 0 for m in min_p):
+            logits = apply_min_p(logits, min_p)
         top_k = [p.top_k for p in params]
         top_p = [p.top_p for p in params]
         if any(k > 0 for k in top_k) or any(p < 1.0 for p in top_p):
@@ -87,3 +98,90 @@ def apply_top_k_top_p(logits: torch.Tensor, top_k: list[int], top_p: list[float]
     drop |= mass_before >= p[:, None]                     # keep the smallest set reaching top_p (>= 1 token)
     sorted_logits = sorted_logits.masked_fill(drop, float("-inf"))
     return torch.empty_like(logits).scatter_(1, order, sorted_logits)
+
+
+def apply_min_p(logits: torch.Tensor, min_p: list[float]) -> torch.Tensor:
+    """Set logits whose probability is below min_p x the row's top probability to -inf (min_p 0 keeps all)."""
+    probs = logits.softmax(dim=-1)                                           # (rows, vocab)
+    threshold = torch.tensor(min_p, device=logits.device, dtype=probs.dtype)[:, None] * probs.amax(-1, keepdim=True)
+    return logits.masked_fill(probs < threshold, float("-inf"))
+
+
+def _padded(rows: list[list[int]], pad: int, device: torch.device, left: bool = False) -> torch.Tensor:
+    """A (len(rows), longest) int64 tensor of the rows, padded with `pad` (on the left when `left`)."""
+    width = max((len(r) for r in rows), default=0)
+    out = [([pad] * (width - len(r)) + r) if left else (r + [pad] * (width - len(r))) for r in rows]
+    return torch.tensor(out, dtype=torch.long, device=device).reshape(len(rows), width)
+
+
+def apply_penalties_and_filters(logits: torch.Tensor, requests: list[Request]) -> torch.Tensor:
+    """vLLM's masks, bias and penalties on the raw logits (num_rows, vocab); returns a new tensor.
+
+    Only small index tensors are built from the requests; every change to the logits is one batched op.
+    Rows whose request uses none of these come out unchanged (their factors are 1 and 0, exact in fp32)."""
+    logits = logits.clone()
+    num_rows, vocab = logits.shape
+    device = logits.device
+    params = [r.sampling_params for r in requests]
+    neg_inf = float("-inf")
+
+    # allowed_token_ids: everything else is -inf.
+    restricted = [i for i, p in enumerate(params) if p.allowed_token_ids is not None]
+    if restricted:
+        mask = torch.zeros(num_rows, vocab, dtype=torch.bool, device=device)
+        mask[restricted] = True
+        rows = [i for i in restricted for _ in params[i].allowed_token_ids]
+        cols = [t for i in restricted for t in params[i].allowed_token_ids]
+        mask[torch.tensor(rows, device=device), torch.tensor(cols, device=device)] = False
+        logits.masked_fill_(mask, neg_inf)
+
+    # bad_words: a word's last token is banned when the output ends with the word's other tokens.
+    words = [(i, w) for i, r in enumerate(requests) for w in r.bad_words_token_ids]
+    if words:
+        prefix_len = max(len(w) for _, w in words) - 1
+        word_rows = torch.tensor([i for i, _ in words], device=device)
+        last = torch.tensor([w[-1] for _, w in words], device=device)
+        if prefix_len == 0:
+            match = torch.ones(len(words), dtype=torch.bool, device=device)
+        else:
+            prefixes = _padded([w[:-1] for _, w in words], -1, device, left=True)       # (words, prefix_len)
+            tails = _padded([r.output_token_ids[-prefix_len:] for r in requests], -2, device, left=True)
+            tails = torch.cat([torch.full((num_rows, prefix_len - tails.shape[1]), -2, device=device), tails], 1)
+            match = ((prefixes == tails[word_rows]) | (prefixes == -1)).all(dim=-1)    # (words,)
+        logits[word_rows[match], last[match]] = neg_inf
+
+    # min_tokens: EOS (unless ignore_eos) and the stop tokens are banned until min_tokens were generated.
+    stops = [(i, t) for i, r in enumerate(requests) if r.num_output_tokens < r.sampling_params.min_tokens
+             for t in set(r.sampling_params.stop_token_ids) | (set() if r.sampling_params.ignore_eos
+                                                                 else set(r.eos_token_ids))]
+    if stops:
+        logits[torch.tensor([i for i, _ in stops], device=device),
+               torch.tensor([t for _, t in stops], device=device)] = neg_inf
+
+    # logit_bias: added to the logits.
+    bias = [(i, t, b) for i, p in enumerate(params) if p.logit_bias for t, b in p.logit_bias.items()]
+    if bias:
+        logits.index_put_((torch.tensor([i for i, _, _ in bias], device=device),
+                           torch.tensor([t for _, t, _ in bias], device=device)),
+                          torch.tensor([b for _, _, b in bias], device=device, dtype=logits.dtype), accumulate=True)
+
+    # Penalties. counts[i, t]: how often token t is in row i's output; seen: in its prompt or output.
+    penalized = [p.repetition_penalty != 1 or p.presence_penalty != 0 or p.frequency_penalty != 0 for p in params]
+    if any(penalized):
+        outputs = _padded([r.output_token_ids if pen else [] for r, pen in zip(requests, penalized)], vocab, device)
+        counts = torch.zeros(num_rows, vocab + 1, device=device, dtype=logits.dtype)  # +1: the padding column
+        counts.scatter_add_(1, outputs, torch.ones(outputs.shape, device=device, dtype=logits.dtype))
+        counts = counts[:, :vocab]                                                     # (rows, vocab)
+        rep = torch.tensor([p.repetition_penalty for p in params], device=device, dtype=logits.dtype)[:, None]
+        if bool((rep != 1).any()):
+            prompts = _padded([r.prompt_token_ids if p.repetition_penalty != 1 else []
+                               for r, p in zip(requests, params)], vocab, device)
+            seen = torch.zeros(num_rows, vocab + 1, dtype=torch.bool, device=device)
+            seen.scatter_(1, prompts, True)
+            seen = seen[:, :vocab] | (counts > 0)
+            factor = torch.where(seen, rep, torch.ones_like(rep))                     # (rows, vocab)
+            logits = torch.where(logits > 0, logits / factor, logits * factor)
+        freq = torch.tensor([p.frequency_penalty for p in params], device=device, dtype=logits.dtype)[:, None]
+        presence = torch.tensor([p.presence_penalty for p in params], device=device, dtype=logits.dtype)[:, None]
+        logits = logits - freq * counts - presence * (counts > 0).to(logits.dtype)
+    return logits
