@@ -380,7 +380,10 @@ BAD_REQUESTS = [
     ("stream_options_without_stream", "chat", {"messages": CHAT, "stream_options": {"include_usage": True}},
      "stream_options"),
     ("logprobs_unsupported", "completions", {"prompt": "hi", "logprobs": 5}, "logprobs"),
-    ("presence_penalty_unsupported", "chat", {"messages": CHAT, "presence_penalty": 0.5}, "presence_penalty"),
+    ("presence_penalty_out_of_range", "chat", {"messages": CHAT, "presence_penalty": 2.5}, "presence_penalty"),
+    ("logit_bias_key_not_a_token_id", "completions", {"prompt": "hi", "logit_bias": {"abc": 1}}, "logit_bias"),
+    ("logit_bias_not_a_number", "completions", {"prompt": "hi", "logit_bias": {"42": "x"}}, "logit_bias"),
+    ("min_p_wrong_type", "chat", {"messages": CHAT, "min_p": "0.1"}, "min_p"),
     ("missing_messages", "chat", {"model": MODEL}, "messages"),
     ("empty_messages", "chat", {"messages": []}, "messages"),
     ("messages_not_a_list", "chat", {"messages": "hello"}, "messages"),
@@ -575,11 +578,10 @@ def test_bench_serve_streams_poisson_requests_and_reports_latencies(server, tmp_
 
 # ---------------------------------------------------------------------- no silent acceptance (issue 14, part 5)
 # Each of these was once accepted and ignored: the caller believed it had an effect.
-NOT_IMPLEMENTED_VALUES = [("min_p", 0.1), ("min_tokens", 4), ("bad_words", ["Paris"]), ("prompt_logprobs", 1),
+NOT_IMPLEMENTED_VALUES = [("prompt_logprobs", 1), ("logprobs", 2), ("echo", True),
                           ("guided_json", {"type": "object"}), ("guided_regex", "[0-9]+"),
                           ("guided_choice", ["yes", "no"]), ("guided_grammar", "root ::= \"a\""),
-                          ("structured_outputs", {"json": {}}), ("response_format", {"type": "json_object"}),
-                          ("presence_penalty", 0.5), ("logit_bias", {"42": 5})]
+                          ("structured_outputs", {"json": {}}), ("response_format", {"type": "json_object"})]
 
 
 @pytest.mark.parametrize("name,value", NOT_IMPLEMENTED_VALUES, ids=[n for n, _ in NOT_IMPLEMENTED_VALUES])
@@ -589,6 +591,27 @@ def test_an_unimplemented_field_is_a_400_naming_it(client, name, value):
         with pytest.raises(openai.BadRequestError) as e:
             create(model=MODEL, max_tokens=2, **kwargs, extra_body={name: value})
         assert e.value.body["param"] == name and "does not implement" in e.value.message
+
+
+def test_penalties_and_filters_reach_the_sampler(client, llm):
+    """Each field changes the answer exactly as the same SamplingParams do offline (tests/test_penalties.py holds
+    those to Hugging Face and to hand-written references)."""
+    from minivllm import SamplingParams
+
+    prompt = "The capital of France is"
+    fields = dict(repetition_penalty=1.3, presence_penalty=0.5, frequency_penalty=0.5, min_tokens=12,
+                  bad_words=["Paris"])
+    out = client.completions.create(model=MODEL, prompt=prompt, max_tokens=12, temperature=0, extra_body=fields)
+    want = llm.generate(prompt, SamplingParams(temperature=0, max_tokens=12, **fields), use_tqdm=False)[0].outputs[0]
+    plain = llm.generate(prompt, SamplingParams(temperature=0, max_tokens=12), use_tqdm=False)[0].outputs[0]
+    assert out.choices[0].text == want.text != plain.text and "Paris" not in out.choices[0].text
+    token = llm.get_tokenizer().encode(" yes", add_special_tokens=False)[0]
+    biased = client.completions.create(model=MODEL, prompt=prompt, max_tokens=4, temperature=0,
+                                       logit_bias={str(token): 100})
+    assert biased.choices[0].text == " yes" * 4
+    allowed = client.completions.create(model=MODEL, prompt=prompt, max_tokens=4, temperature=0.9, seed=1,
+                                        extra_body={"allowed_token_ids": [token], "min_p": 0.05})
+    assert allowed.choices[0].text == " yes" * 4
 
 
 def test_a_typo_is_a_400_that_names_the_field_meant(client):

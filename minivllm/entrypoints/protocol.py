@@ -30,7 +30,9 @@ MAX_PROMPTS = 1024                   # prompts in one /v1/completions request
 # field vLLM or OpenAI knows that minivllm does not implement (NOT_IMPLEMENTED says which). Implementing a
 # sampling option is one line: move it from NOT_IMPLEMENTED to SAMPLING_FIELDS (and read it below).
 SAMPLING_FIELDS = {"temperature", "top_p", "top_k", "seed", "n", "max_tokens", "stop", "stop_token_ids",
-                   "ignore_eos", "skip_special_tokens", "include_stop_str_in_output"}
+                   "ignore_eos", "skip_special_tokens", "include_stop_str_in_output", "presence_penalty",
+                   "frequency_penalty", "repetition_penalty", "min_p", "min_tokens", "bad_words",
+                   "allowed_token_ids", "logit_bias"}
 COMMON_FIELDS = {"model", "stream", "stream_options", "user"} | SAMPLING_FIELDS
 CHAT_TEMPLATE_FIELDS = {"add_generation_prompt", "continue_final_message", "chat_template"}
 ACCEPTED_FIELDS = {
@@ -44,9 +46,7 @@ ACCEPTED_FIELDS = {
 NOT_IMPLEMENTED = {
     "logprobs": (None, False), "top_logprobs": (None, 0), "prompt_logprobs": (None,), "echo": (None, False),
     "suffix": (None,), "best_of": (None, 1), "use_beam_search": (None, False), "length_penalty": (None, 1),
-    "presence_penalty": (None, 0), "frequency_penalty": (None, 0), "repetition_penalty": (None, 1),
-    "min_p": (None, 0), "min_tokens": (None, 0), "bad_words": (None, []), "allowed_token_ids": (None,),
-    "logit_bias": (None, {}), "response_format": (None, {"type": "text"}), "structured_outputs": (None,),
+    "response_format": (None, {"type": "text"}), "structured_outputs": (None,),
     "guided_json": (None,), "guided_regex": (None,), "guided_choice": (None,), "guided_grammar": (None,),
     "guided_decoding_backend": (None,), "guided_whitespace_pattern": (None,), "tools": (None, []),
     "functions": (None, []), "tool_choice": (None, "none"), "parallel_tool_calls": (None,),
@@ -128,6 +128,24 @@ def read_field(body: dict, name: str, kind: str, default=None):
     return value
 
 
+def read_logit_bias(body: dict) -> dict[int, float] | None:
+    """OpenAI's logit_bias: a JSON object whose keys are token ids written as strings ({"42": 5})."""
+    bias = read_field(body, "logit_bias", "object")
+    if bias is None:
+        return None
+    out = {}
+    for key, value in bias.items():
+        if not (isinstance(key, str) and key.isdigit() and len(key) < 19):
+            raise APIError(f"'logit_bias' has the key {describe(key)}; keys must be token ids, e.g. \"42\".",
+                           param="logit_bias")
+        if isinstance(value, bool) or not isinstance(value, (int, float)) or not math.isfinite(value) \
+                or abs(value) > FLOAT_MAX:
+            raise APIError(f"'logit_bias' gives token {key} the bias {describe(value)}; a bias must be a finite "
+                           "number (vLLM clamps it to [-100, 100]).", param="logit_bias")
+        out[int(key)] = float(value)
+    return out
+
+
 def read_text(text: str, param: str) -> str:
     """A string the tokenizer can take. JSON's \\u escapes can put a lone surrogate (\\ud800) in a Python
     str: no UTF-8 text holds one, and the tokenizer raises TypeError on it."""
@@ -199,6 +217,14 @@ def sampling_params_from_body(body: dict, chat: bool, default_max_tokens: int) -
         ignore_eos=read_field(body, "ignore_eos", "bool", False),
         skip_special_tokens=read_field(body, "skip_special_tokens", "bool", True),
         include_stop_str_in_output=read_field(body, "include_stop_str_in_output", "bool", False),
+        presence_penalty=read_field(body, "presence_penalty", "number", 0.0),
+        frequency_penalty=read_field(body, "frequency_penalty", "number", 0.0),
+        repetition_penalty=read_field(body, "repetition_penalty", "number", 1.0),
+        min_p=read_field(body, "min_p", "number", 0.0),
+        min_tokens=read_field(body, "min_tokens", "int", 0),
+        bad_words=read_field(body, "bad_words", "list"),
+        allowed_token_ids=read_field(body, "allowed_token_ids", "list"),
+        logit_bias=read_logit_bias(body),
     )
     try:
         # Every request runs as deltas: a stream forwards each new piece, a full answer joins them (O(n) both).
