@@ -10,6 +10,14 @@ from dataclasses import dataclass
 from minivllm.core.request import RequestMetrics
 
 
+@dataclass(frozen=True)
+class Logprob:
+    """One token's log-probability (vLLM's name): its rank among the vocabulary (1 = most likely) and its text."""
+    logprob: float
+    rank: int | None = None
+    decoded_token: str | None = None
+
+
 @dataclass
 class CompletionOutput:
     index: int
@@ -17,6 +25,9 @@ class CompletionOutput:
     token_ids: list[int]
     finish_reason: str | None = None      # "stop", "length", "abort", or None while running
     stop_reason: int | str | None = None  # the stop string or stop token id that ended it
+    # With SamplingParams(logprobs=k): per output token, {token id: Logprob} for the sampled token and the top k
+    logprobs: list[dict[int, Logprob]] | None = None
+    cumulative_logprob: float | None = None   # the sum of the sampled tokens' logprobs
 
     @property
     def finished(self) -> bool:

@@ -539,7 +539,7 @@ def test_a_sigint_at_any_line_of_a_steps_bookkeeping_leaves_a_working_engine(eng
     def execute_model(sched):
         sampling = [r for r in sched.scheduled
                     if r.num_computed_tokens + sched.num_scheduled_tokens[r.request_id] == r.num_tokens]
-        return sampling, [1000 + r.num_tokens for r in sampling]
+        return sampling, [1000 + r.num_tokens for r in sampling], None
     engine.executor.execute_model = execute_model
     try:
         for warm in (0, 1, 3):                # interrupt the first step, or one with running requests and hits

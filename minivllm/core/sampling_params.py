@@ -30,6 +30,8 @@ class SamplingParams:
     top_k: keep the k most likely tokens; -1 (or 0) keeps all.
     seed: a per-request seed: the same seed gives the same tokens whatever else is in the batch.
     n: how many completions to generate for the prompt (parallel sampling: the prompt's KV blocks are shared).
+    logprobs: None, or k in [0, 20]: each output token's log-probability and rank, and the k most likely tokens
+        (the model's log-softmax, before penalties, temperature and top-k/top-p, as vLLM's default).
     max_tokens: the most tokens to generate (the output may stop earlier on EOS or a stop string).
     stop: strings that end generation; the stop string itself is not included in the text.
     stop_token_ids: token ids that end generation (kept in token_ids, like EOS, but not in the text).
@@ -62,6 +64,7 @@ class SamplingParams:
     include_stop_str_in_output: bool = False
     output_kind: RequestOutputKind = RequestOutputKind.CUMULATIVE
     n: int = 1
+    logprobs: int | None = None
     presence_penalty: float = 0.0
     frequency_penalty: float = 0.0
     repetition_penalty: float = 1.0
@@ -97,6 +100,11 @@ class SamplingParams:
         _check_number("n", self.n, (int,))
         if not 1 <= self.n <= MAX_N:
             raise ValueError(f"n is {self.n}; it must be in [1, {MAX_N}] (completions per prompt).")
+        if self.logprobs is not None:
+            _check_number("logprobs", self.logprobs, (int,))
+            if not 0 <= self.logprobs <= MAX_LOGPROBS:
+                raise ValueError(f"logprobs is {self.logprobs}; it must be in [0, {MAX_LOGPROBS}] (how many of the "
+                                 "most likely tokens to return beside the sampled one), or None for no logprobs.")
         if not isinstance(self.output_kind, RequestOutputKind):
             raise ValueError(f"output_kind is {self.output_kind!r}; use a RequestOutputKind "
                              f"({', '.join(k.name for k in RequestOutputKind)}).")
@@ -178,6 +186,7 @@ class SamplingParams:
 
 INT64_MAX = 2 ** 63 - 1
 MAX_N = 128                 # completions per prompt: each is a sequence in the batch
+MAX_LOGPROBS = 20           # vLLM's default max_logprobs
 
 
 def _check_number(name: str, value, types: tuple) -> None:

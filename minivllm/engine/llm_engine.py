@@ -225,10 +225,11 @@ class LLMEngine:
                     return []
                 rng_state = sampler.get_rng_state(sched.scheduled)
                 with self._sigint.open():
-                    sampling_reqs, tokens = self.executor.execute_model(sched)
+                    sampling_reqs, tokens, logprobs = self.executor.execute_model(sched)
                 sampled = {req.request_id: tok for req, tok in zip(sampling_reqs, tokens)}
                 core_outputs = scheduler.update_from_output(sched, sampled)
-                update = self.output_processor.process_outputs(core_outputs)
+                update = self.output_processor.process_outputs(
+                    core_outputs, logprobs and {r.request_id: lp for r, lp in zip(sampling_reqs, logprobs)})
                 for req, stop_string in update.stop_strings:
                     scheduler.finish_request(req, RequestStatus.FINISHED_STOPPED, stop_string)
                 self._sigint.raise_if_held()    # the last point a held Ctrl-C can still fail the step

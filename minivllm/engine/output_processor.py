@@ -28,7 +28,8 @@ from minivllm.core.sampling_params import RequestOutputKind, SamplingParams
 from minivllm.core.scheduler import EngineCoreOutput
 from minivllm.engine.detokenizer import DetokState, detokenize_incrementally, find_stop_string
 from minivllm.engine.parallel_sampling import ParentRequest
-from minivllm.outputs import CompletionOutput, RequestOutput
+from minivllm.outputs import CompletionOutput, Logprob, RequestOutput
+from minivllm.worker.logprobs import SampleLogprobs
 
 
 @dataclass
@@ -39,6 +40,8 @@ class RequestState:
     metrics: RequestMetrics
     parent: ParentRequest | None = None   # n > 1: the request this one is sample `index` of
     index: int = 0
+    logprobs: list[dict[int, Logprob]] = field(default_factory=list)   # per output token, when asked
+    cumulative_logprob: float = 0.0
     detok: DetokState = field(default_factory=DetokState)
     sent_pieces: list[str] = field(default_factory=list)   # text handed out, in the pieces it went out in
     pending: str = ""                 # text not handed out yet (held back in case it starts a stop string)
@@ -57,6 +60,8 @@ class _Change:
     delta_text: str                   # handed out now
     pending: str
     stop_string: str | None           # the stop string that ended it, if one did
+    logprobs: dict[int, Logprob] | None = None    # the new token's, when the request asked for logprobs
+    sampled_logprob: float = 0.0
 
 
 @dataclass
@@ -95,7 +100,8 @@ class OutputProcessor:
                 m.first_scheduled_time = now
 
     # ------------------------------------------------------------------ a step, in two phases
-    def process_outputs(self, core_outputs: list[EngineCoreOutput]) -> OutputUpdate:
+    def process_outputs(self, core_outputs: list[EngineCoreOutput],
+                        logprobs: dict[str, SampleLogprobs] | None = None) -> OutputUpdate:
         changes = []
         for co in core_outputs:
             st = self.states[co.request.request_id]
@@ -116,7 +122,14 @@ class OutputProcessor:
                     window = window[:start + len(stop_string) if sp.include_stop_str_in_output else start]
             finished = co.finish_status is not None or stop_string is not None
             cut = len(window) if finished else max(len(window) - st.max_holdback, 0)
-            changes.append(_Change(st, detok, window[:cut], window[cut:], stop_string))
+            sample = logprobs.get(req.request_id) if logprobs else None
+            token_logprobs = None
+            if sample is not None:               # the sampled token first, then the top k
+                token_logprobs = {}
+                for tid, lp, rank in zip(sample.token_ids, sample.logprobs, sample.ranks):
+                    token_logprobs.setdefault(tid, Logprob(lp, rank, self.tokenizer.decode([tid])))
+            changes.append(_Change(st, detok, window[:cut], window[cut:], stop_string, token_logprobs,
+                                   sample.logprobs[0] if sample is not None else 0.0))
         return OutputUpdate(changes)
 
     def apply(self, update: OutputUpdate, now: float | None = None) -> list[RequestOutput]:
@@ -128,6 +141,9 @@ class OutputProcessor:
             st.detok, st.pending = c.detok, c.pending
             if c.delta_text:
                 st.sent_pieces.append(c.delta_text)
+            if c.logprobs is not None:
+                st.logprobs.append(c.logprobs)
+                st.cumulative_logprob += c.sampled_logprob
             for m in (st.metrics,) if st.parent is None else (st.metrics, st.parent.metrics):
                 if m.first_token_time is None:
                     m.first_token_time = now
@@ -174,13 +190,17 @@ class OutputProcessor:
             del self.states[req.request_id]
         if kind is RequestOutputKind.FINAL_ONLY and not finished:
             return None
+        asked = st.params.logprobs is not None
         if kind is RequestOutputKind.DELTA:
             text, token_ids = delta_text, req.output_token_ids[st.num_sent_tokens:]
+            logprobs = st.logprobs[st.num_sent_tokens:] if asked else None
         else:
             text, token_ids = "".join(st.sent_pieces), list(req.output_token_ids)
+            logprobs = list(st.logprobs) if asked else None
         st.num_sent_tokens = req.num_output_tokens
         return CompletionOutput(st.index, text, token_ids, req.status.finish_reason if finished else None,
-                                req.stop_reason if finished else None)
+                                req.stop_reason if finished else None, logprobs,
+                                st.cumulative_logprob if asked else None)
 
     def _request_output(self, st: RequestState, completions: list[CompletionOutput]) -> RequestOutput:
         req = st.request

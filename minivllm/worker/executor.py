@@ -41,6 +41,7 @@ from minivllm.worker.distributed import (destroy_distributed, get_open_port, ini
                                   tp_device)
 from minivllm.model.layers import TPGroup
 from minivllm.model.llama import ModelConfig
+from minivllm.worker.logprobs import compute_logprobs
 from minivllm.worker.model_runner import ModelRunner
 from minivllm.core.request import Request
 from minivllm.core.scheduler import SchedulerOutput
@@ -53,12 +54,15 @@ class Executor:
     num_kv_blocks: int           # the same on every rank
     num_cpu_blocks: int
 
-    def execute_model(self, sched: SchedulerOutput) -> tuple[list[Request], list[int]]:
+    def execute_model(self, sched: SchedulerOutput) -> tuple[list[Request], list[int], list | None]:
+        """The requests that sample this step, their tokens, and (when any asked) their logprobs (logprobs.py)."""
         model_input, sampling_requests = self.driver.prepare_inputs(sched)
         self._send_to_workers(model_input)
         logits = self.driver.execute_model(model_input)
         tokens = self.driver.sampler(logits, sampling_requests) if sampling_requests else []
-        return sampling_requests, tokens
+        asked = [r.sampling_params.logprobs for r in sampling_requests]
+        logprobs = compute_logprobs(logits, tokens, asked) if any(k is not None for k in asked) else None
+        return sampling_requests, tokens, logprobs
 
     def _send_to_workers(self, model_input) -> None:
         pass
