@@ -304,7 +304,7 @@ with httpx.stream("POST", server.url + "/v1/completions", json=body) as r:
 # body, which the client raises as `BadRequestError`; the engine never notices.
 
 # %%
-for bad in ({"temperature": -1}, {"top_p": 1.5}, {"n": 2}, {"max_tokens": 0}):
+for bad in ({"temperature": -1}, {"top_p": 1.5}, {"n": 0}, {"max_tokens": 0}):
     try:
         client.chat.completions.create(model="SmolLM2-135M-Instruct", messages=[{"role": "user", "content": "hi"}],
                                        **bad)
