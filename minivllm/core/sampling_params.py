@@ -32,6 +32,7 @@ class SamplingParams:
     n: how many completions to generate for the prompt (parallel sampling: the prompt's KV blocks are shared).
     logprobs: None, or k in [0, 20]: each output token's log-probability and rank, and the k most likely tokens
         (the model's log-softmax, before penalties, temperature and top-k/top-p, as vLLM's default).
+    prompt_logprobs: None, or k in [0, 20]: the same for every prompt token after the first (the first has none).
     max_tokens: the most tokens to generate (the output may stop earlier on EOS or a stop string).
     stop: strings that end generation; the stop string itself is not included in the text.
     stop_token_ids: token ids that end generation (kept in token_ids, like EOS, but not in the text).
@@ -65,6 +66,7 @@ class SamplingParams:
     output_kind: RequestOutputKind = RequestOutputKind.CUMULATIVE
     n: int = 1
     logprobs: int | None = None
+    prompt_logprobs: int | None = None
     presence_penalty: float = 0.0
     frequency_penalty: float = 0.0
     repetition_penalty: float = 1.0
@@ -100,11 +102,13 @@ class SamplingParams:
         _check_number("n", self.n, (int,))
         if not 1 <= self.n <= MAX_N:
             raise ValueError(f"n is {self.n}; it must be in [1, {MAX_N}] (completions per prompt).")
-        if self.logprobs is not None:
-            _check_number("logprobs", self.logprobs, (int,))
-            if not 0 <= self.logprobs <= MAX_LOGPROBS:
-                raise ValueError(f"logprobs is {self.logprobs}; it must be in [0, {MAX_LOGPROBS}] (how many of the "
-                                 "most likely tokens to return beside the sampled one), or None for no logprobs.")
+        for name in ("logprobs", "prompt_logprobs"):
+            value = getattr(self, name)
+            if value is not None:
+                _check_number(name, value, (int,))
+                if not 0 <= value <= MAX_LOGPROBS:
+                    raise ValueError(f"{name} is {value}; it must be in [0, {MAX_LOGPROBS}] (how many of the most "
+                                     f"likely tokens to return beside the actual one), or None for no {name}.")
         if not isinstance(self.output_kind, RequestOutputKind):
             raise ValueError(f"output_kind is {self.output_kind!r}; use a RequestOutputKind "
                              f"({', '.join(k.name for k in RequestOutputKind)}).")

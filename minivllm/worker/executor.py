@@ -32,6 +32,7 @@ import signal
 import time
 import traceback
 import weakref
+from collections.abc import Callable
 
 import torch
 import torch.distributed as dist
@@ -43,8 +44,11 @@ from minivllm.model.layers import TPGroup
 from minivllm.model.llama import ModelConfig
 from minivllm.worker.logprobs import compute_logprobs
 from minivllm.worker.model_runner import ModelRunner
+from minivllm.worker.sampler import apply_grammar_bitmask
 from minivllm.core.request import Request
 from minivllm.core.scheduler import SchedulerOutput
+
+GrammarBitmaskFn = Callable[[list[Request]], "torch.Tensor | None"]
 
 
 class Executor:
@@ -54,11 +58,19 @@ class Executor:
     num_kv_blocks: int           # the same on every rank
     num_cpu_blocks: int
 
-    def execute_model(self, sched: SchedulerOutput) -> tuple[list[Request], list[int], list | None]:
-        """The requests that sample this step, their tokens, and (when any asked) their logprobs (logprobs.py)."""
+    def execute_model(self, sched: SchedulerOutput, grammar_bitmask: GrammarBitmaskFn | None = None
+                      ) -> tuple[list[Request], list[int], list | None]:
+        """The requests that sample this step, their tokens, and (when any asked) their logprobs (logprobs.py).
+
+        `grammar_bitmask(sampling_requests)` (structured output, core/structured_output.py) is called after the
+        forward is issued: on a GPU the kernels are still running while the CPU fills the grammars' token masks."""
         model_input, sampling_requests = self.driver.prepare_inputs(sched)
         self._send_to_workers(model_input)
-        logits = self.driver.execute_model(model_input)
+        logits = self.driver.execute_model(model_input)                  # (len(sampling_requests), vocab)
+        if grammar_bitmask is not None and sampling_requests:
+            bitmask = grammar_bitmask(sampling_requests)                 # (rows, ceil(vocab / 32)) int32, or None
+            if bitmask is not None:
+                logits = apply_grammar_bitmask(logits, bitmask)
         tokens = self.driver.sampler(logits, sampling_requests) if sampling_requests else []
         asked = [r.sampling_params.logprobs for r in sampling_requests]
         logprobs = compute_logprobs(logits, tokens, asked) if any(k is not None for k in asked) else None

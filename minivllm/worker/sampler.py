@@ -107,6 +107,18 @@ def apply_min_p(logits: torch.Tensor, min_p: list[float]) -> torch.Tensor:
     return logits.masked_fill(probs < threshold, float("-inf"))
 
 
+def apply_grammar_bitmask(logits: torch.Tensor, bitmask: torch.Tensor) -> torch.Tensor:
+    """Structured output: set every token the row's grammar forbids to -inf; returns a new tensor.
+
+    bitmask (rows, ceil(vocab / 32)) int32, xgrammar's layout: bit j of word w allows token 32 * w + j.
+    A row of -1 (all bits set) allows everything (a request without a grammar)."""
+    rows, vocab = logits.shape
+    bits = torch.arange(32, device=logits.device, dtype=torch.int32)
+    words = bitmask.to(logits.device)                                          # (rows, words)
+    allowed = ((words[:, :, None] >> bits) & 1).bool().reshape(rows, -1)[:, :vocab]   # (rows, vocab)
+    return logits.masked_fill(~allowed, float("-inf"))
+
+
 def _padded(rows: list[list[int]], pad: int, device: torch.device, left: bool = False) -> torch.Tensor:
     """A (len(rows), longest) int64 tensor of the rows, padded with `pad` (on the left when `left`)."""
     width = max((len(r) for r in rows), default=0)
