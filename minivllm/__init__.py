@@ -2,7 +2,7 @@
 
 from minivllm.entrypoints.llm import LLM
 from minivllm.outputs import CompletionOutput, RequestOutput
-from minivllm.core.sampling_params import SamplingParams
+from minivllm.core.sampling_params import SamplingParams, StructuredOutputsParams
 
-__all__ = ["LLM", "SamplingParams", "RequestOutput", "CompletionOutput"]
+__all__ = ["LLM", "SamplingParams", "RequestOutput", "CompletionOutput", "StructuredOutputsParams"]
 __version__ = "0.1.0"

@@ -19,6 +19,7 @@ from dataclasses import dataclass, field
 import torch
 
 from minivllm.core.sampling_params import SamplingParams
+from minivllm.core.structured_output import Grammar
 
 
 class RequestStatus(enum.Enum):
@@ -68,6 +69,7 @@ class Request:
     stop_reason: int | str | None = None  # the stop string or stop token that ended it
     generator: torch.Generator | None = None   # per-request RNG when sampling_params.seed is set
     bad_words_token_ids: list[list[int]] = field(default_factory=list)   # sampling_params.bad_words, tokenized
+    grammar: Grammar | None = None        # structured output's matcher; the scheduler advances it (structured_output.py)
 
     def __post_init__(self) -> None:
         self.all_token_ids = list(self.prompt_token_ids)   # prompt + outputs, appended as we go

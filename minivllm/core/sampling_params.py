@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import enum
 import math
+import json
 from dataclasses import dataclass, fields
 
 # Temperatures below this are greedy, as in vLLM: dividing logits by 1e-38 overflows to inf and NaN.
@@ -19,6 +20,65 @@ class RequestOutputKind(enum.Enum):
     CUMULATIVE = 0     # everything so far: text and token ids since the start
     DELTA = 1          # only what is new since the previous output (streaming: O(n) in all)
     FINAL_ONLY = 2     # one output, when the request finishes
+
+
+@dataclass
+class StructuredOutputsParams:
+    """Constrain the output to a formal language (vLLM's names; core/structured_output.py compiles it with xgrammar).
+    Exactly one of the constraints:
+
+    json: a JSON schema (dict or JSON string): the output is a JSON value that conforms to it.
+    regex: the output matches this regular expression.
+    choice: the output is exactly one of these strings.
+    grammar: an EBNF grammar (GBNF, `root ::= ...`) or a Lark grammar (`start: ...`).
+    json_object: True: the output is any JSON object.
+
+    Options: disable_any_whitespace (compact JSON: no free whitespace between tokens, which small models can
+    otherwise fill forever); disable_additional_properties (objects in `json` take only the listed properties).
+    """
+    json: dict | str | None = None
+    regex: str | None = None
+    choice: list[str] | None = None
+    grammar: str | None = None
+    json_object: bool | None = None
+    disable_any_whitespace: bool = False
+    disable_additional_properties: bool = False
+
+    def __post_init__(self) -> None:
+        given = [name for name in CONSTRAINTS if getattr(self, name) not in (None, False)]
+        if len(given) != 1:
+            raise ValueError(f"structured_outputs sets {given or 'no constraint'}; set exactly one of "
+                             f"{', '.join(CONSTRAINTS)}.")
+        if self.json is not None:
+            if isinstance(self.json, str):
+                try:
+                    self.json = json.loads(self.json)
+                except json.JSONDecodeError as e:
+                    raise ValueError(f"structured_outputs.json is not valid JSON ({e}); pass a JSON schema.") from None
+            if not isinstance(self.json, dict):
+                raise ValueError(f"structured_outputs.json is {self.json!r}; a JSON schema is an object (a dict).")
+        for name in ("regex", "grammar"):
+            value = getattr(self, name)
+            if value is not None and (not isinstance(value, str) or not value.strip()):
+                raise ValueError(f"structured_outputs.{name} is {value!r}; it must be a non-empty string.")
+        if self.choice is not None:
+            if (isinstance(self.choice, str) or not isinstance(self.choice, (list, tuple)) or not self.choice
+                    or not all(isinstance(c, str) and c for c in self.choice)):
+                raise ValueError(f"structured_outputs.choice is {self.choice!r}; it must be a non-empty list of "
+                                 "non-empty strings.")
+            self.choice = list(self.choice)
+        for name in ("json_object", "disable_any_whitespace", "disable_additional_properties"):
+            value = getattr(self, name)
+            if value is not None and not isinstance(value, bool):
+                raise ValueError(f"structured_outputs.{name} is {value!r}; it must be True or False.")
+
+    @property
+    def kind(self) -> str:
+        """Which constraint: 'json', 'regex', 'choice', 'grammar' or 'json_object'."""
+        return next(name for name in CONSTRAINTS if getattr(self, name) not in (None, False))
+
+
+CONSTRAINTS = ("json", "regex", "choice", "grammar", "json_object")
 
 
 @dataclass
@@ -51,6 +111,9 @@ class SamplingParams:
     bad_words: words that must never be generated (each tokenized with and without a leading space).
     allowed_token_ids: only these token ids can be generated.
     logit_bias: {token_id: bias} added to the logits (bias clamped to [-100, 100], as vLLM does).
+
+    structured_outputs: StructuredOutputsParams (JSON schema, regex, choice, grammar): a grammar masks every step's
+        logits to the tokens that keep the output in its language (core/structured_output.py).
     """
 
     temperature: float = 1.0
@@ -75,6 +138,7 @@ class SamplingParams:
     bad_words: list[str] | None = None
     allowed_token_ids: list[int] | None = None
     logit_bias: dict[int, float] | None = None
+    structured_outputs: StructuredOutputsParams | None = None
 
     def __post_init__(self) -> None:
         if isinstance(self.stop, str):
@@ -122,6 +186,15 @@ class SamplingParams:
             if not isinstance(t, int) or isinstance(t, bool) or t < 0:
                 raise ValueError(f"stop_token_ids contains {t!r}; each must be a non-negative int.")
         self._check_penalties_and_filters()
+        if self.structured_outputs is not None:
+            if isinstance(self.structured_outputs, dict):
+                self.structured_outputs = StructuredOutputsParams(**self.structured_outputs)
+            if not isinstance(self.structured_outputs, StructuredOutputsParams):
+                raise ValueError(f"structured_outputs is {self.structured_outputs!r}; pass StructuredOutputsParams.")
+            if self.min_tokens > 0:
+                raise ValueError(f"min_tokens is {self.min_tokens} with structured_outputs; they cannot be combined: "
+                                 "the grammar decides when the output may end (it forbids EOS until the output is "
+                                 "complete, then allows only EOS). Leave min_tokens at 0.")
 
     def _check_penalties_and_filters(self) -> None:
         for name in ("presence_penalty", "frequency_penalty"):
@@ -205,4 +278,4 @@ def _check_number(name: str, value, types: tuple) -> None:
         raise ValueError(f"{name} is {value!r}; it must be a finite number.")
 
 
-__all__ = ["SamplingParams", "RequestOutputKind"]
+__all__ = ["SamplingParams", "RequestOutputKind", "StructuredOutputsParams"]

@@ -220,7 +220,8 @@ class Scheduler:
 
     def update_from_output(self, out: SchedulerOutput, sampled: dict[str, int]) -> list[EngineCoreOutput]:
         """After the model ran: the scheduled tokens now have KV (their full blocks join the prefix cache), and each
-        request in `sampled` (request_id -> token) gets its new token. Stops what must stop: EOS, a stop token,
+        request in `sampled` (request_id -> token) gets its new token, and its grammar (structured output) accepts
+        it. Stops what must stop: EOS, a stop token,
         max_tokens, max_model_len. Stop strings are the output processor's to find (it calls finish_request)."""
         j = self.journal
         outputs = []
@@ -232,9 +233,17 @@ class Scheduler:
                 continue                                    # a prefill chunk that does not end the prompt
             req.append_output_token(token)
             j.record(req.pop_output_token)
+            grammar = req.grammar
+            if grammar is not None and not grammar.is_terminated:
+                if not grammar.accept(token):    # the bitmask allowed only tokens the grammar accepts
+                    raise RuntimeError(f"request {req.request_id}: token {token} was sampled but its grammar "
+                                       f"({grammar.describe()}) does not accept it")
+                j.record(grammar.rollback)
             sp = req.sampling_params
             status = None
             if not sp.ignore_eos and token in req.eos_token_ids:
+                status = RequestStatus.FINISHED_STOPPED
+            elif grammar is not None and grammar.is_terminated:     # ignore_eos: nothing may follow the grammar
                 status = RequestStatus.FINISHED_STOPPED
             elif token in sp.stop_token_ids:
                 status = RequestStatus.FINISHED_STOPPED

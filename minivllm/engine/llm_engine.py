@@ -26,6 +26,7 @@ from minivllm.core.kv_cache_manager import KVCacheManager
 from minivllm.core.request import Request, RequestMetrics, RequestStatus
 from minivllm.core.sampling_params import SamplingParams
 from minivllm.core.scheduler import Scheduler
+from minivllm.core.structured_output import StructuredOutputManager
 from minivllm.core.trace import StepTrace, StepTracer
 from minivllm.engine.output_processor import OutputProcessor
 from minivllm.engine.parallel_sampling import ParentRequest
@@ -84,6 +85,8 @@ class LLMEngine:
         if self.tokenizer.eos_token_id is not None:
             eos.add(self.tokenizer.eos_token_id)
         self.eos_token_ids = frozenset(eos)
+        self.structured_output_manager = StructuredOutputManager(self.tokenizer, self.model_config.vocab_size,
+                                                                 self.eos_token_ids)
         self.requests: dict[str, Request] = {}
         self._ids = itertools.count()
         self.num_steps = 0
@@ -175,9 +178,12 @@ class LLMEngine:
         ids = [request_id] if parent is None else parent.child_ids
         if any(i in self.requests for i in ids) or request_id in self.output_processor.parents:
             raise ValueError(f"request_id {request_id!r} is already in use.")
+        structured = params.structured_outputs
         reqs = [Request(rid, token_ids, params if parent is None else parent.child_params(i),
                         eos_token_ids=self.eos_token_ids, priority=priority,
-                        bad_words_token_ids=self.bad_words_token_ids(params)) for i, rid in enumerate(ids)]
+                        bad_words_token_ids=self.bad_words_token_ids(params),
+                        grammar=structured and self.structured_output_manager.grammar_for(structured))
+                for i, rid in enumerate(ids)]
         added = []
         try:
             for req in reqs:                        # the only step that can refuse; nothing recorded before it
@@ -225,7 +231,8 @@ class LLMEngine:
                     return []
                 rng_state = sampler.get_rng_state(sched.scheduled)
                 with self._sigint.open():
-                    sampling_reqs, tokens, logprobs = self.executor.execute_model(sched)
+                    sampling_reqs, tokens, logprobs = self.executor.execute_model(
+                        sched, self.structured_output_manager.grammar_bitmask)
                 sampled = {req.request_id: tok for req, tok in zip(sampling_reqs, tokens)}
                 core_outputs = scheduler.update_from_output(sched, sampled)
                 update = self.output_processor.process_outputs(
