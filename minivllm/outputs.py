@@ -43,6 +43,10 @@ class RequestOutput:
     finished: bool
     metrics: RequestMetrics | None = None
     num_cached_tokens: int = 0            # prompt tokens served from the prefix cache
+    # With SamplingParams(prompt_logprobs=k): None for the first prompt token, then per prompt token {token id:
+    # Logprob} for the actual token and the top k. Complete in the first output that has output tokens (with
+    # DELTA only there; with n > 1 once, on the request's output).
+    prompt_logprobs: list[dict[int, Logprob] | None] | None = None
 
     def __repr__(self) -> str:
         o = self.outputs[0]

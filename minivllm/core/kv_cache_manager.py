@@ -68,9 +68,11 @@ class KVCacheManager:
         """The longest run of cached full blocks that starts the request's tokens (a new request only).
 
         Never the whole sequence: at least one token must still be computed to produce logits.
+        None for a request with prompt_logprobs: a cached prefix has no logits to score it with (as vLLM v1).
         Changes nothing (the blocks are claimed by `allocate_slots`).
         """
-        if not self.enable_prefix_caching or request.block_table:
+        if (not self.enable_prefix_caching or request.block_table
+                or request.sampling_params.prompt_logprobs is not None):
             return []
         bs, tokens = self.block_size, request.all_token_ids
         hits: list[int] = []

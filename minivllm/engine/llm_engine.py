@@ -235,8 +235,7 @@ class LLMEngine:
                         sched, self.structured_output_manager.grammar_bitmask)
                 sampled = {req.request_id: tok for req, tok in zip(sampling_reqs, tokens)}
                 core_outputs = scheduler.update_from_output(sched, sampled)
-                update = self.output_processor.process_outputs(
-                    core_outputs, logprobs and {r.request_id: lp for r, lp in zip(sampling_reqs, logprobs)})
+                update = self.output_processor.process_outputs(core_outputs, logprobs)
                 for req, stop_string in update.stop_strings:
                     scheduler.finish_request(req, RequestStatus.FINISHED_STOPPED, stop_string)
                 self._sigint.raise_if_held()    # the last point a held Ctrl-C can still fail the step

@@ -9,12 +9,16 @@ requests whose stop strings it finds.
 
 A step is two calls, so that a step that fails leaves nothing here to undo:
 
-    update = process_outputs(core_outputs)   pure: detokenizes, finds stop strings, changes nothing
+    update = process_outputs(core_outputs, logprobs)   pure: detokenizes, finds stop strings, changes nothing
     ... the engine finishes stop-string requests in the core and commits the step ...
     outputs = apply(update)                  assignments only, then builds the RequestOutputs
 
     text of one request:  [ sent pieces ............ | pending ]      pending: at most (longest stop - 1)
                             handed out in outputs       held back      characters while it runs
+
+Prompt logprobs (SamplingParams.prompt_logprobs) arrive chunk by chunk with the prefill, in steps that may have no
+output token yet; they are kept from step to step here and handed out complete with the first output token. A
+chunk that covers prompt tokens already kept (a recompute after preemption) adds only what is new.
 """
 
 from __future__ import annotations
@@ -29,7 +33,7 @@ from minivllm.core.scheduler import EngineCoreOutput
 from minivllm.engine.detokenizer import DetokState, detokenize_incrementally, find_stop_string
 from minivllm.engine.parallel_sampling import ParentRequest
 from minivllm.outputs import CompletionOutput, Logprob, RequestOutput
-from minivllm.worker.logprobs import SampleLogprobs
+from minivllm.worker.logprobs import SampleLogprobs, StepLogprobs
 
 
 @dataclass
@@ -42,6 +46,8 @@ class RequestState:
     index: int = 0
     logprobs: list[dict[int, Logprob]] = field(default_factory=list)   # per output token, when asked
     cumulative_logprob: float = 0.0
+    prompt_logprobs: list[dict[int, Logprob] | None] | None = None   # [None, then one per prompt token kept so far]
+    prompt_logprobs_sent: bool = False   # DELTA: they went out (once, with the first output token)
     detok: DetokState = field(default_factory=DetokState)
     sent_pieces: list[str] = field(default_factory=list)   # text handed out, in the pieces it went out in
     pending: str = ""                 # text not handed out yet (held back in case it starts a stop string)
@@ -67,6 +73,8 @@ class _Change:
 @dataclass
 class OutputUpdate:
     changes: list[_Change]
+    # (request, prompt logprobs to append): this step's new prompt logprobs, also for requests with no token yet
+    prompt_logprobs: list[tuple[RequestState, list[dict[int, Logprob]]]] = field(default_factory=list)
 
     @property
     def stop_strings(self) -> list[tuple[Request, str]]:
@@ -79,12 +87,17 @@ class OutputProcessor:
         self.tokenizer = tokenizer
         self.states: dict[str, RequestState] = {}          # core request id -> its state
         self.parents: dict[str, ParentRequest] = {}        # n > 1: parent id -> the parent
+        # n > 1 with prompt_logprobs: parent id -> [the first finished prompt's logprobs, whether DELTA sent them]
+        self.parent_prompt_logprobs: dict[str, list] = {}
+        self._token_text: dict[int, str] = {}              # token id -> its text, for Logprob.decoded_token
 
     def add_request(self, request: Request, prompt: str | None, parent: ParentRequest | None = None,
                     index: int = 0) -> None:
-        self.states[request.request_id] = RequestState(request, prompt, request.sampling_params,
-                                                       RequestMetrics(arrival_time=request.arrival_time),
-                                                       parent, index)
+        st = RequestState(request, prompt, request.sampling_params, RequestMetrics(arrival_time=request.arrival_time),
+                          parent, index)
+        if st.params.prompt_logprobs is not None:
+            st.prompt_logprobs = [None]                    # the first prompt token has no logprob
+        self.states[request.request_id] = st
         if parent is not None:
             self.parents[parent.request_id] = parent
 
@@ -101,7 +114,7 @@ class OutputProcessor:
 
     # ------------------------------------------------------------------ a step, in two phases
     def process_outputs(self, core_outputs: list[EngineCoreOutput],
-                        logprobs: dict[str, SampleLogprobs] | None = None) -> OutputUpdate:
+                        logprobs: StepLogprobs | None = None) -> OutputUpdate:
         changes = []
         for co in core_outputs:
             st = self.states[co.request.request_id]
@@ -122,20 +135,37 @@ class OutputProcessor:
                     window = window[:start + len(stop_string) if sp.include_stop_str_in_output else start]
             finished = co.finish_status is not None or stop_string is not None
             cut = len(window) if finished else max(len(window) - st.max_holdback, 0)
-            sample = logprobs.get(req.request_id) if logprobs else None
-            token_logprobs = None
-            if sample is not None:               # the sampled token first, then the top k
-                token_logprobs = {}
-                for tid, lp, rank in zip(sample.token_ids, sample.logprobs, sample.ranks):
-                    token_logprobs.setdefault(tid, Logprob(lp, rank, self.tokenizer.decode([tid])))
-            changes.append(_Change(st, detok, window[:cut], window[cut:], stop_string, token_logprobs,
+            sample = logprobs.sample.get(req.request_id) if logprobs else None
+            changes.append(_Change(st, detok, window[:cut], window[cut:], stop_string,
+                                   self._logprob_dict(sample) if sample is not None else None,
                                    sample.logprobs[0] if sample is not None else 0.0))
-        return OutputUpdate(changes)
+        update = OutputUpdate(changes)
+        for request_id, chunk in (logprobs.prompt.items() if logprobs else ()):
+            st = self.states[request_id]
+            have = len(st.prompt_logprobs)                 # prompt tokens 0 .. have - 1 are kept already
+            assert chunk.first_token <= have, (request_id, chunk.first_token, have)
+            new = chunk.rows[have - chunk.first_token:]
+            if new:
+                update.prompt_logprobs.append((st, [self._logprob_dict(row) for row in new]))
+        return update
+
+    def _logprob_dict(self, row: SampleLogprobs) -> dict[int, Logprob]:
+        """{token id: Logprob}: the actual token first, then the top k (a token in both keeps its first entry)."""
+        entry: dict[int, Logprob] = {}
+        for tid, lp, rank in zip(row.token_ids, row.logprobs, row.ranks):
+            if tid not in entry:
+                text = self._token_text.get(tid)
+                if text is None:
+                    text = self._token_text[tid] = self.tokenizer.decode([tid])
+                entry[tid] = Logprob(lp, rank, text)
+        return entry
 
     def apply(self, update: OutputUpdate, now: float | None = None) -> list[RequestOutput]:
         """The step committed: keep its text, and build one output per request that has something to say."""
         now = time.time() if now is None else now
         outputs, samples = [], {}
+        for st, entries in update.prompt_logprobs:
+            st.prompt_logprobs.extend(entries)
         for c in update.changes:
             st = c.state
             st.detok, st.pending = c.detok, c.pending
@@ -150,6 +180,8 @@ class OutputProcessor:
                 m.last_token_time = now
             if st.parent is not None and st.index == 0:     # the prompt's cache hits, counted once per parent
                 st.parent.num_cached_tokens = st.request.num_cached_tokens
+            if st.parent is not None and st.prompt_logprobs is not None:   # complete: this sample has a token
+                self.parent_prompt_logprobs.setdefault(st.parent.request_id, [st.prompt_logprobs, False])
             completion = self._completion(st, c.delta_text, now)
             if st.parent is not None:
                 samples.setdefault(st.parent.request_id, []).append(completion)
@@ -204,8 +236,12 @@ class OutputProcessor:
 
     def _request_output(self, st: RequestState, completions: list[CompletionOutput]) -> RequestOutput:
         req = st.request
+        prompt_logprobs = st.prompt_logprobs
+        if st.params.output_kind is RequestOutputKind.DELTA:          # once, with the first output
+            prompt_logprobs, st.prompt_logprobs_sent = (None if st.prompt_logprobs_sent else prompt_logprobs), True
         return RequestOutput(req.request_id, st.prompt, req.prompt_token_ids, completions,
-                             completions[0].finished, dataclasses.replace(st.metrics), req.num_cached_tokens)
+                             completions[0].finished, dataclasses.replace(st.metrics), req.num_cached_tokens,
+                             prompt_logprobs)
 
     def _parent_output(self, parent: ParentRequest, completions: list[CompletionOutput | None],
                        now: float) -> RequestOutput | None:
@@ -219,14 +255,19 @@ class OutputProcessor:
         if kind is not RequestOutputKind.DELTA:
             parent.latest.update((c.index, c) for c in completions)
         done = parent.is_finished
+        kept = self.parent_prompt_logprobs.get(parent.request_id)
         if done:
             parent.metrics.finished_time = now
             del self.parents[parent.request_id]
+            self.parent_prompt_logprobs.pop(parent.request_id, None)
         if kind is RequestOutputKind.FINAL_ONLY and not done:
             return None
         shown = completions if kind is RequestOutputKind.DELTA else list(parent.latest.values())
         if not shown:
             return None
+        prompt_logprobs = None
+        if kept is not None and not (kind is RequestOutputKind.DELTA and kept[1]):   # DELTA: once
+            prompt_logprobs, kept[1] = kept[0], True
         return RequestOutput(parent.request_id, parent.prompt, parent.prompt_token_ids,
                              sorted(shown, key=lambda c: c.index), done, dataclasses.replace(parent.metrics),
-                             parent.num_cached_tokens)
+                             parent.num_cached_tokens, prompt_logprobs)

@@ -84,15 +84,21 @@ class RequestStream:
 
 
 def _merge_deltas(outputs: list[RequestOutput]) -> RequestOutput:
-    """Several DELTA outputs of one request as one: each sample's (by index) texts and token ids joined, its
-    finish reason from its newest piece; the rest from the newest output. Linear in what is merged."""
+    """Several DELTA outputs of one request as one: each sample's (by index) texts, token ids and logprobs joined,
+    its finish reason from its newest piece; the prompt logprobs from the output that carried them (the first);
+    the rest from the newest output. Linear in what is merged."""
     texts: dict[int, list[str]] = {}
     token_ids: dict[int, list[int]] = {}
+    logprobs: dict[int, list] = {}
     newest: dict[int, CompletionOutput] = {}
     for out in outputs:
         for c in out.outputs:
             texts.setdefault(c.index, []).append(c.text)
             token_ids.setdefault(c.index, []).extend(c.token_ids)
+            if c.logprobs is not None:
+                logprobs.setdefault(c.index, []).extend(c.logprobs)
             newest[c.index] = c
-    merged = [dataclasses.replace(newest[i], text="".join(texts[i]), token_ids=token_ids[i]) for i in sorted(newest)]
-    return dataclasses.replace(outputs[-1], outputs=merged)
+    merged = [dataclasses.replace(newest[i], text="".join(texts[i]), token_ids=token_ids[i],
+                                  logprobs=logprobs.get(i, newest[i].logprobs)) for i in sorted(newest)]
+    prompt_logprobs = next((o.prompt_logprobs for o in outputs if o.prompt_logprobs is not None), None)
+    return dataclasses.replace(outputs[-1], outputs=merged, prompt_logprobs=prompt_logprobs)

@@ -42,7 +42,7 @@ from minivllm.worker.distributed import (destroy_distributed, get_open_port, ini
                                   tp_device)
 from minivllm.model.layers import TPGroup
 from minivllm.model.llama import ModelConfig
-from minivllm.worker.logprobs import compute_logprobs
+from minivllm.worker.logprobs import StepLogprobs, compute_logprobs, compute_prompt_logprobs
 from minivllm.worker.model_runner import ModelRunner
 from minivllm.worker.sampler import apply_grammar_bitmask
 from minivllm.core.request import Request
@@ -59,22 +59,43 @@ class Executor:
     num_cpu_blocks: int
 
     def execute_model(self, sched: SchedulerOutput, grammar_bitmask: GrammarBitmaskFn | None = None
-                      ) -> tuple[list[Request], list[int], list | None]:
-        """The requests that sample this step, their tokens, and (when any asked) their logprobs (logprobs.py).
+                      ) -> tuple[list[Request], list[int], StepLogprobs | None]:
+        """The requests that sample this step, their tokens, and (when any request asked for sample or prompt
+        logprobs) the step's logprobs by request id (logprobs.py).
 
         `grammar_bitmask(sampling_requests)` (structured output, core/structured_output.py) is called after the
         forward is issued: on a GPU the kernels are still running while the CPU fills the grammars' token masks."""
         model_input, sampling_requests = self.driver.prepare_inputs(sched)
         self._send_to_workers(model_input)
-        logits = self.driver.execute_model(model_input)                  # (len(sampling_requests), vocab)
+        logits, prompt_logits = self.driver.execute_model(model_input)   # (len(sampling_requests), vocab), (.., vocab)
         if grammar_bitmask is not None and sampling_requests:
             bitmask = grammar_bitmask(sampling_requests)                 # (rows, ceil(vocab / 32)) int32, or None
             if bitmask is not None:
                 logits = apply_grammar_bitmask(logits, bitmask)
         tokens = self.driver.sampler(logits, sampling_requests) if sampling_requests else []
+        return sampling_requests, tokens, self._logprobs(sched, model_input, sampling_requests, tokens,
+                                                         logits, prompt_logits)
+
+    @staticmethod
+    def _logprobs(sched: SchedulerOutput, model_input, sampling_requests: list[Request], tokens: list[int],
+                  logits: torch.Tensor | None, prompt_logits: torch.Tensor | None) -> StepLogprobs | None:
+        """The sampled tokens' logprobs (requests with `logprobs`) and this step's prompt-logprob chunks (requests
+        with `prompt_logprobs`), by request id; None, at no cost, when no request asked for either."""
         asked = [r.sampling_params.logprobs for r in sampling_requests]
-        logprobs = compute_logprobs(logits, tokens, asked) if any(k is not None for k in asked) else None
-        return sampling_requests, tokens, logprobs
+        spans = model_input.prompt_logprob_spans
+        if not spans and all(k is None for k in asked):
+            return None                                  # nobody asked: nothing computed
+        sample = {}
+        if any(k is not None for k in asked):
+            sample = {r.request_id: lp for r, lp in zip(sampling_requests, compute_logprobs(logits, tokens, asked))
+                      if lp is not None}
+        prompt = {}
+        if spans:
+            reqs = {r.request_id: r for r in sched.scheduled}
+            prompt = compute_prompt_logprobs(prompt_logits, spans,
+                                             [reqs[s.request_id].prompt_token_ids for s in spans],
+                                             [reqs[s.request_id].sampling_params.prompt_logprobs for s in spans])
+        return StepLogprobs(sample, prompt)
 
     def _send_to_workers(self, model_input) -> None:
         pass
@@ -245,9 +266,9 @@ class MultiprocExecutor(Executor):
         for conn in self.conns:
             conn.send(("execute_model", model_input))
 
-    def execute_model(self, sched):
+    def execute_model(self, sched, grammar_bitmask=None):
         try:
-            return super().execute_model(sched)
+            return super().execute_model(sched, grammar_bitmask)
         except BaseException as e:
             # A rank failed or we were interrupted midway: the others may be blocked in a collective
             # that will never complete, so the group is unusable. Stop everyone.

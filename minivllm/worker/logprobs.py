@@ -1,11 +1,15 @@
-"""Logprobs of the sampled tokens (vLLM's `SamplingParams.logprobs`): what the model thought of each token.
+"""Logprobs (vLLM's `SamplingParams.logprobs` and `prompt_logprobs`): what the model thought of each token.
 
-Owns: turning one step's logits into, per row that asks, the sampled token's log-probability and rank and the
-`k` most likely tokens. Values are the model's own log-softmax, before any penalty, temperature or top-k/top-p
-(vLLM's default, "raw logprobs"), so they say what the model predicted, not what the sampler did with it.
+Owns: turning logits into, per row that asks, the actual token's log-probability and rank and the `k` most likely
+tokens. Values are the model's own log-softmax, before any penalty, temperature or top-k/top-p (vLLM's default,
+"raw logprobs"), so they say what the model predicted, not what the sampler did with it.
 
-    logits (rows, vocab) -> log_softmax -> sampled token: logprob, rank (1 = most likely)
+    logits (rows, vocab) -> log_softmax -> actual token: logprob, rank (1 = most likely)
                                         -> top k: ids, logprobs (ranks 1..k)
+
+Sample logprobs score the token each sampling row drew. Prompt logprobs score the prompt itself: the row at
+position p scores prompt token p + 1, so a prompt of P tokens gets P - 1 entries (the first token has none),
+computed chunk by chunk as the prompt is prefilled (`PromptLogprobsSpan` says which rows a request has this step).
 """
 
 from __future__ import annotations
@@ -17,10 +21,48 @@ import torch
 
 @dataclass(frozen=True)
 class SampleLogprobs:
-    """One row: the sampled token first, then the top k (which may include it again)."""
+    """One row: the actual (sampled or prompt) token first, then the top k (which may include it again)."""
     token_ids: list[int]
     logprobs: list[float]
     ranks: list[int]
+
+
+@dataclass(frozen=True)
+class PromptLogprobsSpan:
+    """A request's rows of this step's flat batch that score its prompt: rows first_row .. first_row + num_rows - 1
+    hold positions first_token - 1 .., so they score prompt tokens first_token .. first_token + num_rows - 1."""
+    request_id: str
+    first_row: int
+    num_rows: int
+    first_token: int          # >= 1: the first prompt token has no logprob
+
+
+@dataclass(frozen=True)
+class PromptLogprobs:
+    """One step's chunk of a request's prompt logprobs: entries for prompt tokens first_token, first_token + 1, ..."""
+    first_token: int
+    rows: list[SampleLogprobs]
+
+
+@dataclass(frozen=True)
+class StepLogprobs:
+    """What one step computed for the requests that asked, by request id."""
+    sample: dict[str, SampleLogprobs]
+    prompt: dict[str, PromptLogprobs]
+
+
+def _score(logits: torch.Tensor, tokens: list[int], num_logprobs: list[int]) -> list[SampleLogprobs]:
+    """Every row of logits (rows, vocab) scored at tokens[i], with its num_logprobs[i] most likely tokens."""
+    if not tokens:
+        return []
+    lp = logits.float().log_softmax(dim=-1)                                         # (rows, vocab)
+    chosen = lp.gather(1, torch.tensor(tokens, device=lp.device)[:, None])          # (rows, 1)
+    ranks = ((lp > chosen).sum(dim=-1) + 1).tolist()
+    k = max(num_logprobs)
+    top_lp, top_ids = lp.topk(k, dim=-1) if k > 0 else (lp[:, :0], lp[:, :0].long())   # (rows, k)
+    chosen, top_lp, top_ids = chosen[:, 0].tolist(), top_lp.tolist(), top_ids.tolist()
+    return [SampleLogprobs([tokens[i]] + top_ids[i][:n], [chosen[i]] + top_lp[i][:n],
+                           [ranks[i]] + list(range(1, n + 1))) for i, n in enumerate(num_logprobs)]
 
 
 def compute_logprobs(logits: torch.Tensor, sampled: list[int],
@@ -28,18 +70,23 @@ def compute_logprobs(logits: torch.Tensor, sampled: list[int],
     """For each row whose request asked (num_logprobs[i] is not None), its SampleLogprobs; None elsewhere."""
     rows = [i for i, k in enumerate(num_logprobs) if k is not None]
     result: list[SampleLogprobs | None] = [None] * len(sampled)
-    if not rows:
-        return result
-    device = logits.device
-    lp = logits[rows].float().log_softmax(dim=-1)                                  # (len(rows), vocab)
-    tokens = torch.tensor([sampled[i] for i in rows], device=device)
-    chosen = lp.gather(1, tokens[:, None])                                         # (len(rows), 1)
-    ranks = ((lp > chosen).sum(dim=-1) + 1).tolist()
-    k = max(num_logprobs[i] for i in rows)
-    top_lp, top_ids = lp.topk(k, dim=-1) if k > 0 else (lp[:, :0], lp[:, :0].long())   # (len(rows), k)
-    chosen, top_lp, top_ids = chosen[:, 0].tolist(), top_lp.tolist(), top_ids.tolist()
-    for j, i in enumerate(rows):
-        n = num_logprobs[i]
-        result[i] = SampleLogprobs([sampled[i]] + top_ids[j][:n], [chosen[j]] + top_lp[j][:n],
-                                   [ranks[j]] + list(range(1, n + 1)))
+    scored = _score(logits[rows], [sampled[i] for i in rows], [num_logprobs[i] for i in rows]) if rows else []
+    for i, s in zip(rows, scored):
+        result[i] = s
     return result
+
+
+def compute_prompt_logprobs(logits: torch.Tensor, spans: list[PromptLogprobsSpan], prompts: list[list[int]],
+                            num_logprobs: list[int]) -> dict[str, PromptLogprobs]:
+    """logits (sum of num_rows, vocab): the spans' rows, concatenated in span order; prompts[i] and num_logprobs[i]
+    are span i's request's prompt token ids and its SamplingParams.prompt_logprobs."""
+    tokens, ks = [], []
+    for span, prompt, k in zip(spans, prompts, num_logprobs):
+        tokens += prompt[span.first_token:span.first_token + span.num_rows]
+        ks += [k] * span.num_rows
+    scored = _score(logits, tokens, ks)
+    out, start = {}, 0
+    for span in spans:
+        out[span.request_id] = PromptLogprobs(span.first_token, scored[start:start + span.num_rows])
+        start += span.num_rows
+    return out

@@ -11,6 +11,9 @@ Flat batch for requests A (prefill, 3 new tokens, nothing cached) and B (decode 
     slot_mapping  [slot(A,0) slot(A,1) slot(A,2) slot(B,20)]     slot = block_table[p // bs] * bs + p % bs
     cu_seqlens_q  [0 3 4]        seq_lens [3 21]
     logits rows   [2 3]          (the last new token of each request that samples)
+
+A request with SamplingParams.prompt_logprobs also gets logits at its prompt rows (A's rows 0 and 1 score prompt
+tokens 1 and 2: `prompt_logprob_spans`); requests that don't ask add no rows.
 """
 
 from __future__ import annotations
@@ -26,6 +29,7 @@ from minivllm.model.layers import TPGroup
 from minivllm.model.llama import ModelConfig
 from minivllm.model.loader import load_model, resolve_dtype
 from minivllm.core.request import Request
+from minivllm.worker.logprobs import PromptLogprobsSpan
 from minivllm.worker.sampler import Sampler
 from minivllm.core.scheduler import SchedulerOutput
 
@@ -43,6 +47,7 @@ class ModelInput:
     sample_rows: list[int]                     # rows of the flat batch whose logits are sampled
     blocks_to_swap_out: list[tuple[int, int]] = field(default_factory=list)   # (device block, cpu block)
     blocks_to_swap_in: list[tuple[int, int]] = field(default_factory=list)    # (cpu block, device block)
+    prompt_logprob_spans: list[PromptLogprobsSpan] = field(default_factory=list)   # rows scoring prompt tokens
 
 
 class ModelRunner:
@@ -143,9 +148,15 @@ class ModelRunner:
         seq_lens: list[int] = []
         sample_rows: list[int] = []
         sampling_requests: list[Request] = []
+        spans: list[PromptLogprobsSpan] = []
         for req in out.scheduled:
             n = out.num_scheduled_tokens[req.request_id]
             start, end = req.num_computed_tokens, req.num_computed_tokens + n
+            # Rows at positions < num_prompt_tokens - 1 score the next prompt token. Once a request has output
+            # tokens its prompt logprobs were delivered: a recompute after preemption does not score them again.
+            last = min(end, req.num_prompt_tokens - 1)
+            if req.sampling_params.prompt_logprobs is not None and req.num_output_tokens == 0 and start < last:
+                spans.append(PromptLogprobsSpan(req.request_id, len(input_ids), last - start, start + 1))
             input_ids += req.all_token_ids[start:end]
             positions += range(start, end)
             table = req.block_table
@@ -158,7 +169,7 @@ class ModelRunner:
         max_blocks = max((len(r.block_table) for r in out.scheduled), default=0)
         block_tables = [r.block_table + [0] * (max_blocks - len(r.block_table)) for r in out.scheduled]
         model_input = ModelInput(input_ids, positions, slot_mapping, q_lens, seq_lens, block_tables, sample_rows,
-                                 list(out.blocks_to_swap_out), list(out.blocks_to_swap_in))
+                                 list(out.blocks_to_swap_out), list(out.blocks_to_swap_in), spans)
         return model_input, sampling_requests
 
     def _to_tensors(self, mi: ModelInput):
@@ -186,19 +197,24 @@ class ModelRunner:
             self.kv_cache[:, :, dst] = self.cpu_kv_cache[:, :, src].to(self.device)
 
     @torch.inference_mode()
-    def execute_model(self, mi: ModelInput) -> torch.Tensor | None:
-        """Run one step on this rank. Returns the logits of the sampled rows, (num_sampling, vocab) fp32,
-        or None when no request samples. Under TP every rank must call this with the same ModelInput:
-        the layers' all-reduces and the logits' all-gather pair up across ranks."""
+    def execute_model(self, mi: ModelInput) -> tuple[torch.Tensor | None, torch.Tensor | None]:
+        """Run one step on this rank. Returns (logits of the sampled rows, (num_sampling, vocab) fp32, or None when
+        no request samples; logits of the prompt-logprob spans' rows, (sum of num_rows, vocab) fp32, or None when
+        there are none). Under TP every rank must call this with the same ModelInput: the layers' all-reduces and
+        the logits' all-gather pair up across ranks."""
         self.swap_blocks(mi)
         if not mi.q_lens:
-            return None
+            return None, None
         if self.graphs is not None and self.graphs.can_run(mi.q_lens, mi.block_tables):
             hidden = self.graphs.run(mi.input_ids, mi.positions, mi.slot_mapping, mi.seq_lens, mi.block_tables)
         else:
             if self.graphs is not None:
                 self.graphs.stats.eager_steps += 1
             hidden = self.forward(*self._to_tensors(mi))                        # (num_tokens, hidden)
-        if not mi.sample_rows:
-            return None
-        return self.model.compute_logits(hidden[mi.sample_rows])                   # (num_sampling, vocab)
+        prompt_rows = [r for s in mi.prompt_logprob_spans for r in range(s.first_row, s.first_row + s.num_rows)]
+        if not mi.sample_rows and not prompt_rows:
+            return None, None
+        # One LM head (and under TP one all-gather) for both kinds of rows.
+        logits = self.model.compute_logits(hidden[mi.sample_rows + prompt_rows])   # (num_sampling + prompt rows, vocab)
+        num_sampling = len(mi.sample_rows)
+        return (logits[:num_sampling] if num_sampling else None), (logits[num_sampling:] if prompt_rows else None)
