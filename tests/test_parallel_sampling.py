@@ -64,6 +64,12 @@ def test_the_samples_share_the_prompts_blocks(small, engine):
     assert len(first.blocks_allocated) == prompt_blocks + (n - 1) * (prompt_blocks - full_blocks)
     assert len(first.blocks_allocated) < n * prompt_blocks                  # the prompt's blocks are shared
     assert first.num_prefill_tokens == len(req.prompt_token_ids) + (n - 1) * (len(req.prompt_token_ids) % bs)
+    # The trace records the fork: which blocks the samples share, a log line, and each sample's parent.
+    shared = first.forks[req.request_id]
+    assert shared == first.by_id[f"0_{req.request_id}"].block_table[:full_blocks]
+    assert f"fork {req.request_id} into {n} samples sharing blocks {list(shared)}" in first.events
+    assert {first.by_id[f"{i}_{req.request_id}"].parent_id for i in range(n)} == {req.request_id}
+    assert first.by_id[f"0_{req.request_id}"].sampling == "T=0.8"
     while engine.has_unfinished_requests():
         engine.step()
 

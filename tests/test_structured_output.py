@@ -220,3 +220,19 @@ def test_ignore_eos_still_ends_when_the_grammar_terminates(llm):
     out = llm.generate(["Is water wet?"], sp, use_tqdm=False)[0].outputs[0]
     assert out.text in ("yes", "no") and out.finish_reason == "stop"
     assert RequestStatus.FINISHED_STOPPED.finish_reason == "stop"
+
+
+def test_the_trace_and_the_dashboard_show_the_grammars_state(llm):
+    from minivllm.entrypoints.dashboard import render_block_tables
+    engine = llm.llm_engine
+    sp = SamplingParams(temperature=0, logprobs=2, structured_outputs=StructuredOutputsParams(choice=["yes", "no"]))
+    with engine.record_traces() as traces:
+        req = engine.add_request("Is the sky blue?", sp)
+        engine.step()
+        first = traces[-1].by_id[req.request_id]
+        while engine.has_unfinished_requests():
+            engine.step()
+    assert first.sampling == "greedy, logprobs=2, choice: 1 token, open" or first.sampling.startswith(
+        "greedy, logprobs=2, choice: 1 token, complete"), first.sampling
+    assert "choice: 1 token" in render_block_tables(traces[0])
+    assert traces[-1].by_id[req.request_id].sampling.endswith("terminated")

@@ -65,7 +65,7 @@ class Grammar:
 
     def describe(self) -> str:
         state = "terminated" if self.is_terminated else "complete" if self.is_completed else "open"
-        return f"{self.kind}: {self.num_accepted} tokens, {state}"
+        return f"{self.kind}: {self.num_accepted} token{'' if self.num_accepted == 1 else 's'}, {state}"
 
 
 class StructuredOutputManager:

@@ -12,6 +12,7 @@ ref counts of the blocks the step touched. The whole pool's picture is `BlockPoo
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass, field
 
 from minivllm.core.block_pool import BlockEvents
@@ -32,6 +33,8 @@ class RequestTrace:
     kind: str                      # "prefill", "decode", or "" when not scheduled
     block_table: tuple[int, ...]
     num_preemptions: int           # a "prefill" after a preemption is a recompute
+    parent_id: str | None = None   # n > 1: the id of the request this is one sample of
+    sampling: str = ""             # what shapes its tokens: "greedy" / "T=0.8", "logprobs=3", the grammar's state
 
 
 @dataclass(frozen=True)
@@ -61,6 +64,7 @@ class StepTrace:
     cached_free_blocks: tuple[int, ...]     # of those, the ones left cached-free (ref 0, still in the prefix cache)
     kv_tokens_stored: int                   # tokens with KV, summed over running requests
     kv_slots_allocated: int                 # block slots held by running requests (blocks x block_size)
+    forks: dict[str, tuple[int, ...]] = field(default_factory=dict)   # n > 1 parent id -> blocks its samples share
     events: list[str] = field(default_factory=list)   # human-readable log lines
 
     @property
@@ -83,18 +87,44 @@ class StepTracer:
         return cached[1]
 
     def build(self, step: int, duration_s: float, sched: SchedulerOutput, events: BlockEvents,
-              scheduler: Scheduler, finished: list[Request]) -> StepTrace:
+              scheduler: Scheduler, finished: list[Request],
+              parent_of: Callable[[str], str] = lambda request_id: request_id) -> StepTrace:
+        """`parent_of(request_id)`: the id the caller knows (an n > 1 sample's parent id; the output processor's)."""
         tables: dict[str, tuple[list[int], tuple[int, ...]]] = {}
         live = scheduler.running + scheduler.waiting
-        requests = tuple(_request_trace(r, sched, self._table(r, tables)) for r in live + finished)
+        requests = tuple(_request_trace(r, sched, self._table(r, tables), parent_of(r.request_id))
+                         for r in live + finished)
         self._tables = tables           # the finished and aborted drop out here
         return _step_trace(step, duration_s, sched, events, scheduler, finished, requests)
 
 
-def _request_trace(r: Request, sched: SchedulerOutput, block_table: tuple[int, ...]) -> RequestTrace:
+def _request_trace(r: Request, sched: SchedulerOutput, block_table: tuple[int, ...], parent: str) -> RequestTrace:
+    sp = r.sampling_params
+    sampling = ["greedy" if sp.greedy else f"T={sp.temperature:g}"]
+    if sp.logprobs is not None:
+        sampling.append(f"logprobs={sp.logprobs}")
+    if r.grammar is not None:
+        sampling.append(r.grammar.describe())
     return RequestTrace(r.request_id, r.status.value, r.priority, r.num_prompt_tokens, r.num_output_tokens,
                         r.num_computed_tokens, r.num_cached_tokens, sched.num_scheduled_tokens.get(r.request_id, 0),
-                        sched.kinds.get(r.request_id, ""), block_table, r.num_preemptions)
+                        sched.kinds.get(r.request_id, ""), block_table, r.num_preemptions,
+                        parent if parent != r.request_id else None, ", ".join(sampling))
+
+
+def _forks(requests: tuple[RequestTrace, ...]) -> dict[str, tuple[int, ...]]:
+    """For each n > 1 parent: the blocks held by more than one of its samples (the prompt's, prefilled once)."""
+    tables: dict[str, list[tuple[int, ...]]] = {}
+    for r in requests:
+        if r.parent_id is not None and r.block_table:
+            tables.setdefault(r.parent_id, []).append(r.block_table)
+    forks = {}
+    for parent, held in tables.items():
+        seen: dict[int, int] = {}
+        for table in held:
+            for b in table:
+                seen[b] = seen.get(b, 0) + 1
+        forks[parent] = tuple(b for b in held[0] if seen[b] > 1)
+    return forks
 
 
 def _step_trace(step: int, duration_s: float, sched: SchedulerOutput, events: BlockEvents, scheduler: Scheduler,
@@ -106,6 +136,12 @@ def _step_trace(step: int, duration_s: float, sched: SchedulerOutput, events: Bl
     log = []
     for rid in sched.newly_admitted:
         log.append(f"admit {rid}")
+    forks = _forks(requests)
+    admitted = set(sched.newly_admitted)
+    for parent, shared in forks.items():
+        samples = [r.request_id for r in requests if r.parent_id == parent]
+        if admitted & set(samples):
+            log.append(f"fork {parent} into {len(samples)} samples sharing blocks {list(shared)}")
     for r in sched.preempted:
         log.append(f"preempt {r.request_id} ({r.status.value})")
     for r in finished:
@@ -133,5 +169,5 @@ def _step_trace(step: int, duration_s: float, sched: SchedulerOutput, events: Bl
         cached_free_blocks=tuple(b for b in sorted(touched) if b in pool.cached_free),
         kv_tokens_stored=sum(r.num_computed_tokens for r in running),
         kv_slots_allocated=sum(len(r.block_table) for r in running) * kv.block_size,
-        events=log,
+        forks=forks, events=log,
     )

@@ -265,7 +265,7 @@ class LLMEngine:
             events = self.kv_cache_manager.block_pool.pop_events()
         if self.trace_listeners:
             trace = self._tracer.build(self.num_steps, time.perf_counter() - start, sched, events,
-                                       self.scheduler, finished)
+                                       self.scheduler, finished, self.output_processor.external_id)
             for listener in self.trace_listeners:
                 try:
                     listener(trace)

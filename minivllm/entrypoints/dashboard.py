@@ -124,7 +124,8 @@ def render_block_grid(trace: StepTrace | None, num_blocks: int, pool: PoolSnapsh
 
 
 def render_block_tables(trace: StepTrace | None) -> str:
-    """Each request of the step: status, what it ran, token counts, and its block table as colored chips."""
+    """Each request of the step: status, what it ran, token counts, how it samples (n > 1 parent, logprobs, its
+    grammar's state), and its block table as colored chips."""
     if trace is None or not trace.requests:
         return '<p class="mv-stats">no requests</p>'
     rows = []
@@ -132,11 +133,13 @@ def render_block_tables(trace: StepTrace | None) -> str:
         chips = "".join(f'<span class="mv-chip" style="background:{request_color(r.request_id)}">{b}</span>'
                         for b in r.block_table) or "-"
         ran = f"{r.kind} {r.num_scheduled_tokens}" if r.kind else ""
+        sampling = r.sampling + (f", sample of {r.parent_id}" if r.parent_id else "")
         rows.append(f"<tr><td>{html.escape(r.request_id)}</td><td>{r.status}</td><td>{ran}</td>"
                     f"<td>{r.num_prompt_tokens}</td><td>{r.num_output_tokens}</td><td>{r.num_computed_tokens}</td>"
-                    f"<td>{r.num_cached_tokens}</td><td>{r.num_preemptions}</td><td>{chips}</td></tr>")
+                    f"<td>{r.num_cached_tokens}</td><td>{r.num_preemptions}</td><td>{html.escape(sampling)}</td>"
+                    f"<td>{chips}</td></tr>")
     head = ("<tr><th>request</th><th>status</th><th>this step</th><th>prompt</th><th>output</th>"
-            "<th>computed</th><th>cached</th><th>preempted</th><th>block table</th></tr>")
+            "<th>computed</th><th>cached</th><th>preempted</th><th>sampling</th><th>block table</th></tr>")
     return f'<table class="mv-table">{head}{"".join(rows)}</table>'
 
 
