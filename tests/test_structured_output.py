@@ -236,3 +236,27 @@ def test_the_trace_and_the_dashboard_show_the_grammars_state(llm):
         "greedy, logprobs=2, choice: 1 token, complete"), first.sampling
     assert "choice: 1 token" in render_block_tables(traces[0])
     assert traces[-1].by_id[req.request_id].sampling.endswith("terminated")
+
+
+def test_sampling_under_a_grammar_mask_follows_the_renormalised_distribution():
+    """Chi-square: 20,000 seeded draws at temperature 0.7 from logits masked by a bitmask that allows 5 of 64
+    tokens follow softmax(logits / 0.7) renormalised over those 5, and never pick another."""
+    from scipy.stats import chisquare
+
+    from minivllm.core.request import Request
+    from minivllm.worker.sampler import Sampler
+    g = torch.Generator().manual_seed(1)
+    logits = torch.randn(64, generator=g) * 2
+    allowed = torch.tensor([3, 17, 31, 32, 60])
+    word = torch.zeros(2, dtype=torch.int64)
+    for t in allowed.tolist():
+        word[t // 32] |= 1 << (t % 32)
+    bitmask = torch.where(word >= 2 ** 31, word - 2 ** 32, word).to(torch.int32)   # xgrammar's int32 words
+    n = 20_000
+    masked = apply_grammar_bitmask(logits.repeat(n, 1), bitmask.repeat(n, 1))
+    reqs = [Request(str(i), [1], SamplingParams(temperature=0.7, seed=i)) for i in range(n)]
+    tokens = torch.tensor(Sampler(0)(masked, reqs))
+    counts = torch.bincount(tokens, minlength=64)
+    assert counts.sum() == counts[allowed].sum() == n
+    probs = (logits[allowed] / 0.7).double().softmax(-1)
+    assert chisquare(counts[allowed].double().numpy(), (probs * n).numpy()).pvalue > 1e-3
