@@ -9,6 +9,11 @@ Routes: GET /v1/models, POST /v1/completions (one prompt or a list), POST /v1/ch
 true or false, n choices), POST /tokenize, POST /detokenize, GET /version, GET /health, GET /metrics
 (Prometheus text format).
 
+Logprobs, as vLLM serves them: /v1/completions' `logprobs` (k), `echo` (the prompt in front of the text and, with
+logprobs, of the tokens: the engine then computes prompt logprobs too; `max_tokens` 0 with echo returns the prompt
+alone) and vLLM's `prompt_logprobs`; /v1/chat/completions' `logprobs` and `top_logprobs`. Streamed chunks carry
+their own tokens' logprobs.
+
 Bad input is always a 400 with OpenAI's error body (protocol.APIError), never a 500 and never a dead
 engine; a field a route does not read is a 400 too (protocol.ACCEPTED_FIELDS), and an unknown model a 404.
 A client that hangs up (mid-stream, or while waiting for a non-streamed answer) gets its request
@@ -41,10 +46,12 @@ from minivllm.core.sampling_params import SamplingParams
 from minivllm.engine.async_llm import AsyncLLMEngine, RequestError
 from minivllm.engine.request_stream import RequestStream
 from minivllm.entrypoints.metrics import render_metrics
-from minivllm.entrypoints.protocol import (APIError, ParsedRequest, ResponseMeta, check_fields, check_model,
-                                           make_choice, parse_chat_options, parse_json_body, parse_messages,
-                                           parse_prompt, parse_stream, parse_token_ids, read_field, read_text,
-                                           requested_max_tokens, sampling_params_from_body, usage_of)
+from minivllm.entrypoints.protocol import (APIError, LogprobsRequest, ParsedRequest, ResponseMeta, chat_logprobs,
+                                           check_fields, check_model, completion_logprobs, make_choice,
+                                           parse_chat_options, parse_json_body, parse_messages, parse_prompt,
+                                           parse_stream, parse_token_ids, prompt_logprobs_json, read_field,
+                                           read_logprobs_request, read_text, requested_max_tokens,
+                                           sampling_params_from_body, usage_of)
 from minivllm.outputs import RequestOutput
 
 logger = logging.getLogger(__name__)
@@ -191,7 +198,7 @@ def build_api_server(async_engine: AsyncLLMEngine, served_model_name: str | None
 
     # ------------------------------------------------------------------ running a request
     async def serve(request: Request, parsed: ParsedRequest, chat: bool):
-        prompts, params = await prepare(parsed, chat)
+        prompts, params, echo = await prepare(parsed, chat)
         request_id = f"{'chatcmpl' if chat else 'cmpl'}-{uuid.uuid4().hex[:16]}"
         streams: list[RequestStream] = []
         try:
@@ -208,25 +215,32 @@ def build_api_server(async_engine: AsyncLLMEngine, served_model_name: str | None
             close_all(streams)
             raise
         meta = ResponseMeta(request_id, int(time.time()), name, chat)
-        n = params[0].n
+        shape = ChoiceShape(params[0].n, read_logprobs_request(parsed.body, chat), echo)
         if parsed.stream:
             # The background task runs once the response is over, even when the client hung up before the
             # first event (the generator never started, so its `async with` never ran).
-            return StreamingResponse(stream_events(streams, n, meta, parsed.include_usage),
+            return StreamingResponse(stream_events(streams, shape, meta, parsed.include_usage),
                                      media_type="text/event-stream",
                                      background=BackgroundTask(close_async, streams))
-        return await until_disconnect(request, full_response(streams, n, meta), streams)
+        return await until_disconnect(request, full_response(streams, shape, meta), streams)
 
-    async def prepare(parsed: ParsedRequest, chat: bool) -> tuple[list[dict], list[SamplingParams]]:
-        """Each prompt (tokenized once, on the engine thread, and passed on as ids) and its SamplingParams.
-        An explicit max_tokens must fit the context with the prompt (400 otherwise, as vLLM). Without one,
-        completions take 16 tokens (OpenAI's default) and chat the rest of the context, both capped by it."""
+    async def prepare(parsed: ParsedRequest, chat: bool) -> tuple[list[dict], list[SamplingParams], list[EchoText]]:
+        """Each prompt (tokenized once, on the engine thread, and passed on as ids), its SamplingParams and, for
+        echo, its text. An explicit max_tokens must fit the context with the prompt (400 otherwise, as vLLM).
+        Without one, completions take 16 tokens (OpenAI's default) and chat the rest of the context, both capped
+        by it."""
         sampling_params_from_body(parsed.body, chat, default_max_tokens=1)   # bad fields first: no engine work
+        echo = not chat and read_logprobs_request(parsed.body, chat).echo
         max_tokens_name, max_tokens = requested_max_tokens(parsed.body, chat)
         try:
             tokenized = await async_engine.call_async(lambda e: [e.tokenize(p) for p in parsed.prompts])
         except ValueError as e:
             raise APIError(str(e), param=parsed.prompt_param) from None
+        echo_texts = []
+        if echo:      # the prompt's text (decoded for a prompt of token ids) and its first token's, as echo shows them
+            echo_texts = await async_engine.call_async(lambda e: [EchoText(
+                text if text is not None else e.tokenizer.decode(ids), e.tokenizer.decode(ids[:1]))
+                for text, ids in tokenized])
         prompts, params = [], []
         limit = async_engine.max_model_len
         for text, ids in tokenized:
@@ -239,7 +253,7 @@ def build_api_server(async_engine: AsyncLLMEngine, served_model_name: str | None
             default = room if chat else min(16, max(1, limit - len(ids)))
             prompts.append({"prompt": text, "prompt_token_ids": ids} if text is not None else ids)
             params.append(sampling_params_from_body(parsed.body, chat, default_max_tokens=default))
-        return prompts, params
+        return prompts, params, echo_texts
 
     return app
 
@@ -315,24 +329,86 @@ async def merged(streams: list[RequestStream]) -> AsyncIterator[tuple[int, Reque
             t.cancel()
 
 
-async def full_response(streams: list[RequestStream], n: int, meta: ResponseMeta) -> dict:
+@dataclass(frozen=True)
+class EchoText:
+    """A prompt as echo shows it: its text, and its first token's (the one token with no logprob)."""
+    text: str
+    first_token: str
+
+
+@dataclass(frozen=True)
+class ChoiceShape:
+    """What the choices of one response hold besides their text: n per prompt, logprobs, the echoed prompts."""
+    n: int
+    logprobs: LogprobsRequest
+    echo: list[EchoText]                       # per prompt; empty without echo
+
+
+def with_echo(shape: ChoiceShape, i: int, out: RequestOutput, prompt_logprobs, text: str, token_ids: list[int],
+              entries: list, first: bool) -> tuple[str, list[int], list]:
+    """A choice's (text, token ids, logprobs entries), with prompt i in front for its first piece when echo is on
+    (vLLM's way). echo with max_tokens 0 leaves the sampled token out."""
+    if shape.logprobs.echo_only:
+        text, token_ids, entries = "", [], []
+    if first and shape.logprobs.echo:
+        ids = out.prompt_token_ids
+        text, token_ids = shape.echo[i].text + text, ids + token_ids
+        entries = (prompt_logprobs or [None] * len(ids)) + entries
+    return text, token_ids, entries
+
+
+def logprobs_of(meta: ResponseMeta, shape: ChoiceShape, i: int, token_ids: list[int], entries: list,
+                text_offset: int) -> dict | None:
+    k = shape.logprobs.num_logprobs
+    if k is None:
+        return None
+    if meta.chat:
+        return chat_logprobs(token_ids, entries, k)
+    first_token = shape.echo[i].first_token if shape.echo else ""
+    return completion_logprobs(token_ids, entries, k, text_offset, lambda _: first_token)
+
+
+def end_of(shape: ChoiceShape, finish_reason, stop_reason) -> tuple:
+    """echo with max_tokens 0 ends by length, whatever ended its hidden token."""
+    return ("length", None) if shape.logprobs.echo_only and finish_reason is not None else (finish_reason, stop_reason)
+
+
+async def full_response(streams: list[RequestStream], shape: ChoiceShape, meta: ResponseMeta) -> dict:
     """The whole answer: each sample's deltas joined into one choice (index prompt_index * n + sample)."""
+    n = shape.n
     pieces: dict[int, list[str]] = defaultdict(list)
+    token_ids: dict[int, list[int]] = defaultdict(list)
+    entries: dict[int, list] = defaultdict(list)
     ends: dict[int, tuple] = {}
     finals: dict[int, RequestOutput] = {}
+    prompt_logprobs: dict[int, list] = {}
     num_tokens = 0
     try:
         async for i, out in merged(streams):
+            if out.prompt_logprobs is not None:       # complete, in the prompt's first output
+                prompt_logprobs[i] = out.prompt_logprobs
             for o in out.outputs:
-                pieces[i * n + o.index].append(o.text)
-                num_tokens += len(o.token_ids)
+                k = i * n + o.index
+                pieces[k].append(o.text)
+                token_ids[k] += o.token_ids
+                entries[k] += o.logprobs or []
+                num_tokens += 0 if shape.logprobs.echo_only else len(o.token_ids)
                 if o.finished:
-                    ends[i * n + o.index] = (o.finish_reason, o.stop_reason)
+                    ends[k] = end_of(shape, o.finish_reason, o.stop_reason)
             finals[i] = out
     finally:
         close_all(streams)                   # no-op for finished requests; aborts the rest
-    choices = [make_choice(meta, k, "".join(pieces[k]), *ends.get(k, (None, None)), stream=False)
-               for k in range(len(streams) * n)]
+    choices = []
+    for k in range(len(streams) * n):
+        i = k // n
+        text, ids, lps = with_echo(shape, i, finals[i], prompt_logprobs.get(i), "".join(pieces[k]), token_ids[k],
+                                   entries[k], first=True)
+        choice = make_choice(meta, k, text, *ends.get(k, (None, None)), stream=False,
+                             logprobs=logprobs_of(meta, shape, i, ids, lps, 0))
+        if shape.logprobs.return_prompt_logprobs:          # vLLM's extra field
+            choice["prompt_logprobs"] = (prompt_logprobs_json(prompt_logprobs[i]) if i in prompt_logprobs
+                                         else None)
+        choices.append(choice)
     body = meta.envelope(choices, stream=False)
     body["usage"] = usage_of([finals[i] for i in range(len(streams))], num_tokens)
     return body
@@ -342,23 +418,37 @@ def _sse(data: dict) -> str:
     return f"data: {json.dumps(data, ensure_ascii=False)}\n\n"
 
 
-async def stream_events(streams: list[RequestStream], n: int, meta: ResponseMeta,
+async def stream_events(streams: list[RequestStream], shape: ChoiceShape, meta: ResponseMeta,
                         include_usage: bool) -> AsyncIterator[str]:
-    """Server-sent events: one chunk per new piece of a choice's text (its index says which), the choice's
-    last with finish_reason, an optional usage chunk (choices: []), then `data: [DONE]`. If the client hangs
-    up, Starlette cancels this generator and close_all aborts the requests."""
+    """Server-sent events: one chunk per new piece of a choice's text (its index says which) and, with logprobs,
+    per new tokens, the choice's last with finish_reason, an optional usage chunk (choices: []), then
+    `data: [DONE]`. With echo a choice's first chunk starts with the prompt. If the client hangs up, Starlette
+    cancels this generator and close_all aborts the requests."""
+    n = shape.n
     try:
         if meta.chat:        # OpenAI opens a chat stream with the role, once per choice
             for k in range(len(streams) * n):
                 yield _sse(meta.envelope([make_choice(meta, k, "", None, None, stream=True, first=True)],
                                          stream=True))
-        num_tokens, finals = 0, {}
+        num_tokens, finals, prompt_logprobs = 0, {}, {}
+        sent_chars: dict[int, int] = defaultdict(int)     # text already streamed per choice (text_offset)
+        started: set[int] = set()
         async for i, out in merged(streams):          # each output holds only what is new (DELTA)
+            if out.prompt_logprobs is not None:
+                prompt_logprobs[i] = out.prompt_logprobs
             for o in out.outputs:
-                if o.text or o.finished:
-                    yield _sse(meta.envelope([make_choice(meta, i * n + o.index, o.text, o.finish_reason,
-                                                          o.stop_reason, stream=True)], stream=True))
-                num_tokens += len(o.token_ids)
+                k = i * n + o.index
+                text, ids, lps = with_echo(shape, i, out, prompt_logprobs.get(i), o.text, o.token_ids,
+                                           o.logprobs or [], first=k not in started)
+                started.add(k)
+                has_logprobs = shape.logprobs.num_logprobs is not None and ids
+                if text or o.finished or has_logprobs:
+                    logprobs = logprobs_of(meta, shape, i, ids, lps, sent_chars[k]) if has_logprobs else None
+                    yield _sse(meta.envelope([make_choice(meta, k, text, *end_of(shape, o.finish_reason,
+                                                                                 o.stop_reason),
+                                                          stream=True, logprobs=logprobs)], stream=True))
+                sent_chars[k] += len(text)
+                num_tokens += 0 if shape.logprobs.echo_only else len(o.token_ids)
             finals[i] = out
         if include_usage:
             yield _sse({**meta.envelope([], stream=True),

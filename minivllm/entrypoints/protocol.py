@@ -18,8 +18,8 @@ import math
 import sys
 from dataclasses import dataclass
 
-from minivllm.core.sampling_params import RequestOutputKind, SamplingParams
-from minivllm.outputs import RequestOutput
+from minivllm.core.sampling_params import MAX_LOGPROBS, RequestOutputKind, SamplingParams
+from minivllm.outputs import Logprob, RequestOutput
 
 CHAT_ROLES = ("system", "developer", "user", "assistant")
 INT64 = (-(2 ** 63), 2 ** 63 - 1)     # torch generators and tensors take no wider ints
@@ -36,15 +36,17 @@ SAMPLING_FIELDS = {"temperature", "top_p", "top_k", "seed", "n", "max_tokens", "
 COMMON_FIELDS = {"model", "stream", "stream_options", "user"} | SAMPLING_FIELDS
 CHAT_TEMPLATE_FIELDS = {"add_generation_prompt", "continue_final_message", "chat_template"}
 ACCEPTED_FIELDS = {
-    "/v1/completions": COMMON_FIELDS | {"prompt"},
-    "/v1/chat/completions": COMMON_FIELDS | CHAT_TEMPLATE_FIELDS | {"messages", "max_completion_tokens"},
+    "/v1/completions": COMMON_FIELDS | {"prompt", "logprobs", "echo", "prompt_logprobs"},
+    "/v1/chat/completions": COMMON_FIELDS | CHAT_TEMPLATE_FIELDS | {"messages", "max_completion_tokens", "logprobs",
+                                                                     "top_logprobs"},
     "/tokenize": {"model", "prompt", "messages", "add_special_tokens"} | CHAT_TEMPLATE_FIELDS,
     "/detokenize": {"model", "tokens"},
 }
 # Fields vLLM or OpenAI define that change the answer in ways minivllm does not (yet) implement: refused
 # unless left at a value that means "off" (clients such as vLLM's benchmark send some of them that way).
+# top_logprobs (completions), echo and prompt_logprobs (chat) are implemented on the other route only.
 NOT_IMPLEMENTED = {
-    "logprobs": (None, False), "top_logprobs": (None, 0), "prompt_logprobs": (None,), "echo": (None, False),
+    "top_logprobs": (None, 0), "prompt_logprobs": (None,), "echo": (None, False),
     "suffix": (None,), "best_of": (None, 1), "use_beam_search": (None, False), "length_penalty": (None, 1),
     "response_format": (None, {"type": "text"}), "structured_outputs": (None,),
     "guided_json": (None,), "guided_regex": (None,), "guided_choice": (None,), "guided_grammar": (None,),
@@ -185,18 +187,67 @@ def check_model(body: dict, accepted_names: set[str], served_name: str) -> None:
 
 def requested_max_tokens(body: dict, chat: bool) -> tuple[str, int | None]:
     """The output-length field's name and value (None if absent). Chat takes OpenAI's newer
-    max_completion_tokens or the older max_tokens."""
+    max_completion_tokens or the older max_tokens. A completion with echo may ask for 0 tokens (OpenAI's and
+    vLLM's way to score a prompt): the engine then samples one token that the answer leaves out."""
     name = "max_completion_tokens" if chat and body.get("max_completion_tokens") is not None else "max_tokens"
     value = read_field(body, name, "int")
+    if value == 0 and not chat and body.get("echo") is True:
+        return name, 0
     if value is not None and value < 1:
-        raise APIError(f"'{name}' is {value}; it must be >= 1.", param=name)
+        raise APIError(f"'{name}' is {value}; it must be >= 1 (0 only with 'echo': true, on /v1/completions).",
+                       param=name)
     return name, value
+
+
+def read_num_logprobs(body: dict, name: str) -> int | None:
+    """An int field that asks for the k most likely tokens: None, or k in [0, MAX_LOGPROBS]."""
+    value = read_field(body, name, "int")
+    if value is not None and not 0 <= value <= MAX_LOGPROBS:
+        raise APIError(f"'{name}' is {value}; it must be in [0, {MAX_LOGPROBS}] (this server returns at most "
+                       f"{MAX_LOGPROBS} most likely tokens per position).", param=name)
+    return value
+
+
+@dataclass(frozen=True)
+class LogprobsRequest:
+    """What a body asks for in logprobs, in one shape for both routes. num_logprobs: SamplingParams.logprobs
+    (completions' `logprobs`; chat's `top_logprobs` when `logprobs` is true); prompt_logprobs: what the engine
+    computes (vLLM's `prompt_logprobs`, else `logprobs` with echo); return_prompt_logprobs: the body asked for
+    `choices[i].prompt_logprobs` itself."""
+    num_logprobs: int | None = None
+    echo: bool = False
+    echo_only: bool = False                 # echo with max_tokens 0: the prompt alone, no output token
+    prompt_logprobs: int | None = None
+    return_prompt_logprobs: bool = False
+
+
+def read_logprobs_request(body: dict, chat: bool) -> LogprobsRequest:
+    stream = body.get("stream") is True
+    if chat:
+        wanted = read_field(body, "logprobs", "bool", False)
+        top = read_num_logprobs(body, "top_logprobs")
+        if top and not wanted:       # vLLM: top_logprobs 0 without logprobs means off
+            raise APIError(f"'top_logprobs' is {top} but 'logprobs' is not true; set 'logprobs': true to get "
+                           "log-probabilities (top_logprobs says how many alternatives each token lists).",
+                           param="top_logprobs")
+        return LogprobsRequest(num_logprobs=(top or 0) if wanted else None)
+    k = read_num_logprobs(body, "logprobs")
+    echo = read_field(body, "echo", "bool", False)
+    prompt_k = read_num_logprobs(body, "prompt_logprobs")
+    if prompt_k and stream:
+        raise APIError(f"'prompt_logprobs' is {prompt_k}; prompt logprobs are not available when 'stream' is true "
+                       "(as vLLM). Use echo with logprobs to stream the prompt's logprobs.", param="prompt_logprobs")
+    return LogprobsRequest(k, echo, echo and requested_max_tokens(body, chat)[1] == 0,
+                           prompt_k if prompt_k is not None else (k if echo else None), prompt_k is not None)
 
 
 def sampling_params_from_body(body: dict, chat: bool, default_max_tokens: int) -> SamplingParams:
     """The request's SamplingParams; raises APIError naming the field for anything wrong or unsupported."""
     check_fields(body, "/v1/chat/completions" if chat else "/v1/completions")
     max_tokens_name, max_tokens = requested_max_tokens(body, chat)
+    if max_tokens == 0:                           # echo only: one token is sampled and left out of the answer
+        max_tokens = 1
+    lp = read_logprobs_request(body, chat)
     stop = body.get("stop")
     if stop is not None and not (isinstance(stop, str) or (isinstance(stop, list)
                                                            and all(isinstance(s, str) for s in stop))):
@@ -225,6 +276,8 @@ def sampling_params_from_body(body: dict, chat: bool, default_max_tokens: int) -
         bad_words=read_field(body, "bad_words", "list"),
         allowed_token_ids=read_field(body, "allowed_token_ids", "list"),
         logit_bias=read_logit_bias(body),
+        logprobs=lp.num_logprobs,
+        prompt_logprobs=lp.prompt_logprobs,
     )
     try:
         # Every request runs as deltas: a stream forwards each new piece, a full answer joins them (O(n) both).
@@ -365,7 +418,7 @@ def usage_of(finals: list[RequestOutput], completion_tokens: int) -> dict:
 
 
 def make_choice(meta: ResponseMeta, index: int, text: str, finish_reason: str | None, stop_reason, stream: bool,
-                first: bool = False) -> dict:
+                first: bool = False, logprobs: dict | None = None) -> dict:
     """One entry of `choices`: a chat message, a chat stream delta (the first one carries the role), or text.
     index: prompt_index * n + sample_index, as vLLM numbers the choices of a batch of prompts."""
     choice: dict = {"index": index}
@@ -376,5 +429,60 @@ def make_choice(meta: ResponseMeta, index: int, text: str, finish_reason: str | 
         choice["message"] = {"role": "assistant", "content": text}
     else:
         choice["text"] = text
-    choice.update(logprobs=None, finish_reason=finish_reason, stop_reason=stop_reason)
+    choice.update(logprobs=logprobs, finish_reason=finish_reason, stop_reason=stop_reason)
     return choice
+
+
+# ---------------------------------------------------------------------- logprobs in responses
+# JSON has no -inf: a logprob below -9999 is written as -9999.0, as OpenAI and vLLM do.
+def _clamp(logprob: float) -> float:
+    return max(logprob, -9999.0)
+
+
+def completion_logprobs(token_ids: list[int], entries: list[dict[int, Logprob] | None], num_logprobs: int,
+                        text_offset: int, text_of) -> dict:
+    """/v1/completions' logprobs object for these tokens: each token's text and logprob, its top_logprobs
+    ({text: logprob}: the token itself and the num_logprobs most likely, up to num_logprobs + 1 entries, as OpenAI),
+    and text_offset (where each token starts in the choice's text, counting from `text_offset`). An entry that is
+    None (the first prompt token, echoed) has logprob None; text_of(token_id) gives its text."""
+    tokens, token_logprobs, top_logprobs, offsets = [], [], [], []
+    for token_id, entry in zip(token_ids, entries):
+        if entry is None:
+            token, logprob, top = text_of(token_id), None, None
+        else:
+            token, logprob = entry[token_id].decoded_token, _clamp(entry[token_id].logprob)
+            top = {}
+            for lp in list(entry.values())[:num_logprobs + 1]:
+                top.setdefault(lp.decoded_token, _clamp(lp.logprob))
+        tokens.append(token)
+        token_logprobs.append(logprob)
+        top_logprobs.append(top)
+        offsets.append(text_offset)
+        text_offset += len(token)
+    return {"tokens": tokens, "token_logprobs": token_logprobs, "top_logprobs": top_logprobs, "text_offset": offsets}
+
+
+def _chat_token(text: str, logprob: float) -> dict:
+    return {"token": text, "logprob": _clamp(logprob), "bytes": list(text.encode("utf-8", errors="replace"))}
+
+
+def chat_logprobs(token_ids: list[int], entries: list[dict[int, Logprob]], top_logprobs: int) -> dict:
+    """/v1/chat/completions' logprobs object: {"content": one entry per token, with its top_logprobs most likely
+    tokens in rank order}."""
+    content = []
+    for token_id, entry in zip(token_ids, entries):
+        chosen = entry[token_id]
+        top = sorted((lp for lp in entry.values() if lp.rank is not None and lp.rank <= top_logprobs),
+                     key=lambda lp: lp.rank)
+        content.append({**_chat_token(chosen.decoded_token, chosen.logprob),
+                        "top_logprobs": [_chat_token(lp.decoded_token, lp.logprob) for lp in top]})
+    return {"content": content}
+
+
+def prompt_logprobs_json(prompt_logprobs: list[dict[int, Logprob] | None]) -> list[dict | None]:
+    """RequestOutput.prompt_logprobs as vLLM's API writes it: None, then {token id: {logprob, rank,
+    decoded_token}} per prompt token."""
+    return [None if entry is None else
+            {str(tid): {"logprob": _clamp(lp.logprob), "rank": lp.rank, "decoded_token": lp.decoded_token}
+             for tid, lp in entry.items()}
+            for entry in prompt_logprobs]
