@@ -80,7 +80,8 @@ def main(argv: list[str] | None = None) -> int:
 
     logging.basicConfig(level=logging.INFO, format="%(levelname)s %(name)s: %(message)s", force=True)
     print(f"minivllm: serving {async_engine.engine.model_path.name} on http://{args.host}:{args.port}/ "
-          f"(dashboard at /, OpenAI API at /v1, metrics at /metrics)", file=sys.stderr, flush=True)
+          f"({'' if args.no_dashboard else 'dashboard at /, '}OpenAI API at /v1, metrics at /metrics)",
+          file=sys.stderr, flush=True)
     config = uvicorn.Config(app, host=args.host, port=args.port, log_level="warning", timeout_graceful_shutdown=3)
     try:
         QuietServer(config).run()

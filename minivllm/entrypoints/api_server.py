@@ -51,7 +51,7 @@ from minivllm.entrypoints.protocol import (APIError, LogprobsRequest, ParsedRequ
                                            parse_chat_options, parse_json_body, parse_messages, parse_prompt,
                                            parse_stream, parse_token_ids, prompt_logprobs_json, read_field,
                                            read_logprobs_request, read_text, requested_max_tokens,
-                                           sampling_params_from_body, usage_of)
+                                           sampling_params_from_body, structured_outputs_param, usage_of)
 from minivllm.outputs import RequestOutput
 
 logger = logging.getLogger(__name__)
@@ -229,7 +229,13 @@ def build_api_server(async_engine: AsyncLLMEngine, served_model_name: str | None
         echo, its text. An explicit max_tokens must fit the context with the prompt (400 otherwise, as vLLM).
         Without one, completions take 16 tokens (OpenAI's default) and chat the rest of the context, both capped
         by it."""
-        sampling_params_from_body(parsed.body, chat, default_max_tokens=1)   # bad fields first: no engine work
+        checked = sampling_params_from_body(parsed.body, chat, default_max_tokens=1)   # bad fields first: no engine work
+        if checked.structured_outputs is not None:     # compile now (cached): a bad grammar is its field's 400
+            try:
+                await async_engine.call_async(
+                    lambda e: e.structured_output_manager.grammar_for(checked.structured_outputs))
+            except ValueError as e:
+                raise APIError(str(e), param=structured_outputs_param(parsed.body)) from None
         echo = not chat and read_logprobs_request(parsed.body, chat).echo
         max_tokens_name, max_tokens = requested_max_tokens(parsed.body, chat)
         try:
@@ -426,14 +432,16 @@ async def stream_events(streams: list[RequestStream], shape: ChoiceShape, meta: 
     cancels this generator and close_all aborts the requests."""
     n = shape.n
     try:
-        if meta.chat:        # OpenAI opens a chat stream with the role, once per choice
-            for k in range(len(streams) * n):
-                yield _sse(meta.envelope([make_choice(meta, k, "", None, None, stream=True, first=True)],
-                                         stream=True))
         num_tokens, finals, prompt_logprobs = 0, {}, {}
         sent_chars: dict[int, int] = defaultdict(int)     # text already streamed per choice (text_offset)
         started: set[int] = set()
         async for i, out in merged(streams):          # each output holds only what is new (DELTA)
+            if meta.chat and i not in finals:
+                # OpenAI opens a chat stream with the role, once per choice; as vLLM, only once the engine's
+                # first output is here, so a client's time to first token includes the prefill.
+                for k in range(i * n, (i + 1) * n):
+                    yield _sse(meta.envelope([make_choice(meta, k, "", None, None, stream=True, first=True)],
+                                             stream=True))
             if out.prompt_logprobs is not None:
                 prompt_logprobs[i] = out.prompt_logprobs
             for o in out.outputs:

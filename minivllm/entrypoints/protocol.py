@@ -18,7 +18,7 @@ import math
 import sys
 from dataclasses import dataclass
 
-from minivllm.core.sampling_params import MAX_LOGPROBS, RequestOutputKind, SamplingParams
+from minivllm.core.sampling_params import MAX_LOGPROBS, RequestOutputKind, SamplingParams, StructuredOutputsParams
 from minivllm.outputs import Logprob, RequestOutput
 
 CHAT_ROLES = ("system", "developer", "user", "assistant")
@@ -33,7 +33,9 @@ SAMPLING_FIELDS = {"temperature", "top_p", "top_k", "seed", "n", "max_tokens", "
                    "ignore_eos", "skip_special_tokens", "include_stop_str_in_output", "presence_penalty",
                    "frequency_penalty", "repetition_penalty", "min_p", "min_tokens", "bad_words",
                    "allowed_token_ids", "logit_bias"}
-COMMON_FIELDS = {"model", "stream", "stream_options", "user"} | SAMPLING_FIELDS
+STRUCTURED_OUTPUT_FIELDS = {"response_format", "structured_outputs", "guided_json", "guided_regex", "guided_choice",
+                            "guided_grammar", "guided_decoding_backend"}
+COMMON_FIELDS = {"model", "stream", "stream_options", "user"} | SAMPLING_FIELDS | STRUCTURED_OUTPUT_FIELDS
 CHAT_TEMPLATE_FIELDS = {"add_generation_prompt", "continue_final_message", "chat_template"}
 ACCEPTED_FIELDS = {
     "/v1/completions": COMMON_FIELDS | {"prompt", "logprobs", "echo", "prompt_logprobs"},
@@ -48,9 +50,7 @@ ACCEPTED_FIELDS = {
 NOT_IMPLEMENTED = {
     "top_logprobs": (None, 0), "prompt_logprobs": (None,), "echo": (None, False),
     "suffix": (None,), "best_of": (None, 1), "use_beam_search": (None, False), "length_penalty": (None, 1),
-    "response_format": (None, {"type": "text"}), "structured_outputs": (None,),
-    "guided_json": (None,), "guided_regex": (None,), "guided_choice": (None,), "guided_grammar": (None,),
-    "guided_decoding_backend": (None,), "guided_whitespace_pattern": (None,), "tools": (None, []),
+    "guided_whitespace_pattern": (None,), "tools": (None, []),
     "functions": (None, []), "tool_choice": (None, "none"), "parallel_tool_calls": (None,),
     "truncate_prompt_tokens": (None,), "chat_template_kwargs": (None, {}), "documents": (None,),
     "spaces_between_special_tokens": (None, True), "return_tokens_as_token_ids": (None, False),
@@ -241,6 +241,67 @@ def read_logprobs_request(body: dict, chat: bool) -> LogprobsRequest:
                            prompt_k if prompt_k is not None else (k if echo else None), prompt_k is not None)
 
 
+# Structured output in a request body: OpenAI's response_format, vLLM's structured_outputs object, and vLLM's
+# older guided_* fields (still sent by many clients), each turned into one StructuredOutputsParams.
+STRUCTURED_OUTPUTS_KEYS = {"json", "regex", "choice", "grammar", "json_object", "disable_any_whitespace",
+                           "disable_additional_properties"}
+GUIDED_FIELDS = {"guided_json": "json", "guided_regex": "regex", "guided_choice": "choice",
+                 "guided_grammar": "grammar"}
+GUIDED_BACKENDS = (None, "auto", "xgrammar")
+
+
+def read_structured_outputs(body: dict) -> StructuredOutputsParams | None:
+    """The request's constraint, from exactly one of response_format, structured_outputs or a guided_* field."""
+    sources: dict[str, dict] = {}
+    fmt = read_field(body, "response_format", "object")
+    if fmt is not None:
+        kind = fmt.get("type")
+        if kind == "json_object":
+            sources["response_format"] = {"json_object": True}
+        elif kind == "json_schema":
+            spec = fmt.get("json_schema")
+            schema = spec.get("schema") if isinstance(spec, dict) else None
+            if not isinstance(schema, dict):
+                raise APIError("'response_format' of type json_schema needs "
+                               "\"json_schema\": {\"name\": ..., \"schema\": {...}} with the schema as a JSON object.",
+                               param="response_format")
+            sources["response_format"] = {"json": schema}
+        elif kind != "text":
+            raise APIError(f"'response_format.type' is {describe(kind)}; it must be 'text', 'json_object' or "
+                           "'json_schema'.", param="response_format")
+    so = read_field(body, "structured_outputs", "object")
+    if so is not None:
+        unknown = sorted(set(so) - STRUCTURED_OUTPUTS_KEYS)
+        if unknown:
+            raise APIError(f"'structured_outputs' has {', '.join(map(repr, unknown))}, which minivllm does not "
+                           f"implement or know; it takes {', '.join(sorted(STRUCTURED_OUTPUTS_KEYS))}.",
+                           param="structured_outputs")
+        sources["structured_outputs"] = so
+    for name, key in GUIDED_FIELDS.items():
+        if body.get(name) is not None:
+            sources[name] = {key: body[name]}
+    backend = body.get("guided_decoding_backend")
+    if backend not in GUIDED_BACKENDS:
+        raise APIError(f"'guided_decoding_backend' is {describe(backend)}; minivllm's grammar engine is xgrammar "
+                       "(leave it out, or send 'xgrammar' or 'auto').", param="guided_decoding_backend")
+    if not sources:
+        return None
+    if len(sources) > 1:
+        raise APIError(f"the request constrains its output twice ({', '.join(sources)}); send one of them.",
+                       param=list(sources)[1])
+    (param, values), = sources.items()
+    try:
+        return StructuredOutputsParams(**values)
+    except ValueError as e:
+        raise APIError(str(e), param=param) from None
+
+
+def structured_outputs_param(body: dict) -> str | None:
+    """The field a request's constraint came from (where a grammar that does not compile points)."""
+    return next((name for name in ["response_format", "structured_outputs", *GUIDED_FIELDS]
+                 if body.get(name) is not None), None)
+
+
 def sampling_params_from_body(body: dict, chat: bool, default_max_tokens: int) -> SamplingParams:
     """The request's SamplingParams; raises APIError naming the field for anything wrong or unsupported."""
     check_fields(body, "/v1/chat/completions" if chat else "/v1/completions")
@@ -278,6 +339,7 @@ def sampling_params_from_body(body: dict, chat: bool, default_max_tokens: int) -
         logit_bias=read_logit_bias(body),
         logprobs=lp.num_logprobs,
         prompt_logprobs=lp.prompt_logprobs,
+        structured_outputs=read_structured_outputs(body),
     )
     try:
         # Every request runs as deltas: a stream forwards each new piece, a full answer joins them (O(n) both).
