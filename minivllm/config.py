@@ -17,6 +17,7 @@ vLLM spreads these options over several config classes and EngineArgs; minivllm 
 from __future__ import annotations
 
 import argparse
+import json
 import types
 import typing
 from collections.abc import Iterable
@@ -63,6 +64,10 @@ class EngineConfig:
         "auto", "auto: triton on CUDA, torch (the PyTorch reference) on a CPU", ("auto", "torch", "triton"))
     enforce_eager: bool = option(False, "CUDA: run decode steps eagerly, without CUDA graphs")
     seed: int = option(0, "seed of the sampler for requests without a seed of their own")
+    speculative_config: dict | None = option(
+        None, "speculative decoding, as vLLM's JSON: {\"method\": \"ngram\", \"num_speculative_tokens\": 4, "
+        "\"prompt_lookup_min\": 2, \"prompt_lookup_max\": 4} or {\"model\": PATH, \"num_speculative_tokens\": 4} "
+        "(a draft model; \"draft_num_layers\": N keeps its first N layers)")
 
     @classmethod
     def from_kwargs(cls, **kwargs) -> "EngineConfig":
@@ -106,6 +111,63 @@ class EngineConfig:
             raise ValueError(f"enforce_eager is {self.enforce_eager!r}; it must be True or False.")
         if not 0 < self.gpu_memory_utilization <= 1:
             raise ValueError(f"gpu_memory_utilization is {self.gpu_memory_utilization}; it must be in (0, 1].")
+        if self.speculative_config is not None:
+            SpeculativeConfig.from_dict(self.speculative_config)      # raises, naming the key, if it is wrong
+
+    @property
+    def speculative(self) -> "SpeculativeConfig | None":
+        return None if self.speculative_config is None else SpeculativeConfig.from_dict(self.speculative_config)
+
+
+@dataclass(frozen=True)
+class SpeculativeConfig:
+    """Speculative decoding (vLLM's `speculative_config` keys). method "ngram": propose the k tokens that followed
+    the last n tokens' latest earlier occurrence in the request's own prompt and output (n from prompt_lookup_max
+    down to prompt_lookup_min); method "draft_model": a smaller model with the same tokenizer proposes k tokens
+    (`model`; `draft_num_layers` keeps only its first layers: the target checkpoint cut down is a draft that
+    needs no download)."""
+    method: str
+    num_speculative_tokens: int
+    prompt_lookup_min: int = 1
+    prompt_lookup_max: int = 4
+    model: str | None = None
+    draft_num_layers: int | None = None
+
+    METHODS = ("ngram", "draft_model")
+    MAX_TOKENS = 16
+
+    @classmethod
+    def from_dict(cls, d: dict) -> "SpeculativeConfig":
+        if not isinstance(d, dict):
+            raise ValueError(f"speculative_config is {d!r}; it must be a dict (vLLM's JSON), e.g. "
+                             '{"method": "ngram", "num_speculative_tokens": 4}.')
+        keys = {"method", "num_speculative_tokens", "prompt_lookup_min", "prompt_lookup_max", "model",
+                "draft_num_layers"}
+        unknown = sorted(set(d) - keys)
+        if unknown:
+            raise ValueError(f"speculative_config has unknown key(s) {unknown}; known ones are {sorted(keys)}.")
+        d = dict(d)
+        method = d.pop("method", None) or ("draft_model" if d.get("model") else None)
+        if method not in cls.METHODS:
+            raise ValueError(f"speculative_config method is {method!r}; choose 'ngram', or 'draft_model' with "
+                             "a 'model' path.")
+        k = d.pop("num_speculative_tokens", None)
+        if isinstance(k, bool) or not isinstance(k, int) or not 1 <= k <= cls.MAX_TOKENS:
+            raise ValueError(f"speculative_config num_speculative_tokens is {k!r}; it must be an int in "
+                             f"[1, {cls.MAX_TOKENS}] (tokens proposed per step).")
+        cfg = cls(method, k, **d)
+        if method == "ngram":
+            lo, hi = cfg.prompt_lookup_min, cfg.prompt_lookup_max
+            if any(isinstance(v, bool) or not isinstance(v, int) for v in (lo, hi)) or not 1 <= lo <= hi:
+                raise ValueError(f"speculative_config prompt_lookup_min is {lo!r} and prompt_lookup_max {hi!r}; "
+                                 "they must be ints with 1 <= prompt_lookup_min <= prompt_lookup_max.")
+        if method == "draft_model" and cfg.model is None and cfg.draft_num_layers is None:
+            raise ValueError("speculative_config method 'draft_model' needs 'model' (a checkpoint with the target's "
+                             "tokenizer) or 'draft_num_layers' (the target's own first layers).")
+        n = cfg.draft_num_layers
+        if n is not None and (isinstance(n, bool) or not isinstance(n, int) or n < 1):
+            raise ValueError(f"speculative_config draft_num_layers is {n!r}; it must be a positive int.")
+        return cfg
 
 
 def choices_of(name: str) -> tuple[str, ...]:
@@ -144,15 +206,26 @@ def add_engine_args(parser: argparse.ArgumentParser, exclude: Iterable[str] = ()
             group.add_argument(flag_of(f.name), dest=f.name, action="store_true", help=help_)
         else:
             number = kind in (int, float) and not f.metadata["choices"]
+            number = "N" if number else "JSON" if kind is _json_object else None
             default = "" if f.default is None else f"; default: {f.default}"
             group.add_argument(flag_of(f.name), dest=f.name, type=kind, default=f.default,
-                               choices=f.metadata["choices"], metavar="N" if number else None,
+                               choices=f.metadata["choices"], metavar=number,
                                help=help_ + default)
     return group
 
 
 def _scalar(annotation) -> type:
-    """int for `int` and `int | None`; likewise str, float, bool."""
+    """int for `int` and `int | None`; likewise str, float, bool; a dict option is read as JSON."""
     if isinstance(annotation, types.UnionType) or typing.get_origin(annotation) is typing.Union:
         (annotation,) = [a for a in typing.get_args(annotation) if a is not type(None)]
-    return annotation
+    return _json_object if annotation is dict else annotation
+
+
+def _json_object(text: str) -> dict:
+    try:
+        value = json.loads(text)
+    except json.JSONDecodeError as e:
+        raise argparse.ArgumentTypeError(f"not valid JSON ({e}): {text!r}") from None
+    if not isinstance(value, dict):
+        raise argparse.ArgumentTypeError(f"must be a JSON object, not {text!r}")
+    return value

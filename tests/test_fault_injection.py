@@ -536,10 +536,10 @@ def test_a_sigint_at_any_line_of_a_steps_bookkeeping_leaves_a_working_engine(eng
         "scheduler.py", "kv_cache_manager.py", "block_pool.py", "swap_space.py", "journal.py", "request.py")) + (
         os.path.join("minivllm", "engine", "llm_engine.py"), os.path.join("minivllm", "engine", "output_processor.py"))
 
-    def execute_model(sched):
+    def execute_model(sched, grammar_bitmask=None):
         sampling = [r for r in sched.scheduled
                     if r.num_computed_tokens + sched.num_scheduled_tokens[r.request_id] == r.num_tokens]
-        return sampling, [1000 + r.num_tokens for r in sampling], None
+        return sampling, [[1000 + r.num_tokens] for r in sampling], None
     engine.executor.execute_model = execute_model
     try:
         for warm in (0, 1, 3):                # interrupt the first step, or one with running requests and hits

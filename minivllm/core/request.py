@@ -70,6 +70,7 @@ class Request:
     generator: torch.Generator | None = None   # per-request RNG when sampling_params.seed is set
     bad_words_token_ids: list[list[int]] = field(default_factory=list)   # sampling_params.bad_words, tokenized
     grammar: Grammar | None = None        # structured output's matcher; the scheduler advances it (structured_output.py)
+    spec_token_ids: list[int] = field(default_factory=list)   # speculative decoding: draft tokens for the next step
 
     def __post_init__(self) -> None:
         self.all_token_ids = list(self.prompt_token_ids)   # prompt + outputs, appended as we go

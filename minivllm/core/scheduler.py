@@ -51,6 +51,9 @@ class SchedulerOutput:
     # KV copies the model runner does before the forward, as (src block, dst block):
     blocks_to_swap_out: list[tuple[int, int]] = field(default_factory=list)   # device -> CPU pool
     blocks_to_swap_in: list[tuple[int, int]] = field(default_factory=list)    # CPU pool -> device
+    # Speculative decoding: request_id -> the draft tokens scheduled after its last token (verified this step;
+    # num_scheduled_tokens counts them).
+    scheduled_spec_decode_tokens: dict[str, list[int]] = field(default_factory=dict)
 
     @property
     def is_empty(self) -> bool:
@@ -60,7 +63,8 @@ class SchedulerOutput:
 
 @dataclass
 class EngineCoreOutput:
-    """What one request got from a committed step (vLLM v1's name): the new token, and how it ended if it did."""
+    """What one request got from a committed step (vLLM v1's name): the new tokens (one, or with speculative
+    decoding the accepted drafts and one more), and how it ended if it did."""
     request: Request
     new_token_ids: list[int]
     finish_status: RequestStatus | None = None      # FINISHED_* when the core stopped it (EOS, stop token, length)
@@ -81,6 +85,12 @@ class Scheduler:
         self.waiting: list[Request] = []     # sorted by (priority, arrival_time, admission order)
         self.running: list[Request] = []
         self.num_preemptions = 0
+        # Speculative decoding (vLLM's spec-decode counters): steps with drafts, draft tokens verified, accepted;
+        # accepted per draft position.
+        self.num_drafts = 0
+        self.num_draft_tokens = 0
+        self.num_accepted_tokens = 0
+        self.num_accepted_tokens_per_pos: list[int] = []
         self._swap_out: list[tuple[int, int]] = []     # filled by _preempt during schedule()
         self._order = itertools.count()
         self._keys: dict[str, tuple] = {}
@@ -136,6 +146,7 @@ class Scheduler:
         preempted: list[Request] = []
         self._swap_out = []
         swap_in: list[tuple[int, int]] = []
+        spec: dict[str, list[int]] = {}
 
         # 1. Running requests: decodes (1 token left to compute) before prefill chunks.
         for req in sorted(self.running, key=lambda r: r.num_tokens - r.num_computed_tokens > 1):
@@ -144,6 +155,9 @@ class Scheduler:
             if req.status is not RequestStatus.RUNNING:      # preempted earlier in this loop
                 continue
             n = min(req.num_tokens - req.num_computed_tokens, budget)
+            drafts = req.spec_token_ids if n == 1 and req.num_computed_tokens == req.num_tokens - 1 else []
+            drafts = drafts[:budget - n]                 # a decode verifies its drafts in the same step
+            n += len(drafts)
             while not kv.allocate_slots(req, n):
                 victim = max(self.running, key=lambda r: self._keys[r.request_id])   # lowest priority, latest
                 if victim in scheduled:                         # give back its share of this step
@@ -155,10 +169,13 @@ class Scheduler:
             else:
                 scheduled[req] = n
                 budget -= n
+                if drafts:
+                    spec[req.request_id] = list(drafts)
 
-        # Offer the blocks this step completes to requests admitted below (same-step prefix sharing).
+        # Offer the blocks this step completes to requests admitted below (same-step prefix sharing); a draft is
+        # not a token of the request yet, so its block is not offered.
         for req, n in scheduled.items():
-            kv.register_pending(req, req.num_computed_tokens + n)
+            kv.register_pending(req, req.num_computed_tokens + n - len(spec.get(req.request_id, ())))
 
         # 2. Waiting requests, in priority then arrival order.
         admitted: list[str] = []
@@ -191,14 +208,16 @@ class Scheduler:
         out = SchedulerOutput(scheduled=list(scheduled),
                               num_scheduled_tokens={r.request_id: n for r, n in scheduled.items()},
                               preempted=preempted, newly_admitted=admitted,
-                              blocks_to_swap_out=self._swap_out, blocks_to_swap_in=swap_in)
+                              blocks_to_swap_out=self._swap_out, blocks_to_swap_in=swap_in,
+                              scheduled_spec_decode_tokens=spec)
         for req, n in scheduled.items():
-            # A decode computes the one token sampled last step; anything else is (a chunk of) a prefill,
-            # including a preempted request recomputing its prompt and outputs.
+            # A decode computes the one token sampled last step (and verifies its drafts, if any); anything else is
+            # (a chunk of) a prefill, including a preempted request recomputing its prompt and outputs.
+            n -= len(spec.get(req.request_id, ()))
             is_decode = n == 1 and req.num_output_tokens > 0 and req.num_computed_tokens == req.num_tokens - 1
             out.kinds[req.request_id] = "decode" if is_decode else "prefill"
             if is_decode:
-                out.num_decode_tokens += n
+                out.num_decode_tokens += n + len(spec.get(req.request_id, ()))
             else:
                 out.num_prefill_tokens += n
         return out
@@ -218,42 +237,94 @@ class Scheduler:
         j.set(self, "num_preemptions", self.num_preemptions + 1)
         self._push_waiting(req)
 
-    def update_from_output(self, out: SchedulerOutput, sampled: dict[str, int]) -> list[EngineCoreOutput]:
+    def update_from_output(self, out: SchedulerOutput, sampled: dict[str, list[int] | int]) -> list[EngineCoreOutput]:
         """After the model ran: the scheduled tokens now have KV (their full blocks join the prefix cache), and each
-        request in `sampled` (request_id -> token) gets its new token, and its grammar (structured output) accepts
-        it. Stops what must stop: EOS, a stop token,
-        max_tokens, max_model_len. Stop strings are the output processor's to find (it calls finish_request)."""
+        request in `sampled` (request_id -> tokens: one, or with speculative decoding its accepted drafts and one
+        more) gets its new tokens, and its grammar (structured output) accepts them. Stops what must stop: EOS, a
+        stop token, max_tokens, max_model_len; the tokens after the stop are dropped (never more than asked).
+        Stop strings are the output processor's to find (it calls finish_request).
+
+        With drafts: the step computed KV for the last token and every draft; only the accepted drafts' KV is kept
+        (num_computed_tokens covers them), the rejected ones' slots are overwritten by the next step, and the
+        prefix cache only ever hashes blocks of accepted tokens."""
         j = self.journal
         outputs = []
         for req in out.scheduled:
-            j.set(req, "num_computed_tokens", req.num_computed_tokens + out.num_scheduled_tokens[req.request_id])
+            num_scheduled = out.num_scheduled_tokens[req.request_id]
+            tokens = sampled.get(req.request_id)
+            if tokens is None:                              # a prefill chunk that does not end the prompt
+                j.set(req, "num_computed_tokens", req.num_computed_tokens + num_scheduled)
+                self.kv_cache_manager.cache_blocks(req, req.num_computed_tokens)
+                continue
+            if isinstance(tokens, int):
+                tokens = [tokens]
+            drafts = out.scheduled_spec_decode_tokens.get(req.request_id)
+            if drafts:
+                self._count_accepted(drafts, tokens)
+            status, kept = None, []
+            for token in tokens:
+                status = self._append_token(req, token)
+                kept.append(token)
+                if status is not None:
+                    break
+            # KV is valid for every token but the newest (accepted drafts included, rejected ones not).
+            j.set(req, "num_computed_tokens", min(req.num_computed_tokens + num_scheduled, req.num_tokens - 1))
             self.kv_cache_manager.cache_blocks(req, req.num_computed_tokens)
-            token = sampled.get(req.request_id)
-            if token is None:
-                continue                                    # a prefill chunk that does not end the prompt
-            req.append_output_token(token)
-            j.record(req.pop_output_token)
-            grammar = req.grammar
-            if grammar is not None and not grammar.is_terminated:
-                if not grammar.accept(token):    # the bitmask allowed only tokens the grammar accepts
-                    raise RuntimeError(f"request {req.request_id}: token {token} was sampled but its grammar "
-                                       f"({grammar.describe()}) does not accept it")
-                j.record(grammar.rollback)
-            sp = req.sampling_params
-            status = None
-            if not sp.ignore_eos and token in req.eos_token_ids:
-                status = RequestStatus.FINISHED_STOPPED
-            elif grammar is not None and grammar.is_terminated:     # ignore_eos: nothing may follow the grammar
-                status = RequestStatus.FINISHED_STOPPED
-            elif token in sp.stop_token_ids:
-                status = RequestStatus.FINISHED_STOPPED
-                j.set(req, "stop_reason", token)
-            elif req.num_output_tokens >= sp.max_tokens or req.num_tokens >= self.max_model_len:
-                status = RequestStatus.FINISHED_LENGTH
+            if req.spec_token_ids:
+                j.set(req, "spec_token_ids", [])            # verified (or dropped): the proposer makes new ones
             if status is not None:
                 self.finish_request(req, status)
-            outputs.append(EngineCoreOutput(req, [token], status))
+            outputs.append(EngineCoreOutput(req, kept, status))
         return outputs
+
+    def _append_token(self, req: Request, token: int) -> RequestStatus | None:
+        """Append one new token (journaled), advance the grammar; the status it ends the request with, if any."""
+        j = self.journal
+        req.append_output_token(token)
+        j.record(req.pop_output_token)
+        grammar = req.grammar
+        if grammar is not None and not grammar.is_terminated:
+            if not grammar.accept(token):        # the bitmask allowed only tokens the grammar accepts
+                raise RuntimeError(f"request {req.request_id}: token {token} was sampled but its grammar "
+                                   f"({grammar.describe()}) does not accept it")
+            j.record(grammar.rollback)
+        sp = req.sampling_params
+        if not sp.ignore_eos and token in req.eos_token_ids:
+            return RequestStatus.FINISHED_STOPPED
+        if grammar is not None and grammar.is_terminated:     # ignore_eos: nothing may follow the grammar
+            return RequestStatus.FINISHED_STOPPED
+        if token in sp.stop_token_ids:
+            j.set(req, "stop_reason", token)
+            return RequestStatus.FINISHED_STOPPED
+        if req.num_output_tokens >= sp.max_tokens or req.num_tokens >= self.max_model_len:
+            return RequestStatus.FINISHED_LENGTH
+        return None
+
+    def _count_accepted(self, drafts: list[int], tokens: list[int]) -> None:
+        """vLLM's spec-decode counters: the accepted drafts are the leading tokens that equal the drafts."""
+        j = self.journal
+        accepted = 0
+        while accepted < min(len(drafts), len(tokens) - 1) and tokens[accepted] == drafts[accepted]:
+            accepted += 1
+        j.set(self, "num_drafts", self.num_drafts + 1)
+        j.set(self, "num_draft_tokens", self.num_draft_tokens + len(drafts))
+        j.set(self, "num_accepted_tokens", self.num_accepted_tokens + accepted)
+        per_pos = list(self.num_accepted_tokens_per_pos) + [0] * (len(drafts) - len(self.num_accepted_tokens_per_pos))
+        for i in range(accepted):
+            per_pos[i] += 1
+        j.set(self, "num_accepted_tokens_per_pos", per_pos)
+
+    def update_draft_token_ids(self, drafts: dict[str, list[int]]) -> None:
+        """The proposer's drafts for the next step (request_id -> tokens), journaled. A request with a grammar keeps
+        only the drafts its grammar accepts; a finished or non-running request gets none."""
+        for req in self.running:
+            tokens = drafts.get(req.request_id)
+            if not tokens:
+                continue
+            if req.grammar is not None:
+                tokens = req.grammar.validate_tokens(tokens)
+            if tokens:
+                self.journal.set(req, "spec_token_ids", list(tokens))
 
     # ------------------------------------------------------------------ leaving
     def finish_request(self, req: Request, status: RequestStatus, stop_reason: int | str | None = None) -> None:

@@ -50,6 +50,17 @@ class Grammar:
         self.matcher.rollback(num_tokens)
         self.num_accepted -= num_tokens
 
+    def validate_tokens(self, tokens: list[int]) -> list[int]:
+        """The longest prefix of `tokens` the grammar accepts from here (speculative drafts); changes nothing."""
+        accepted = 0
+        for token in tokens:
+            if self.matcher.is_terminated() or not self.matcher.accept_token(token):
+                break
+            accepted += 1
+        if accepted:
+            self.matcher.rollback(accepted)
+        return tokens[:accepted]
+
     def fill_bitmask(self, bitmask: torch.Tensor, row: int) -> None:
         self.matcher.fill_next_token_bitmask(bitmask, row)
 
@@ -121,16 +132,30 @@ class StructuredOutputManager:
             raise ValueError(f"structured_outputs.{kind} does not compile: {reason}. Fix the {kind} "
                              f"(xgrammar's syntax: JSON Schema, a regex, or EBNF `root ::= ...` / Lark).") from None
 
-    def grammar_bitmask(self, requests: list) -> torch.Tensor | None:
-        """The token bitmask of one step's sampling rows (one per request, in order), or None when none has a
-        grammar. (rows, ceil(vocab / 32)) int32; rows without a live grammar are all ones (-1)."""
-        rows = [(i, r.grammar) for i, r in enumerate(requests)
-                if r.grammar is not None and not r.grammar.is_terminated]
-        if not rows:
+    def grammar_bitmask(self, requests: list, drafts: dict[str, list[int]] | None = None) -> torch.Tensor | None:
+        """The token bitmask of one step's sampling rows, or None when no request has a grammar. A request has one
+        row, or with speculative decoding 1 + len(drafts) rows: row j is the mask after its first j drafts (the
+        matcher walks the drafts, which update_draft_token_ids checked it accepts, then rolls back).
+        (rows, ceil(vocab / 32)) int32; rows without a live grammar are all ones (-1)."""
+        drafts = drafts or {}
+        counts = [1 + len(drafts.get(r.request_id, ())) for r in requests]
+        if not any(r.grammar is not None and not r.grammar.is_terminated for r in requests):
             return None
-        bitmask = torch.full((len(requests), (self.vocab_size + 31) // 32), -1, dtype=torch.int32)
-        for i, grammar in rows:
-            grammar.fill_bitmask(bitmask, i)
+        bitmask = torch.full((sum(counts), (self.vocab_size + 31) // 32), -1, dtype=torch.int32)
+        row = 0
+        for r, count in zip(requests, counts):
+            grammar = r.grammar
+            if grammar is not None and not grammar.is_terminated:
+                walked = 0
+                for j, token in enumerate([*drafts.get(r.request_id, ()), None]):
+                    if grammar.matcher.is_terminated():
+                        break                                   # rows after a terminating draft stay all ones
+                    grammar.fill_bitmask(bitmask, row + j)
+                    if token is not None and grammar.matcher.accept_token(token):
+                        walked += 1
+                if walked:
+                    grammar.matcher.rollback(walked)
+            row += count
         return bitmask
 
 

@@ -233,11 +233,14 @@ class LLMEngine:
                 with self._sigint.open():
                     sampling_reqs, tokens, logprobs = self.executor.execute_model(
                         sched, self.structured_output_manager.grammar_bitmask)
-                sampled = {req.request_id: tok for req, tok in zip(sampling_reqs, tokens)}
+                sampled = {req.request_id: toks for req, toks in zip(sampling_reqs, tokens)}
                 core_outputs = scheduler.update_from_output(sched, sampled)
                 update = self.output_processor.process_outputs(core_outputs, logprobs)
                 for req, stop_string in update.stop_strings:
                     scheduler.finish_request(req, RequestStatus.FINISHED_STOPPED, stop_string)
+                # Speculative decoding: the next step's drafts, from the tokens as they now stand.
+                scheduler.update_draft_token_ids(self.executor.propose_draft_token_ids(sampling_reqs,
+                                                                                       self.max_model_len))
                 self._sigint.raise_if_held()    # the last point a held Ctrl-C can still fail the step
                 scheduler.commit_step()
             except BaseException:
@@ -261,7 +264,7 @@ class LLMEngine:
                 del self.requests[req.request_id]
             self.num_steps += 1
             self.num_prompt_tokens_computed += sched.num_prefill_tokens
-            self.num_generated_tokens += len(core_outputs)
+            self.num_generated_tokens += sum(len(co.new_token_ids) for co in core_outputs)
             events = self.kv_cache_manager.block_pool.pop_events()
         if self.trace_listeners:
             trace = self._tracer.build(self.num_steps, time.perf_counter() - start, sched, events,

@@ -66,8 +66,8 @@ class _Change:
     delta_text: str                   # handed out now
     pending: str
     stop_string: str | None           # the stop string that ended it, if one did
-    logprobs: dict[int, Logprob] | None = None    # the new token's, when the request asked for logprobs
-    sampled_logprob: float = 0.0
+    logprobs: list[dict[int, Logprob]] | None = None   # the new tokens', when the request asked for logprobs
+    sampled_logprob: float = 0.0                       # their sum
 
 
 @dataclass
@@ -121,11 +121,10 @@ class OutputProcessor:
             sp, req = st.params, co.request
             # A stop token or EOS ends the text without its own text (vLLM), unless asked to keep it.
             stopped_by_token = co.finish_status is RequestStatus.FINISHED_STOPPED
+            ids = req.output_token_ids
             if stopped_by_token and not sp.include_stop_str_in_output:
-                new_text, detok = "", st.detok
-            else:
-                new_text, detok = detokenize_incrementally(self.tokenizer, req.output_token_ids, st.detok,
-                                                           sp.skip_special_tokens)
+                ids = ids[:-1]           # the step's other tokens (speculative decoding) keep their text
+            new_text, detok = detokenize_incrementally(self.tokenizer, ids, st.detok, sp.skip_special_tokens)
             window = st.pending + new_text
             stop_string = None
             if sp.stop and new_text and not stopped_by_token:
@@ -136,9 +135,11 @@ class OutputProcessor:
             finished = co.finish_status is not None or stop_string is not None
             cut = len(window) if finished else max(len(window) - st.max_holdback, 0)
             sample = logprobs.sample.get(req.request_id) if logprobs else None
+            if sample is not None:
+                sample = sample[:len(co.new_token_ids)]      # tokens after a stop are dropped, their logprobs too
             changes.append(_Change(st, detok, window[:cut], window[cut:], stop_string,
-                                   self._logprob_dict(sample) if sample is not None else None,
-                                   sample.logprobs[0] if sample is not None else 0.0))
+                                   [self._logprob_dict(row) for row in sample] if sample is not None else None,
+                                   sum(row.logprobs[0] for row in sample) if sample is not None else 0.0))
         update = OutputUpdate(changes)
         for request_id, chunk in (logprobs.prompt.items() if logprobs else ()):
             st = self.states[request_id]
@@ -172,7 +173,7 @@ class OutputProcessor:
             if c.delta_text:
                 st.sent_pieces.append(c.delta_text)
             if c.logprobs is not None:
-                st.logprobs.append(c.logprobs)
+                st.logprobs.extend(c.logprobs)
                 st.cumulative_logprob += c.sampled_logprob
             for m in (st.metrics,) if st.parent is None else (st.metrics, st.parent.metrics):
                 if m.first_token_time is None:

@@ -48,7 +48,7 @@ from minivllm.worker.sampler import apply_grammar_bitmask
 from minivllm.core.request import Request
 from minivllm.core.scheduler import SchedulerOutput
 
-GrammarBitmaskFn = Callable[[list[Request]], "torch.Tensor | None"]
+GrammarBitmaskFn = Callable[[list[Request], dict[str, list[int]]], "torch.Tensor | None"]
 
 
 class Executor:
@@ -59,36 +59,69 @@ class Executor:
     num_cpu_blocks: int
 
     def execute_model(self, sched: SchedulerOutput, grammar_bitmask: GrammarBitmaskFn | None = None
-                      ) -> tuple[list[Request], list[int], StepLogprobs | None]:
-        """The requests that sample this step, their tokens, and (when any request asked for sample or prompt
-        logprobs) the step's logprobs by request id (logprobs.py).
+                      ) -> tuple[list[Request], list[list[int]], StepLogprobs | None]:
+        """The requests that sample this step, their new tokens (one each, or with speculative decoding the accepted
+        drafts and one more), and (when any request asked for sample or prompt logprobs) the step's logprobs by
+        request id (logprobs.py).
 
-        `grammar_bitmask(sampling_requests)` (structured output, core/structured_output.py) is called after the
-        forward is issued: on a GPU the kernels are still running while the CPU fills the grammars' token masks."""
+        `grammar_bitmask(sampling_requests, drafts)` (structured output, core/structured_output.py) is called after
+        the forward is issued: on a GPU the kernels are still running while the CPU fills the grammars' masks."""
         model_input, sampling_requests = self.driver.prepare_inputs(sched)
         self._send_to_workers(model_input)
-        logits, prompt_logits = self.driver.execute_model(model_input)   # (len(sampling_requests), vocab), (.., vocab)
+        logits, prompt_logits = self.driver.execute_model(model_input)   # (sample rows, vocab), (prompt rows, vocab)
+        drafts = [sched.scheduled_spec_decode_tokens.get(r.request_id, []) for r in sampling_requests]
         if grammar_bitmask is not None and sampling_requests:
-            bitmask = grammar_bitmask(sampling_requests)                 # (rows, ceil(vocab / 32)) int32, or None
+            bitmask = grammar_bitmask(sampling_requests, sched.scheduled_spec_decode_tokens)   # (rows, vocab / 32)
             if bitmask is not None:
                 logits = apply_grammar_bitmask(logits, bitmask)
-        tokens = self.driver.sampler(logits, sampling_requests) if sampling_requests else []
-        return sampling_requests, tokens, self._logprobs(sched, model_input, sampling_requests, tokens,
+        tokens = self._sample(logits, sampling_requests, drafts) if sampling_requests else []
+        return sampling_requests, tokens, self._logprobs(sched, model_input, sampling_requests, drafts, tokens,
                                                          logits, prompt_logits)
 
+    def _sample(self, logits: torch.Tensor, requests: list[Request], drafts: list[list[int]]) -> list[list[int]]:
+        """Plain rows through the sampler, rows with drafts through the rejection sampler."""
+        sampler = self.driver.sampler
+        if not any(drafts):
+            return [[t] for t in sampler(logits, requests)]
+        first_row = [0]
+        for d in drafts:
+            first_row.append(first_row[-1] + len(d) + 1)
+        plain = [i for i, d in enumerate(drafts) if not d]
+        spec = [i for i, d in enumerate(drafts) if d]
+        out: list[list[int]] = [[] for _ in requests]
+        if plain:
+            for i, t in zip(plain, sampler(logits[[first_row[i] for i in plain]], [requests[i] for i in plain])):
+                out[i] = [t]
+        rows = [r for i in spec for r in range(first_row[i], first_row[i + 1])]
+        for i, kept in zip(spec, self.driver.rejection_sampler(logits[rows], [requests[i] for i in spec],
+                                                               [drafts[i] for i in spec])):
+            out[i] = kept
+        return out
+
     @staticmethod
-    def _logprobs(sched: SchedulerOutput, model_input, sampling_requests: list[Request], tokens: list[int],
-                  logits: torch.Tensor | None, prompt_logits: torch.Tensor | None) -> StepLogprobs | None:
-        """The sampled tokens' logprobs (requests with `logprobs`) and this step's prompt-logprob chunks (requests
-        with `prompt_logprobs`), by request id; None, at no cost, when no request asked for either."""
+    def _logprobs(sched: SchedulerOutput, model_input, sampling_requests: list[Request], drafts: list[list[int]],
+                  tokens: list[list[int]], logits: torch.Tensor | None, prompt_logits: torch.Tensor | None
+                  ) -> StepLogprobs | None:
+        """The new tokens' logprobs (requests with `logprobs`; a kept token is scored on the row that chose it) and
+        this step's prompt-logprob chunks (requests with `prompt_logprobs`), by request id; None, at no cost, when
+        no request asked for either."""
         asked = [r.sampling_params.logprobs for r in sampling_requests]
         spans = model_input.prompt_logprob_spans
         if not spans and all(k is None for k in asked):
             return None                                  # nobody asked: nothing computed
         sample = {}
         if any(k is not None for k in asked):
-            sample = {r.request_id: lp for r, lp in zip(sampling_requests, compute_logprobs(logits, tokens, asked))
-                      if lp is not None}
+            rows, row_tokens, row_k, owners = [], [], [], []
+            first = 0
+            for req, d, kept, k in zip(sampling_requests, drafts, tokens, asked):
+                if k is not None:
+                    rows += range(first, first + len(kept))
+                    row_tokens += kept
+                    row_k += [k] * len(kept)
+                    owners += [req.request_id] * len(kept)
+                first += len(d) + 1
+            for rid, lp in zip(owners, compute_logprobs(logits[rows], row_tokens, row_k)):
+                sample.setdefault(rid, []).append(lp)
         prompt = {}
         if spans:
             reqs = {r.request_id: r for r in sched.scheduled}
@@ -96,6 +129,26 @@ class Executor:
                                              [reqs[s.request_id].prompt_token_ids for s in spans],
                                              [reqs[s.request_id].sampling_params.prompt_logprobs for s in spans])
         return StepLogprobs(sample, prompt)
+
+    def propose_draft_token_ids(self, requests: list[Request], max_model_len: int) -> dict[str, list[int]]:
+        """Speculative decoding: the next step's drafts for these (running, just sampled) requests, from the
+        driver's proposer; {} when speculation is off. A request gets at most the tokens it may still generate
+        less one (the step that verifies k drafts makes up to k + 1), and none if its logits processing depends
+        on the tokens before it (penalties, bad_words, min_tokens): the rejection sampler does not replay that."""
+        proposer = self.driver.proposer
+        if proposer is None:
+            return {}
+        drafts = {}
+        for req in requests:
+            sp = req.sampling_params
+            if req.is_finished or sp.uses_logits_processing:
+                continue
+            room = min(sp.max_tokens - req.num_output_tokens, max_model_len - req.num_tokens) - 1
+            if room > 0:
+                tokens = proposer.propose(req.all_token_ids, room)
+                if tokens:
+                    drafts[req.request_id] = tokens
+        return drafts
 
     def _send_to_workers(self, model_input) -> None:
         pass

@@ -47,7 +47,7 @@ class PromptLogprobs:
 @dataclass(frozen=True)
 class StepLogprobs:
     """What one step computed for the requests that asked, by request id."""
-    sample: dict[str, SampleLogprobs]
+    sample: dict[str, list[SampleLogprobs]]     # one per new token (speculative decoding: several)
     prompt: dict[str, PromptLogprobs]
 
 

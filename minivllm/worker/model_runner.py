@@ -30,7 +30,9 @@ from minivllm.model.llama import ModelConfig
 from minivllm.model.loader import load_model, resolve_dtype
 from minivllm.core.request import Request
 from minivllm.worker.logprobs import PromptLogprobsSpan
+from minivllm.worker.rejection_sampler import RejectionSampler
 from minivllm.worker.sampler import Sampler
+from minivllm.spec_decode.ngram_proposer import make_proposer
 from minivllm.core.scheduler import SchedulerOutput
 
 
@@ -44,7 +46,7 @@ class ModelInput:
     q_lens: list[int]                          # (num_seqs,) new tokens per request
     seq_lens: list[int]                        # (num_seqs,) context after this step
     block_tables: list[list[int]]              # (num_seqs, max_blocks), padded with 0
-    sample_rows: list[int]                     # rows of the flat batch whose logits are sampled
+    sample_rows: list[int]                     # rows of the flat batch whose logits are sampled (1 + drafts each)
     blocks_to_swap_out: list[tuple[int, int]] = field(default_factory=list)   # (device block, cpu block)
     blocks_to_swap_in: list[tuple[int, int]] = field(default_factory=list)    # (cpu block, device block)
     prompt_logprob_spans: list[PromptLogprobsSpan] = field(default_factory=list)   # rows scoring prompt tokens
@@ -67,6 +69,8 @@ class ModelRunner:
         self.model = load_model(model_path, model_cfg, self.dtype, device, tp)
         self.backend = get_attention_backend(config.attention_backend, device)
         self.sampler = Sampler(config.seed)
+        self.rejection_sampler = RejectionSampler(self.sampler)
+        self.proposer = make_proposer(config.speculative)            # None unless speculative decoding is on
         self.block_size = config.block_size
         self.num_kv_heads = model_cfg.num_key_value_heads // tp.size     # this rank's share
         self.num_kv_blocks = 0                                           # set by allocate_kv_cache
@@ -151,20 +155,22 @@ class ModelRunner:
         spans: list[PromptLogprobsSpan] = []
         for req in out.scheduled:
             n = out.num_scheduled_tokens[req.request_id]
+            drafts = out.scheduled_spec_decode_tokens.get(req.request_id, [])
             start, end = req.num_computed_tokens, req.num_computed_tokens + n
             # Rows at positions < num_prompt_tokens - 1 score the next prompt token. Once a request has output
             # tokens its prompt logprobs were delivered: a recompute after preemption does not score them again.
             last = min(end, req.num_prompt_tokens - 1)
             if req.sampling_params.prompt_logprobs is not None and req.num_output_tokens == 0 and start < last:
                 spans.append(PromptLogprobsSpan(req.request_id, len(input_ids), last - start, start + 1))
-            input_ids += req.all_token_ids[start:end]
+            input_ids += req.all_token_ids[start:end - len(drafts)] + drafts    # drafts go after the last token
             positions += range(start, end)
             table = req.block_table
             slot_mapping += [table[p // bs] * bs + p % bs for p in range(start, end)]
             q_lens.append(n)
             seq_lens.append(end)
-            if end == req.num_tokens:               # the whole sequence is now computed: sample its next token
-                sample_rows.append(len(input_ids) - 1)
+            if end - len(drafts) == req.num_tokens:   # the whole sequence is now computed: sample its next token
+                # (with drafts: one row per draft position too; row j checks draft j, the last row gives one more)
+                sample_rows += range(len(input_ids) - len(drafts) - 1, len(input_ids))
                 sampling_requests.append(req)
         max_blocks = max((len(r.block_table) for r in out.scheduled), default=0)
         block_tables = [r.block_table + [0] * (max_blocks - len(r.block_table)) for r in out.scheduled]

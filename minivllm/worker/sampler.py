@@ -49,6 +49,12 @@ class Sampler:
             generator.set_state(rng)
             holder.generator = generator
 
+    def generator_for(self, request: Request, device: torch.device) -> torch.Generator:
+        """The generator a request draws from: its own when seeded, else the engine's shared one."""
+        if request.generator is not None:
+            return self._request_generator(request, device)
+        return self._shared_generator(device)
+
     def __call__(self, logits: torch.Tensor, requests: list[Request]) -> list[int]:
         # logits (num_rows, vocab_size) fp32, one row per request that samples this step
         params = [r.sampling_params for r in requests]
@@ -59,16 +65,8 @@ class Sampler:
             return logits.argmax(dim=-1).tolist()
 
         device = logits.device
-        temperature = torch.tensor([p.temperature if not p.greedy else 1.0 for p in params], device=device)
-        logits = logits / temperature[:, None]
-        min_p = [p.min_p for p in params]
-        if any(m > 0 for m in min_p):
-            logits = apply_min_p(logits, min_p)
-        top_k = [p.top_k for p in params]
-        top_p = [p.top_p for p in params]
-        if any(k > 0 for k in top_k) or any(p < 1.0 for p in top_p):
-            logits = apply_top_k_top_p(logits, top_k, top_p)
-        probs = logits.softmax(dim=-1)                                      # (num_rows, vocab)
+        greedy_ids = logits.argmax(dim=-1)
+        probs = sampling_probs(logits, params)                              # (num_rows, vocab)
 
         # Exp(1) noise, drawn where the logits are (a GPU draws a whole vocabulary per row far faster than
         # a CPU, and nothing crosses the bus): per-request generators for seeded rows, the shared one otherwise.
@@ -81,8 +79,23 @@ class Sampler:
             if r.generator is not None:
                 noise[i].exponential_(generator=self._request_generator(r, device))
         sampled = (probs / noise).argmax(dim=-1)
-        greedy_ids = logits.argmax(dim=-1)
         return torch.where(greedy.to(device), greedy_ids, sampled).tolist()
+
+
+def sampling_probs(logits: torch.Tensor, params: list) -> torch.Tensor:
+    """The distribution each row samples from: softmax of logits / temperature after min-p, top-k and top-p
+    (greedy rows: temperature 1, their argmax is kept). (rows, vocab) fp32."""
+    device = logits.device
+    temperature = torch.tensor([p.temperature if not p.greedy else 1.0 for p in params], device=device)
+    logits = logits / temperature[:, None]
+    min_p = [p.min_p for p in params]
+    if any(m > 0 for m in min_p):
+        logits = apply_min_p(logits, min_p)
+    top_k = [p.top_k for p in params]
+    top_p = [p.top_p for p in params]
+    if any(k > 0 for k in top_k) or any(p < 1.0 for p in top_p):
+        logits = apply_top_k_top_p(logits, top_k, top_p)
+    return logits.softmax(dim=-1)
 
 
 def apply_top_k_top_p(logits: torch.Tensor, top_k: list[int], top_p: list[float]) -> torch.Tensor:
