@@ -35,6 +35,8 @@ class RequestTrace:
     num_preemptions: int           # a "prefill" after a preemption is a recompute
     parent_id: str | None = None   # n > 1: the id of the request this is one sample of
     sampling: str = ""             # what shapes its tokens: "greedy" / "T=0.8", "logprobs=3", the grammar's state
+    num_draft_tokens: int = 0      # speculative decoding: drafts verified in this step
+    num_accepted_tokens: int = 0   # of those, accepted (the step also added one token of the target's own)
 
 
 @dataclass(frozen=True)
@@ -65,6 +67,8 @@ class StepTrace:
     kv_tokens_stored: int                   # tokens with KV, summed over running requests
     kv_slots_allocated: int                 # block slots held by running requests (blocks x block_size)
     forks: dict[str, tuple[int, ...]] = field(default_factory=dict)   # n > 1 parent id -> blocks its samples share
+    num_draft_tokens: int = 0               # speculative decoding: drafts verified in this step, all requests
+    num_accepted_tokens: int = 0            # of those, accepted
     events: list[str] = field(default_factory=list)   # human-readable log lines
 
     @property
@@ -88,17 +92,22 @@ class StepTracer:
 
     def build(self, step: int, duration_s: float, sched: SchedulerOutput, events: BlockEvents,
               scheduler: Scheduler, finished: list[Request],
-              parent_of: Callable[[str], str] = lambda request_id: request_id) -> StepTrace:
-        """`parent_of(request_id)`: the id the caller knows (an n > 1 sample's parent id; the output processor's)."""
+              parent_of: Callable[[str], str] = lambda request_id: request_id,
+              accepted: dict[str, int] | None = None) -> StepTrace:
+        """`parent_of(request_id)`: the id the caller knows (an n > 1 sample's parent id; the output processor's).
+        `accepted`: request id -> drafts accepted this step (speculative decoding)."""
         tables: dict[str, tuple[list[int], tuple[int, ...]]] = {}
         live = scheduler.running + scheduler.waiting
-        requests = tuple(_request_trace(r, sched, self._table(r, tables), parent_of(r.request_id))
+        accepted = accepted or {}
+        requests = tuple(_request_trace(r, sched, self._table(r, tables), parent_of(r.request_id),
+                                        accepted.get(r.request_id, 0))
                          for r in live + finished)
         self._tables = tables           # the finished and aborted drop out here
         return _step_trace(step, duration_s, sched, events, scheduler, finished, requests)
 
 
-def _request_trace(r: Request, sched: SchedulerOutput, block_table: tuple[int, ...], parent: str) -> RequestTrace:
+def _request_trace(r: Request, sched: SchedulerOutput, block_table: tuple[int, ...], parent: str,
+                   accepted: int = 0) -> RequestTrace:
     sp = r.sampling_params
     sampling = ["greedy" if sp.greedy else f"T={sp.temperature:g}"]
     if sp.logprobs is not None:
@@ -108,7 +117,8 @@ def _request_trace(r: Request, sched: SchedulerOutput, block_table: tuple[int, .
     return RequestTrace(r.request_id, r.status.value, r.priority, r.num_prompt_tokens, r.num_output_tokens,
                         r.num_computed_tokens, r.num_cached_tokens, sched.num_scheduled_tokens.get(r.request_id, 0),
                         sched.kinds.get(r.request_id, ""), block_table, r.num_preemptions,
-                        parent if parent != r.request_id else None, ", ".join(sampling))
+                        parent if parent != r.request_id else None, ", ".join(sampling),
+                        len(sched.scheduled_spec_decode_tokens.get(r.request_id, ())), accepted)
 
 
 def _forks(requests: tuple[RequestTrace, ...]) -> dict[str, tuple[int, ...]]:
@@ -170,4 +180,6 @@ def _step_trace(step: int, duration_s: float, sched: SchedulerOutput, events: Bl
         kv_tokens_stored=sum(r.num_computed_tokens for r in running),
         kv_slots_allocated=sum(len(r.block_table) for r in running) * kv.block_size,
         forks=forks, events=log,
+        num_draft_tokens=sum(r.num_draft_tokens for r in requests),
+        num_accepted_tokens=sum(r.num_accepted_tokens for r in requests),
     )

@@ -58,6 +58,22 @@ class EngineStats:
     num_prompt_tokens_computed: int  # prefill tokens that ran through the model (recomputes included)
     num_generated_tokens: int
     num_failed_steps: int            # steps that raised and were rolled back
+    # Speculative decoding (vLLM's spec-decode counters): verification steps of a request with drafts, draft
+    # tokens verified, drafts accepted, and accepted drafts by position (0 = the first draft of a step).
+    num_spec_drafts: int = 0
+    num_spec_draft_tokens: int = 0
+    num_spec_accepted_tokens: int = 0
+    num_spec_accepted_tokens_per_pos: tuple[int, ...] = ()
+
+    @property
+    def spec_acceptance_rate(self) -> float:
+        """Accepted draft tokens / draft tokens verified (0 when none were)."""
+        return self.num_spec_accepted_tokens / self.num_spec_draft_tokens if self.num_spec_draft_tokens else 0.0
+
+    @property
+    def spec_mean_acceptance_length(self) -> float:
+        """Tokens a request gets from one verification step: its accepted drafts plus the one the target adds."""
+        return 1 + self.num_spec_accepted_tokens / self.num_spec_drafts if self.num_spec_drafts else 0.0
 
 
 class LLMEngine:
@@ -267,8 +283,10 @@ class LLMEngine:
             self.num_generated_tokens += sum(len(co.new_token_ids) for co in core_outputs)
             events = self.kv_cache_manager.block_pool.pop_events()
         if self.trace_listeners:
+            accepted = {co.request.request_id: len(co.new_token_ids) - 1 for co in core_outputs
+                        if co.request.request_id in sched.scheduled_spec_decode_tokens}
             trace = self._tracer.build(self.num_steps, time.perf_counter() - start, sched, events,
-                                       self.scheduler, finished, self.output_processor.external_id)
+                                       self.scheduler, finished, self.output_processor.external_id, accepted)
             for listener in self.trace_listeners:
                 try:
                     listener(trace)
@@ -303,7 +321,10 @@ class LLMEngine:
             prefix_cache_queries=kv.prefix_cache_queries, num_preemptions=self.scheduler.num_preemptions,
             num_swapped=self.scheduler.num_swapped,
             num_steps=self.num_steps, num_prompt_tokens_computed=self.num_prompt_tokens_computed,
-            num_generated_tokens=self.num_generated_tokens, num_failed_steps=self.num_failed_steps)
+            num_generated_tokens=self.num_generated_tokens, num_failed_steps=self.num_failed_steps,
+            num_spec_drafts=self.scheduler.num_drafts, num_spec_draft_tokens=self.scheduler.num_draft_tokens,
+            num_spec_accepted_tokens=self.scheduler.num_accepted_tokens,
+            num_spec_accepted_tokens_per_pos=tuple(self.scheduler.num_accepted_tokens_per_pos))
 
     def reset_prefix_cache(self) -> None:
         """Forget every cached-free block (vLLM's `reset_prefix_cache`). Between steps only."""

@@ -133,6 +133,8 @@ def render_block_tables(trace: StepTrace | None) -> str:
         chips = "".join(f'<span class="mv-chip" style="background:{request_color(r.request_id)}">{b}</span>'
                         for b in r.block_table) or "-"
         ran = f"{r.kind} {r.num_scheduled_tokens}" if r.kind else ""
+        if r.num_draft_tokens:                    # speculative decoding: drafts verified, and how many were kept
+            ran += f" ({r.num_accepted_tokens}/{r.num_draft_tokens} drafts accepted)"
         sampling = r.sampling + (f", sample of {r.parent_id}" if r.parent_id else "")
         rows.append(f"<tr><td>{html.escape(r.request_id)}</td><td>{r.status}</td><td>{ran}</td>"
                     f"<td>{r.num_prompt_tokens}</td><td>{r.num_output_tokens}</td><td>{r.num_computed_tokens}</td>"
@@ -177,7 +179,10 @@ def render_stats(snap: EngineSnapshot) -> str:
         f"running {s.num_running}, waiting {s.num_waiting}, swapped {s.num_swapped}, "
         f"preemptions {s.num_preemptions}<br>"
         f"generated {s.num_generated_tokens} tokens, prefilled {s.num_prompt_tokens_computed}; {rate}<br>"
-        f"finished: {finished}</div>")
+        + (f"speculative decoding: {s.num_spec_accepted_tokens} of {s.num_spec_draft_tokens} drafts accepted "
+           f"({100 * s.spec_acceptance_rate:.1f}%), {s.spec_mean_acceptance_length:.2f} tokens per verification<br>"
+           if s.num_spec_draft_tokens else "")
+        + f"finished: {finished}</div>")
 
 
 def render_tokens_per_step(traces: tuple[StepTrace, ...] | list[StepTrace], width: int = 600,

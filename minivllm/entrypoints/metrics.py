@@ -58,6 +58,17 @@ def render_metrics(snap: EngineSnapshot, model_name: str) -> str:
     counter("vllm:engine_steps", "Engine steps run.", s.num_steps)
     counter("vllm:engine_step_errors", "Engine steps that raised (their requests ended with an error).",
             snap.num_step_errors)
+    counter("vllm:spec_decode_num_drafts", "Speculative decoding: verification steps of a request with drafts.",
+            s.num_spec_drafts)
+    counter("vllm:spec_decode_num_draft_tokens", "Speculative decoding: draft tokens verified.",
+            s.num_spec_draft_tokens)
+    counter("vllm:spec_decode_num_accepted_tokens", "Speculative decoding: draft tokens accepted.",
+            s.num_spec_accepted_tokens)
+    lines.append("# HELP vllm:spec_decode_num_accepted_tokens_per_pos_total Speculative decoding: accepted draft "
+                 "tokens by position in the step's drafts.")
+    lines.append("# TYPE vllm:spec_decode_num_accepted_tokens_per_pos_total counter")
+    for pos, n in enumerate(s.num_spec_accepted_tokens_per_pos):
+        lines.append(f'vllm:spec_decode_num_accepted_tokens_per_pos_total{{{label},position="{pos}"}} {n}')
     lines.append("# HELP vllm:request_success_total Finished requests by finish reason.")
     lines.append("# TYPE vllm:request_success_total counter")
     for reason in sorted({"stop", "length", "abort", "error"} | set(snap.finished)):
