@@ -326,6 +326,14 @@ class Scheduler:
             if tokens:
                 self.journal.set(req, "spec_token_ids", list(tokens))
 
+    def drop_output_tokens(self, req: Request, num_tokens: int) -> None:
+        """Take back the last `num_tokens` output tokens of a request that is about to finish on a stop string
+        (speculative decoding can add tokens past it in the same step). Journaled."""
+        for _ in range(num_tokens):
+            token = req.output_token_ids[-1]
+            req.pop_output_token()
+            self.journal.record(lambda t=token: req.append_output_token(t))
+
     # ------------------------------------------------------------------ leaving
     def finish_request(self, req: Request, status: RequestStatus, stop_reason: int | str | None = None) -> None:
         """Remove a request wherever it is and free its blocks. Safe to call in any state."""

@@ -252,7 +252,8 @@ class LLMEngine:
                 sampled = {req.request_id: toks for req, toks in zip(sampling_reqs, tokens)}
                 core_outputs = scheduler.update_from_output(sched, sampled)
                 update = self.output_processor.process_outputs(core_outputs, logprobs)
-                for req, stop_string in update.stop_strings:
+                for req, stop_string, num_dropped in update.stop_strings:
+                    scheduler.drop_output_tokens(req, num_dropped)      # speculative tokens after the stop string
                     scheduler.finish_request(req, RequestStatus.FINISHED_STOPPED, stop_string)
                 # Speculative decoding: the next step's drafts, from the tokens as they now stand.
                 scheduler.update_draft_token_ids(self.executor.propose_draft_token_ids(sampling_reqs,

@@ -68,6 +68,7 @@ class _Change:
     stop_string: str | None           # the stop string that ended it, if one did
     logprobs: list[dict[int, Logprob]] | None = None   # the new tokens', when the request asked for logprobs
     sampled_logprob: float = 0.0                       # their sum
+    num_dropped: int = 0              # tokens of this step after the one that completed the stop string
 
 
 @dataclass
@@ -77,9 +78,10 @@ class OutputUpdate:
     prompt_logprobs: list[tuple[RequestState, list[dict[int, Logprob]]]] = field(default_factory=list)
 
     @property
-    def stop_strings(self) -> list[tuple[Request, str]]:
-        """Requests a stop string ended: the engine finishes them in the core before it commits."""
-        return [(c.state.request, c.stop_string) for c in self.changes if c.stop_string is not None]
+    def stop_strings(self) -> list[tuple[Request, str, int]]:
+        """Requests a stop string ended, with how many of the step's last tokens came after it: the engine drops
+        those and finishes the requests in the core before it commits."""
+        return [(c.state.request, c.stop_string, c.num_dropped) for c in self.changes if c.stop_string is not None]
 
 
 class OutputProcessor:
@@ -124,6 +126,12 @@ class OutputProcessor:
             ids = req.output_token_ids
             if stopped_by_token and not sp.include_stop_str_in_output:
                 ids = ids[:-1]           # the step's other tokens (speculative decoding) keep their text
+            keep = len(co.new_token_ids)
+            if sp.stop and not stopped_by_token and keep > 1:
+                # Speculative decoding gave several tokens: end at the one that completes a stop string, as steps
+                # of one token would, so the output is the same token for token.
+                keep = self._tokens_until_stop(st, ids, keep)
+                ids = ids[:len(ids) - (len(co.new_token_ids) - keep)]
             new_text, detok = detokenize_incrementally(self.tokenizer, ids, st.detok, sp.skip_special_tokens)
             window = st.pending + new_text
             stop_string = None
@@ -136,10 +144,11 @@ class OutputProcessor:
             cut = len(window) if finished else max(len(window) - st.max_holdback, 0)
             sample = logprobs.sample.get(req.request_id) if logprobs else None
             if sample is not None:
-                sample = sample[:len(co.new_token_ids)]      # tokens after a stop are dropped, their logprobs too
+                sample = sample[:keep]                       # tokens after a stop are dropped, their logprobs too
             changes.append(_Change(st, detok, window[:cut], window[cut:], stop_string,
                                    [self._logprob_dict(row) for row in sample] if sample is not None else None,
-                                   sum(row.logprobs[0] for row in sample) if sample is not None else 0.0))
+                                   sum(row.logprobs[0] for row in sample) if sample is not None else 0.0,
+                                   len(co.new_token_ids) - keep))
         update = OutputUpdate(changes)
         for request_id, chunk in (logprobs.prompt.items() if logprobs else ()):
             st = self.states[request_id]
@@ -149,6 +158,18 @@ class OutputProcessor:
             if new:
                 update.prompt_logprobs.append((st, [self._logprob_dict(row) for row in new]))
         return update
+
+    def _tokens_until_stop(self, st: RequestState, ids: list[int], num_new: int) -> int:
+        """Of the last `num_new` tokens of `ids`, how many up to and including the one whose text completes a stop
+        string (all of them when none does)."""
+        sp, detok, window = st.params, st.detok, st.pending
+        for i in range(num_new):
+            text, detok = detokenize_incrementally(self.tokenizer, ids[:len(ids) - num_new + i + 1], detok,
+                                                   sp.skip_special_tokens)
+            window += text
+            if text and find_stop_string(window, len(text), sp.stop) is not None:
+                return i + 1
+        return num_new
 
     def _logprob_dict(self, row: SampleLogprobs) -> dict[int, Logprob]:
         """{token id: Logprob}: the actual token first, then the top k (a token in both keeps its first entry)."""
