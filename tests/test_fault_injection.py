@@ -62,7 +62,8 @@ MAX_TOKENS = 8
 SEEDS = (None, 1, 2)           # None: greedy; otherwise temperature 0.8 with this per-request seed
 PREFIXES = ["The capital of France is Paris, and the capital of Italy is",
             "Once upon a time, in a small village by the sea, there lived",
-            "Here is a short list of healthy breakfast ideas:"]
+            "Here is a short list of healthy breakfast ideas:",
+            "1, 2, 3, 4, 1, 2, 3, 4, 1, 2, 3, 4, 1, 2,"]         # repeats: n-gram drafts that are accepted
 TAILS = ["", " Rome.", " a fisherman who", " 1. Oatmeal"]
 NUM_PROMPTS = len(PREFIXES) * (1 + len(TAILS))
 
@@ -74,6 +75,11 @@ ENGINES = {
                       preemption_mode="recompute"),
     "swap": dict(block_size=8, num_kv_blocks=10, max_num_batched_tokens=16, max_num_seqs=4, preemption_mode="swap",
                  swap_space=3.5 * 368_640 / 2 ** 30),
+    # Speculative decoding on (n-gram drafts, verified in the same flat batch, rejected ones rolled back).
+    "spec": dict(block_size=4, num_kv_blocks=16, max_num_batched_tokens=12, max_num_seqs=3,
+                 preemption_mode="recompute",
+                 speculative_config={"method": "ngram", "num_speculative_tokens": 3, "prompt_lookup_min": 1,
+                                     "prompt_lookup_max": 2}),
 }
 FAULTS = ["plan", "planned", "layer", "sampler", "forward", "output"]
 # About 40 s on 2 CPU cores. No shrinking: every replay runs the model, and a failure prints its whole example,
@@ -245,6 +251,8 @@ class FaultInjection(RuleBasedStateMachine):
         before = core_state(engine.scheduler)
         front, rng = self.front_end_state(), self.rng_state()
         ids_before, failed_before = set(engine.requests), engine.get_stats().num_failed_steps
+        drafts_before = {rid: list(r.spec_token_ids) for rid, r in engine.requests.items()}
+        spec_before = (engine.scheduler.num_draft_tokens, engine.scheduler.num_accepted_tokens)
         self.taken.arm(None)
         undo = []
         if preempt:
@@ -273,6 +281,10 @@ class FaultInjection(RuleBasedStateMachine):
             assert set(engine.requests) == ids_before
             assert engine.get_stats().num_failed_steps == failed_before + 1
             assert set(engine.failed_request_ids) <= ids_before
+            assert {rid: r.spec_token_ids for rid, r in engine.requests.items()} == drafts_before
+            assert (engine.scheduler.num_draft_tokens, engine.scheduler.num_accepted_tokens) == spec_before
+            if any(drafts_before.values()):
+                self.count("failed step had drafts")
             return
         if where is not None:
             self.count(f"{where} not reached")       # e.g. no request sampled, so the sampler never ran
@@ -282,6 +294,8 @@ class FaultInjection(RuleBasedStateMachine):
             self.count("swapped out")
         if self.kv.prefix_cache_hits > before["counters"]["prefix_cache_hits"]:
             self.count("prefix hit")
+        if engine.scheduler.num_draft_tokens > spec_before[0]:
+            self.count("drafts verified")
         for out in outputs:
             self.check_tokens(out.request_id, out.outputs[0].token_ids, out.finished)
             if out.finished:
@@ -290,6 +304,11 @@ class FaultInjection(RuleBasedStateMachine):
 
     def check_tokens(self, rid: str, token_ids: list[int], finished: bool) -> None:
         key, max_tokens = self.live[rid]
+        if self.kind == "spec" and key[1] is not None:
+            # Seeded sampling with drafts follows the same distribution, not the same draws (how many drafts a
+            # step verifies depends on the token budget): only greedy requests must equal the fresh engine.
+            assert len(token_ids) <= max_tokens
+            return
         want = self.references[key][:max_tokens]
         if finished:
             assert token_ids == want, f"request {rid} {key} finished with {token_ids}; a fresh engine gives {want}"
@@ -435,6 +454,28 @@ def test_fault_injection_fuzzer(engines, prompts, references):
     stats = run_fuzzer(engines, prompts, references, FAULT_SETTINGS)
     print("fault injection:", dict(sorted(stats.items())))
     assert any(k.startswith("failed at") for k in stats), stats
+
+
+class SpecFaultInjection(FaultInjection):
+    """The same machine on the speculative engine only (drafts are rarer than the other engines' events)."""
+
+    @initialize(kind=st.just("spec"), first=st.lists(REQUEST, min_size=1, max_size=4))
+    @tracked
+    def setup(self, kind, first):
+        super().setup.__wrapped__(self, kind, first)
+
+
+def test_fault_injection_fuzzer_with_speculative_decoding(engines, prompts, references):
+    """Failing steps with drafts scheduled, verified, partly rejected: the same rollback, integrity and outputs."""
+    stats: dict[str, int] = {}
+
+    def make():
+        machine = SpecFaultInjection(engines, prompts, references)
+        machine.stats = stats
+        return machine
+    run_state_machine_as_test(make, settings=settings(FAULT_SETTINGS, max_examples=15))
+    print("fault injection with speculation:", dict(sorted(stats.items())))
+    assert stats.get("drafts verified") and stats.get("failed step had drafts"), stats
 
 
 # ---------------------------------------------------------------------- the old bug, brought back

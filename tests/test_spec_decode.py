@@ -285,3 +285,14 @@ def test_bad_speculative_config(model_dir, cfg, message):
     with pytest.raises(ValueError) as e:
         LLM(str(model_dir), speculative_config=cfg)
     assert message in str(e.value)
+
+
+def test_speculation_under_tensor_parallelism(model_dir, reference):
+    """TP 3 (worker processes, gloo): the drafts are in the flat batch every rank runs; rank 0 verifies."""
+    llm = make_llm(model_dir, tensor_parallel_size=3, distributed_executor_backend="mp")
+    try:
+        outs = run(llm, COPY, greedy())
+        assert [o.outputs[0].token_ids for o in outs] == reference[:len(COPY)]
+        fired(llm)
+    finally:
+        llm.shutdown()
