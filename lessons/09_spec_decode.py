@@ -88,7 +88,8 @@ linear_per_token = cfg.num_hidden_layers * sum(i * o for i, o in linear_shapes(c
 print(f"{num_params / 1e6:.1f} M parameters in {runner.dtype}: {param_bytes / 2**20:.0f} MiB, read by every step")
 print(f"embedding tied to the LM head: {cfg.tie_word_embeddings}; the LM head alone is "
       f"{cfg.hidden_size * cfg.vocab_size * runner.dtype.itemsize / 2**20:.0f} MiB")
-print(f"FLOPs per token through the matmuls: 2 x {linear_per_token / 1e6:.1f} M = {2 * linear_per_token / 1e9:.2f} GFLOP")
+print(f"FLOPs per token through the matmuls: 2 x {linear_per_token / 1e6:.1f} M = "
+      f"{2 * linear_per_token / 1e9:.2f} GFLOP")
 
 # %% [markdown]
 # Now the real forward. We hand the model runner a batch we build ourselves (a `ModelInput`, what
@@ -319,7 +320,8 @@ ax.set_ylabel("tokens")
 ax.set_xticks(range(1, len(by_step) + 1))
 ax.legend(handles=[Patch(color="tab:green", label="accepted drafts"),
                    Patch(color="tab:blue", label="the target's own token (correction or bonus)"),
-                   Patch(facecolor="white", edgecolor="tab:red", hatch="///", label="rejected drafts (computed, dropped)")],
+                   Patch(facecolor="white", edgecolor="tab:red", hatch="///",
+                         label="rejected drafts (computed, dropped)")],
           fontsize=8, loc="upper right", ncol=3)
 ax.set_ylim(0, SPEC["num_speculative_tokens"] + 1.9)
 ax.set_title(f"{len(copy_ids)} tokens in {len(by_step)} decode steps: tokens kept per step (bar height) and "
