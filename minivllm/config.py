@@ -161,7 +161,7 @@ class SpeculativeConfig:
             if any(isinstance(v, bool) or not isinstance(v, int) for v in (lo, hi)) or not 1 <= lo <= hi:
                 raise ValueError(f"speculative_config prompt_lookup_min is {lo!r} and prompt_lookup_max {hi!r}; "
                                  "they must be ints with 1 <= prompt_lookup_min <= prompt_lookup_max.")
-        if method == "draft_model" and cfg.model is None and cfg.draft_num_layers is None:
+        if method == "draft_model" and cfg.model is None and cfg.draft_num_layers is None and not d.get("model"):
             raise ValueError("speculative_config method 'draft_model' needs 'model' (a checkpoint with the target's "
                              "tokenizer) or 'draft_num_layers' (the target's own first layers).")
         n = cfg.draft_num_layers

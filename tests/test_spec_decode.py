@@ -296,3 +296,44 @@ def test_speculation_under_tensor_parallelism(model_dir, reference):
         fired(llm)
     finally:
         llm.shutdown()
+
+
+# ---------------------------------------------------------------------- the draft-model proposer
+def draft_llm(model_dir, **spec):
+    return LLM(str(model_dir), device="cpu", dtype="float32", num_kv_blocks=128,
+               speculative_config={"method": "draft_model", "num_speculative_tokens": 3, **spec})
+
+
+def test_the_target_as_its_own_draft_accepts_every_proposal(model_dir, reference):
+    llm = draft_llm(model_dir, model=str(model_dir))
+    outs = run(llm, COPY + PROMPTS[:2], greedy())
+    assert [o.outputs[0].token_ids for o in outs] == reference[:len(COPY) + 2]
+    s = llm.get_stats()
+    assert s.num_spec_draft_tokens > 0 and s.num_spec_accepted_tokens == s.num_spec_draft_tokens, s
+    assert s.spec_mean_acceptance_length == 1 + s.num_spec_draft_tokens / s.num_spec_drafts      # every one kept
+
+
+@pytest.mark.parametrize("kind", ["first-layers", "random-weights"])
+def test_a_poor_draft_changes_nothing(model_dir, reference, tmp_path, kind):
+    """The target's first 6 layers, or a tiny random-weights model with the same tokenizer: most drafts are
+    rejected, and the greedy output is still the target's, token for token."""
+    if kind == "first-layers":
+        llm = draft_llm(model_dir, draft_num_layers=6)
+    else:
+        from minivllm.model.random_checkpoint import write_random_checkpoint
+        write_random_checkpoint("tiny-qwen3", tmp_path / "draft", dtype="float32")
+        llm = draft_llm(model_dir, model=str(tmp_path / "draft"))
+    outs = run(llm, COPY + PROMPTS[:2], greedy())
+    assert [o.outputs[0].token_ids for o in outs] == reference[:len(COPY) + 2]
+    s = llm.get_stats()
+    assert s.num_spec_draft_tokens > 0 and s.spec_acceptance_rate < 0.5, s
+
+
+def test_a_draft_with_another_vocabulary_is_refused(model_dir, tmp_path):
+    from minivllm.model.random_checkpoint import write_random_checkpoint
+    write_random_checkpoint("tiny-qwen3", tmp_path / "draft", dtype="float32")
+    cfg = json.loads((tmp_path / "draft" / "config.json").read_text())
+    cfg["vocab_size"] = 1000
+    (tmp_path / "draft" / "config.json").write_text(json.dumps(cfg))
+    with pytest.raises(ValueError, match="share the target's tokenizer"):
+        draft_llm(model_dir, model=str(tmp_path / "draft"))

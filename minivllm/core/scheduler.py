@@ -68,6 +68,7 @@ class EngineCoreOutput:
     request: Request
     new_token_ids: list[int]
     finish_status: RequestStatus | None = None      # FINISHED_* when the core stopped it (EOS, stop token, length)
+    num_accepted_drafts: int = 0                    # speculative decoding: drafts the verification accepted
 
 
 class Scheduler:
@@ -259,8 +260,7 @@ class Scheduler:
             if isinstance(tokens, int):
                 tokens = [tokens]
             drafts = out.scheduled_spec_decode_tokens.get(req.request_id)
-            if drafts:
-                self._count_accepted(drafts, tokens)
+            accepted = self._count_accepted(drafts, tokens) if drafts else 0
             status, kept = None, []
             for token in tokens:
                 status = self._append_token(req, token)
@@ -274,7 +274,7 @@ class Scheduler:
                 j.set(req, "spec_token_ids", [])            # verified (or dropped): the proposer makes new ones
             if status is not None:
                 self.finish_request(req, status)
-            outputs.append(EngineCoreOutput(req, kept, status))
+            outputs.append(EngineCoreOutput(req, kept, status, accepted))
         return outputs
 
     def _append_token(self, req: Request, token: int) -> RequestStatus | None:
@@ -300,8 +300,9 @@ class Scheduler:
             return RequestStatus.FINISHED_LENGTH
         return None
 
-    def _count_accepted(self, drafts: list[int], tokens: list[int]) -> None:
-        """vLLM's spec-decode counters: the accepted drafts are the leading tokens that equal the drafts."""
+    def _count_accepted(self, drafts: list[int], tokens: list[int]) -> int:
+        """vLLM's spec-decode counters: the accepted drafts are the leading tokens that equal the drafts (counted
+        as verified, also past a stop that then drops them). Returns how many."""
         j = self.journal
         accepted = 0
         while accepted < min(len(drafts), len(tokens) - 1) and tokens[accepted] == drafts[accepted]:
@@ -313,6 +314,7 @@ class Scheduler:
         for i in range(accepted):
             per_pos[i] += 1
         j.set(self, "num_accepted_tokens_per_pos", per_pos)
+        return accepted
 
     def update_draft_token_ids(self, drafts: dict[str, list[int]]) -> None:
         """The proposer's drafts for the next step (request_id -> tokens), journaled. A request with a grammar keeps

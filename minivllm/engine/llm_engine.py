@@ -284,8 +284,7 @@ class LLMEngine:
             self.num_generated_tokens += sum(len(co.new_token_ids) for co in core_outputs)
             events = self.kv_cache_manager.block_pool.pop_events()
         if self.trace_listeners:
-            accepted = {co.request.request_id: len(co.new_token_ids) - 1 for co in core_outputs
-                        if co.request.request_id in sched.scheduled_spec_decode_tokens}
+            accepted = {co.request.request_id: co.num_accepted_drafts for co in core_outputs}
             trace = self._tracer.build(self.num_steps, time.perf_counter() - start, sched, events,
                                        self.scheduler, finished, self.output_processor.external_id, accepted)
             for listener in self.trace_listeners:

@@ -20,6 +20,13 @@ class NgramProposer:
         self.min_n = prompt_lookup_min
         self.max_n = prompt_lookup_max
 
+    def observe(self, model_input) -> None:
+        """Nothing to do: n-gram lookup needs no state beyond the requests' own tokens."""
+
+    def propose_batch(self, requests: list, room: list[int]) -> list[list[int]]:
+        """Drafts for each request (at most room[i] tokens): a lookup in its own prompt and output."""
+        return [self.propose(req.all_token_ids, r) for req, r in zip(requests, room)]
+
     def propose(self, token_ids: list[int], max_tokens: int | None = None) -> list[int]:
         """Up to min(k, max_tokens) draft tokens to follow `token_ids`; [] when no n-gram matches."""
         k = self.k if max_tokens is None else min(self.k, max_tokens)
@@ -36,11 +43,3 @@ class NgramProposer:
                 return tokens[start:start + k].tolist()
         return []
 
-
-def make_proposer(config) -> NgramProposer | None:
-    """The proposer a SpeculativeConfig asks for (None: speculation off)."""
-    if config is None:
-        return None
-    if config.method == "ngram":
-        return NgramProposer(config.num_speculative_tokens, config.prompt_lookup_min, config.prompt_lookup_max)
-    raise ValueError(f"speculative_config method {config.method!r} is not implemented yet; use 'ngram'.")

@@ -69,6 +69,8 @@ class Executor:
         model_input, sampling_requests = self.driver.prepare_inputs(sched)
         self._send_to_workers(model_input)
         logits, prompt_logits = self.driver.execute_model(model_input)   # (sample rows, vocab), (prompt rows, vocab)
+        if self.driver.proposer is not None:
+            self.driver.proposer.observe(model_input)      # a draft model runs the same batch (spec_decode/)
         drafts = [sched.scheduled_spec_decode_tokens.get(r.request_id, []) for r in sampling_requests]
         if grammar_bitmask is not None and sampling_requests:
             bitmask = grammar_bitmask(sampling_requests, sched.scheduled_spec_decode_tokens)   # (rows, vocab / 32)
@@ -138,17 +140,17 @@ class Executor:
         proposer = self.driver.proposer
         if proposer is None:
             return {}
-        drafts = {}
+        asking, room = [], []
         for req in requests:
             sp = req.sampling_params
             if req.is_finished or sp.uses_logits_processing:
                 continue
-            room = min(sp.max_tokens - req.num_output_tokens, max_model_len - req.num_tokens) - 1
-            if room > 0:
-                tokens = proposer.propose(req.all_token_ids, room)
-                if tokens:
-                    drafts[req.request_id] = tokens
-        return drafts
+            r = min(sp.max_tokens - req.num_output_tokens, max_model_len - req.num_tokens) - 1
+            if r > 0:
+                asking.append(req)
+                room.append(r)
+        return {req.request_id: tokens for req, tokens in zip(asking, proposer.propose_batch(asking, room))
+                if tokens}
 
     def _send_to_workers(self, model_input) -> None:
         pass

@@ -32,7 +32,7 @@ from minivllm.core.request import Request
 from minivllm.worker.logprobs import PromptLogprobsSpan
 from minivllm.worker.rejection_sampler import RejectionSampler
 from minivllm.worker.sampler import Sampler
-from minivllm.spec_decode.ngram_proposer import make_proposer
+from minivllm.spec_decode import make_proposer
 from minivllm.core.scheduler import SchedulerOutput
 
 
@@ -70,8 +70,10 @@ class ModelRunner:
         self.backend = get_attention_backend(config.attention_backend, device)
         self.sampler = Sampler(config.seed)
         self.rejection_sampler = RejectionSampler(self.sampler)
-        self.proposer = make_proposer(config.speculative)            # None unless speculative decoding is on
-        self.block_size = config.block_size
+        self.model_path = model_path
+        self.block_size = config.block_size               # (read by a draft-model proposer)
+        # Speculative decoding's proposer (spec_decode/): rank 0 only; None when speculation is off.
+        self.proposer = make_proposer(config.speculative, self) if tp.rank == 0 else None
         self.num_kv_heads = model_cfg.num_key_value_heads // tp.size     # this rank's share
         self.num_kv_blocks = 0                                           # set by allocate_kv_cache
         self.graphs: DecodeGraphs | None = None                          # set by allocate_kv_cache on CUDA
@@ -93,6 +95,8 @@ class ModelRunner:
                                         + tuple(self.kv_cache.shape[3:]), dtype=self.dtype,
                                         pin_memory=self.device.type == "cuda" and self.num_cpu_blocks > 0)
         self.graphs = self._capture_cuda_graphs()
+        if hasattr(self.proposer, "allocate_kv_cache"):           # a draft model: its KV under the same block ids
+            self.proposer.allocate_kv_cache(num_kv_blocks)
 
     def _capture_cuda_graphs(self) -> DecodeGraphs | None:
         """CUDA graphs for decode steps (cuda_graph.py), checked against the eager forward before use.
@@ -135,10 +139,13 @@ class ModelRunner:
             budget -= 2 * 1024 ** 3 // self.tp.size       # activations and logits of the largest step
         else:
             budget = self.config.kv_cache_memory_gb * 1024 ** 3      # per rank
-        num_blocks = int(budget // self.bytes_per_block)
+        # A draft model (speculative decoding) keeps its KV under the same block ids: a block costs both.
+        per_block = self.bytes_per_block + (self.proposer.bytes_per_block()
+                                            if hasattr(self.proposer, "bytes_per_block") else 0)
+        num_blocks = int(budget // per_block)
         if num_blocks < 1:
             raise ValueError(f"no memory left for the KV cache (budget {budget / 2**20:.0f} MiB, one block "
-                             f"needs {self.bytes_per_block / 2**20:.2f} MiB); pass num_kv_blocks explicitly.")
+                             f"needs {per_block / 2**20:.2f} MiB); pass num_kv_blocks explicitly.")
         return num_blocks
 
     # ------------------------------------------------------------------ inputs (rank 0)
