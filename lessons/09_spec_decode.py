@@ -36,9 +36,9 @@
 # `LLM(speculative_config={"method": "ngram", "num_speculative_tokens": 4, "prompt_lookup_min": 2,
 # "prompt_lookup_max": 4})`. This lesson measures why checking k tokens costs little, watches the n-gram
 # proposer copy from a real prompt, checks the rejection rule numerically, looks at what a rejection does to
-# the KV blocks, and compares speed and output with speculation off. Code printed with `inspect.getsource`
-# is the installed module's (those cells are `# NBVAL_IGNORE_OUTPUT`; the numbers below are what the test
-# checks).
+# the KV blocks, compares speed and output with speculation off, and ends with a draft model as the proposer.
+# Code printed with `inspect.getsource` is the installed module's (those cells are `# NBVAL_IGNORE_OUTPUT`; the
+# numbers below are what the test checks).
 
 # %%
 import warnings
@@ -272,23 +272,15 @@ def show(ids):
     return repr(tokenizer.decode(ids))
 
 
-def num_accepted(drafts, kept):
-    """The leading kept tokens that are the drafts themselves."""
-    n = 0
-    while n < min(len(drafts), len(kept)) and kept[n] == drafts[n]:
-        n += 1
-    return n
-
-
 by_step = []          # per decode step: (drafts verified, drafts accepted, tokens kept, the proposal before it)
 for s, tr in enumerate(traces[1:], start=1):
     r = tr.by_id[rid]
     kept = after[s]["tokens"][len(after[s - 1]["tokens"]):]
     drafts = proposals[s - 1][1]                         # proposed after step s - 1, verified in step s
+    na = r.num_accepted_tokens
     assert r.num_draft_tokens == len(drafts)
-    if not after[s]["finished"]:                         # the step that stops the request may drop tokens
-        assert r.num_accepted_tokens == num_accepted(drafts, kept)
-    by_step.append((r.num_draft_tokens, num_accepted(drafts, kept), kept, proposals[s - 1]))
+    assert kept[:na] == drafts[:min(na, len(kept))], "the accepted drafts are the tokens kept (up to a stop)"
+    by_step.append((r.num_draft_tokens, na, kept, proposals[s - 1]))
 for s, (nd, na, kept, (given, drafts)) in enumerate(by_step[:12], start=1):
     m = matched(given)
     if m is None:
@@ -312,18 +304,22 @@ for s, (nd, na, kept, (given, drafts)) in enumerate(by_step[:12], start=1):
 # NBVAL_IGNORE_OUTPUT
 fig, ax = plt.subplots(figsize=(11, 3.0))
 for s, (nd, na, kept, _) in enumerate(by_step, start=1):
-    ax.bar(s, na, color="tab:green")
-    ax.bar(s, len(kept) - na, bottom=na, color="tab:blue")
-    ax.bar(s, nd - na, bottom=len(kept), color="white", edgecolor="tab:red", hatch="///")
+    out = min(na, len(kept))                             # accepted drafts in the output (a stop can cut them)
+    ax.bar(s, out, color="tab:green")
+    ax.bar(s, len(kept) - out, bottom=out, color="tab:blue")
+    ax.bar(s, na - out, bottom=len(kept), color="white", edgecolor="tab:green", hatch="...")
+    ax.bar(s, nd - na, bottom=len(kept) + na - out, color="white", edgecolor="tab:red", hatch="///")
 ax.set_xlabel("decode step")
 ax.set_ylabel("tokens")
 ax.set_xticks(range(1, len(by_step) + 1))
-ax.legend(handles=[Patch(color="tab:green", label="accepted drafts"),
+ax.legend(handles=[Patch(color="tab:green", label="accepted drafts (in the output)"),
                    Patch(color="tab:blue", label="the target's own token (correction or bonus)"),
+                   Patch(facecolor="white", edgecolor="tab:green", hatch="...",
+                         label="accepted drafts after the stop (counted, not output)"),
                    Patch(facecolor="white", edgecolor="tab:red", hatch="///",
                          label="rejected drafts (computed, dropped)")],
-          fontsize=8, loc="upper right", ncol=3)
-ax.set_ylim(0, SPEC["num_speculative_tokens"] + 1.9)
+          fontsize=8, loc="upper right", ncol=2)
+ax.set_ylim(0, SPEC["num_speculative_tokens"] + 3.2)
 ax.set_title(f"{len(copy_ids)} tokens in {len(by_step)} decode steps: tokens kept per step (bar height) and "
              "drafts wasted (red)", fontsize=10)
 fig.tight_layout()
@@ -335,16 +331,15 @@ print("tokens kept per decode step:", gained)
 print(f"{sum(gained)} tokens in {len(gained)} decode steps: {sum(gained) / len(gained):.2f} per step; "
       f"steps that verified drafts: {sum(nd > 0 for nd, *_ in by_step)}, of which all {SPEC['num_speculative_tokens']}"
       f" accepted: {sum(na == nd == SPEC['num_speculative_tokens'] for nd, na, *_ in by_step)}")
-kept_drafts = sum(na for _, na, *_ in by_step)
+trace_accepted = sum(t.num_accepted_tokens for t in traces)
 nd_last, na_last, kept_last, (_, drafts_last) = by_step[-1]
-print(f"drafts in the output: {kept_drafts}; the engine's counter: {stats.num_spec_accepted_tokens}")
-print(f"last step: drafts {show(drafts_last)}, kept {show(kept_last)} ({na_last} drafts, then the stop)")
+print(f"accepted drafts: {trace_accepted} in the step traces, {stats.num_spec_accepted_tokens} in the engine's counter")
+print(f"last step: drafts {show(drafts_last)}, accepted {na_last}/{nd_last}, kept {show(kept_last)}")
 
 # %% [markdown]
-# The two counts differ by one, at the last step: the target agreed with all four drafts, the newline after
-# `<|im_end|>` included, but `<|im_end|>` ends the request and nothing after a stop is kept. The engine's
-# counter, like vLLM's `spec_decode_num_accepted_tokens`, counts what the verification accepted; the output
-# keeps what comes before the stop.
+# The trace and the engine's counter agree: like vLLM's `spec_decode_num_accepted_tokens`, both count the drafts
+# the verification accepted. At the last step that is all four, the newline after `<|im_end|>` included, though
+# the stop then ends the output at `<|im_end|>` (the dotted bar in the picture).
 #
 # ## 3. Verification: greedy, and the rejection-sampling rule
 #
@@ -621,14 +616,82 @@ print(f"speed-up {runs['plain']['seconds'] / runs['speculative']['seconds']:.2f}
 # output does not repeat its context (free writing), the n-gram proposer finds nothing, proposes nothing, and
 # the step is a plain decode: speculation costs nothing there.
 #
+# ## 6. A draft model: a second, smaller model proposes
+#
+# Free writing needs a proposer that *predicts* text: vLLM's `draft_model` method, a smaller model with the
+# target's tokenizer, `speculative_config={"method": "draft_model", "num_speculative_tokens": 3, "model": PATH}`
+# (`spec_decode/draft_model.py`). The draft keeps its own KV cache under the target's block ids, so a request's
+# block table serves both models, plus a few scratch blocks per request for the positions a proposal runs past
+# the table. Each step, after the target's forward, the draft runs the same flat batch (`observe`), then
+# `propose_batch` makes k batched one-token passes: the last token, then each draft in turn, each pass's argmax
+# the next draft. Argmax drafts are certain (q is one-hot), so the verifier of section 3 keeps the output the
+# target's. Instead of `model`, `draft_num_layers: N` keeps only the target's own first N layers (with its final
+# norm and LM head): no second checkpoint to load.
+#
+# We try two drafts on a prompt with nothing to copy, against the plain engine's greedy output: the target
+# itself as its own draft (the default model's directory as `model`), and its first 6 of 30 layers. A wrapper
+# on `propose_batch` records each proposal with the tokens the target then produced at those positions.
+
+# %%
+from minivllm.model.default_model import default_model_dir
+
+ocean = [{"role": "user", "content": "Write one sentence about the ocean."}]
+FREE = SamplingParams(temperature=0, max_tokens=24)
+reference = list(plain.chat(ocean, FREE, use_tqdm=False)[0].outputs[0].token_ids)
+print("plain greedy:", show(reference))
+drafters = {"the target itself": {"model": str(default_model_dir())},
+            "its first 6 layers": {"draft_num_layers": 6}}
+draft_runs = {}
+for name, choice in drafters.items():
+    llm = LLM(num_kv_blocks=64, max_num_seqs=4, seed=0,
+              speculative_config={"method": "draft_model", "num_speculative_tokens": 3, **choice})
+    draft_proposer = llm.llm_engine.model_runner.proposer
+    batch_propose, guesses = draft_proposer.propose_batch, []
+
+    def recording_propose_batch(requests, room, batch_propose=batch_propose, guesses=guesses):
+        drafts = batch_propose(requests, room)
+        guesses.extend((len(req.output_token_ids), d) for req, d in zip(requests, drafts))
+        return drafts
+
+    draft_proposer.propose_batch = recording_propose_batch
+    with llm.llm_engine.record_traces() as draft_traces:
+        out = llm.chat(ocean, FREE, use_tqdm=False)[0].outputs[0]
+    st = llm.get_stats()
+    draft_runs[name] = dict(same=list(out.token_ids) == reference, steps=len(draft_traces), guesses=guesses,
+                            drafts=st.num_spec_draft_tokens, accepted=st.num_spec_accepted_tokens,
+                            rate=st.spec_acceptance_rate,
+                            trace_accepted=sum(t.num_accepted_tokens for t in draft_traces))
+    print(f"{name:18}: {st.num_spec_accepted_tokens:2d} of {st.num_spec_draft_tokens:2d} drafts accepted, "
+          f"acceptance rate {st.spec_acceptance_rate:.0%}; {len(out.token_ids)} tokens in {len(draft_traces)} "
+          f"steps; output identical to plain greedy: {draft_runs[name]['same']}")
+    del llm, draft_proposer
+
+# %% [markdown]
+# The target as its own draft proposes exactly what the target then chooses: every draft is accepted, each
+# verification step gives k + 1 = 4 tokens, and the output is plain greedy's. (It is no faster: the draft costs
+# as much as the target. It is the exactness check of the machinery.) The first-layers draft is cheap but
+# almost always wrong. Its guesses next to the tokens the target produced at the same positions:
+
+# %%
+for n_out, drafts in draft_runs["its first 6 layers"]["guesses"][:6]:
+    target_tokens = reference[n_out:n_out + len(drafts)]
+    print(f"after {n_out:2d} output tokens: draft {show(drafts):32} target {show(target_tokens)}")
+
+# %% [markdown]
+# A truncated model's hidden state after layer 6 is not what the final norm and the LM head were trained on
+# (they read layer 30's), so its argmax rarely is the target's and the acceptance rate above is low. Wrong
+# drafts cost only speed: the output is still the target's. A useful draft must be a model trained to predict
+# the next tokens: a small model of the same family with the same tokenizer, or, in vLLM, EAGLE-style heads
+# trained on the target's own hidden states.
+#
 # ## Check yourself
 #
 # Run this cell. It replays the lesson's claims: a verification step returns one row per position; the n-gram
-# proposer's drafts are the tokens after the latest earlier match; the trace's counts add up to the engine's
+# proposer's drafts are the tokens after the latest earlier match; the trace's counts equal the engine's
 # counters; a step keeps its accepted drafts plus one; the rejection sampler's kept tokens follow p and
 # "always accept" does not; greedy verification stops at the first mismatch; rejected drafts' positions are
-# never counted in `num_computed_tokens` nor hashed; and greedy output is the same with and without
-# speculation.
+# never counted in `num_computed_tokens` nor hashed; greedy output is the same with and without speculation;
+# and a draft model changes no token, the target as its own draft having every draft accepted.
 
 # %%
 assert param_bytes == sum(p.numel() * p.element_size() for p in runner.model.parameters()) and param_bytes > 5e8
@@ -639,11 +702,10 @@ assert toy.propose([1, 2, 3, 4]) == [], "no repeat, no drafts"
 assert toy.propose([1, 2, 9, 1, 2, 8, 1, 2]) == [8, 1, 2], "the latest earlier occurrence"
 
 assert sum(nd for nd, *_ in by_step) == stats.num_spec_draft_tokens
-# the engine's counter may also count drafts the target agreed with after the stop token (the last step)
-assert 0 <= stats.num_spec_accepted_tokens - kept_drafts <= nd_last - na_last
+assert sum(t.num_accepted_tokens for t in traces) == stats.num_spec_accepted_tokens, "the trace is the counter"
 assert all(len(k) == na + 1 for (nd, na, k, _), st in zip(by_step, after[1:]) if nd and not st["finished"]), \
     "a verification step keeps its accepted drafts + 1 token"
-assert all(k[:na] == prop[1][:na] for nd, na, k, prop in by_step), "accepted tokens are the drafts"
+assert all(k[:na] == prop[1][:min(na, len(k))] for nd, na, k, prop in by_step), "accepted tokens are the drafts"
 assert sum(gained) == len(copy_ids) - 1 and len(by_step) < len(copy_ids) / 2, "fewer than half the steps"
 
 assert results["RejectionSampler (draft from q)"][1] > 0.001, "the rejection rule's tokens follow p"
@@ -664,4 +726,10 @@ assert cached_ok and consistent and len(final["cached"]) > 0
 
 assert all(x == y for x, y in zip(runs["plain"]["ids"], runs["speculative"]["ids"])), "greedy output changed"
 assert runs["speculative"]["steps"] < runs["plain"]["steps"]
+
+itself, first_layers = draft_runs["the target itself"], draft_runs["its first 6 layers"]
+assert itself["same"] and first_layers["same"], "a draft model changed the output"
+assert itself["drafts"] > 0 and itself["accepted"] == itself["drafts"], "the target as its own draft: all kept"
+assert first_layers["drafts"] > 0 and first_layers["rate"] < 0.5
+assert all(r["trace_accepted"] == r["accepted"] for r in draft_runs.values()), "the trace is the counter"
 print("all checks passed")
