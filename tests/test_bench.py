@@ -121,3 +121,64 @@ def test_workload_flops_count_every_fed_token_and_every_sampled_row():
     prefill = roofline.step_floor_s(cfg, 4, rate, bw, num_tokens=4096, attention_pairs=4096 * 4097 // 2,
                                     num_sampled=1, kv_tokens_read=4096)
     assert prefill > (roofline.weight_bytes(cfg, 4) + roofline.kv_bytes_per_token(cfg, 4) * 4096) / bw
+
+
+def test_spec_mode_compares_speculation_off_and_on_with_identical_greedy_outputs(tmp_path, capsys):
+    out = tmp_path / "spec.json"
+    rc = main(["spec", "--workload", "repeat", "--num-requests", "1", "--output-len-max", "12", "--max-num-seqs", "1",
+               "--json", str(out)])
+    assert rc == 0
+    printed = capsys.readouterr().out
+    for field in ("spec off:", "spec on:", "spec on / off:", "acceptance rate:", "mean acceptance length:",
+                  "greedy outputs equal:   True", "load average (1 min):", "round 3 off / on:"):
+        assert field in printed, field
+    r = json.loads(out.read_text())
+    assert r["outputs_equal"] and r["rounds"] == 3 and len(r["off_wall_s"]) == len(r["on_wall_s"]) == 3
+    assert r["speculative_config"]["method"] == "ngram"                  # the default when none is given
+    assert r["output_tokens"] == 12                                      # the copy is longer than 12 tokens
+    assert r["speedup"] == pytest.approx(r["on_tokens_per_s"] / r["off_tokens_per_s"])
+    # The answer copies the prompt, so n-gram lookup drafts and the model accepts: each verification step
+    # gains more than one token, and speculation takes fewer engine steps for the same tokens.
+    assert r["num_drafts"] > 0 and 0 < r["num_accepted_tokens"] <= r["num_draft_tokens"]
+    assert r["mean_acceptance_length"] == pytest.approx(1 + r["num_accepted_tokens"] / r["num_drafts"])
+    assert r["mean_acceptance_length"] > 1.5 and r["steps_on"] < r["steps_off"]
+    assert sum(r["accepted_per_position"]) == r["num_accepted_tokens"]
+
+
+def test_spec_mode_on_the_random_workload_gives_every_request_its_tokens(tmp_path):
+    out = tmp_path / "spec.json"
+    rc = main(["spec", "--num-requests", "2", "--input-len-min", "8", "--input-len-max", "16", "--output-len-min", "6",
+               "--output-len-max", "6", "--speculative-config", '{"method": "ngram", "num_speculative_tokens": 2}',
+               "--json", str(out)])
+    assert rc == 0
+    r = json.loads(out.read_text())
+    assert r["workload"] == "random" and r["outputs_equal"] and r["output_tokens"] == 2 * 6
+    assert r["speculative_config"] == {"method": "ngram", "num_speculative_tokens": 2}
+    assert len(r["accepted_per_position"]) <= 2 and r["num_draft_tokens"] <= 2 * r["num_drafts"]
+
+
+def test_repeat_workload_prompts_are_chat_prompts_the_model_answers_by_copying():
+    """The repeat workload is only useful if the model copies: its greedy answers start with the text's words."""
+    from minivllm import LLM
+    from minivllm.bench.workload import REPEAT_TASKS, repeat_task
+
+    llm = LLM(max_num_seqs=1)
+    w = Workload.repeat(llm.get_tokenizer(), len(REPEAT_TASKS) + 1, max_tokens=20)
+    assert not w.ignore_eos and w.output_lens == [20] * (len(REPEAT_TASKS) + 1)
+    assert w.prompt_token_ids[-1] == w.prompt_token_ids[0]                # the tasks cycle
+    rows = [i for i, (how, _) in enumerate(REPEAT_TASKS) if how == "repeat"][:2]
+    outs = llm.generate([{"prompt_token_ids": w.prompt_token_ids[i]} for i in rows],
+                        [w.sampling_params()[i] for i in rows], use_tqdm=False)
+    for i, o in zip(rows, outs):
+        message, reference = repeat_task(*REPEAT_TASKS[i])
+        assert llm.get_tokenizer().decode(w.prompt_token_ids[i]).count(reference) == 1   # the text is in the prompt
+        def words(text):                                                  # the model may drop a comma
+            return [w.strip(".,;:\"") for w in text.split()]
+        got = words(o.outputs[0].text)[:-1]                               # the last word may be cut
+        assert len(o.outputs[0].token_ids) == 20 and got == words(reference)[:len(got)], got
+
+
+def test_spec_workload_flag_is_for_the_spec_mode(capsys):
+    with pytest.raises(SystemExit) as exc:
+        main(["offline", "--workload", "repeat"])
+    assert exc.value.code == 2 and "--workload repeat is for the spec mode" in capsys.readouterr().err

@@ -1,4 +1,4 @@
-"""`python -m minivllm.bench [offline|prefix|kernels|serve]`: the benchmark's command line.
+"""`python -m minivllm.bench [offline|prefix|spec|kernels|serve]`: the benchmark's command line.
 
 Owns: the flags (workload, serve, kernels, engine options from EngineConfig, comparison and output), their
 usage errors (exit code 2), and handing each mode to its module:
@@ -6,6 +6,8 @@ usage errors (exit code 2), and handing each mode to its module:
     offline   offline.py   one batch of synthetic requests: throughput, latency, the hardware's ceilings,
                            and with `--compare hf` Hugging Face `generate` on the same requests (hf.py)
     prefix    prefix.py    requests behind one shared prompt, prefix caching off vs on
+    spec      spec.py      one workload (random, or `--workload repeat`: copies of text in the prompt),
+                           speculative decoding off vs on, alternating rounds
     kernels   kernels.py   the Triton paged-decode kernel against the GPU's copy bandwidth (CUDA only)
     serve     serve.py     Poisson-timed streaming requests to a running OpenAI-compatible server
 
@@ -20,6 +22,7 @@ from minivllm.bench.kernels import KERNEL_DTYPES, main_kernels
 from minivllm.bench.offline import main_offline
 from minivllm.bench.prefix import main_prefix
 from minivllm.bench.serve import main_serve
+from minivllm.bench.spec import main_spec
 from minivllm.config import EngineConfig, add_engine_args
 
 
@@ -33,13 +36,18 @@ def positive_int(text: str) -> int:
 def build_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog="python -m minivllm.bench",
                                 description="Benchmark minivllm (optionally against Hugging Face transformers).")
-    p.add_argument("mode", nargs="?", default="offline", choices=["offline", "prefix", "kernels", "serve"],
+    p.add_argument("mode", nargs="?", default="offline", choices=["offline", "prefix", "spec", "kernels", "serve"],
                    help="offline: throughput and latency of one batch of synthetic requests (default); "
                         "prefix: prefill tokens computed for requests behind one shared system prompt, "
-                        "prefix caching off vs on; kernels (CUDA GPU only): the Triton paged-decode kernel's "
-                        "time and bandwidth vs the device's copy bandwidth and the PyTorch reference; serve: "
+                        "prefix caching off vs on; spec: speculative decoding off vs on (--speculative-config, "
+                        "default n-gram k=4) on the same workload in alternating rounds; kernels (CUDA GPU "
+                        "only): the Triton paged-decode kernel's time and bandwidth vs the device's copy bandwidth and the PyTorch reference; serve: "
                         "Poisson-timed streaming requests to a running OpenAI-compatible server (python app.py)")
     w = p.add_argument_group("workload")
+    w.add_argument("--workload", choices=["random", "repeat"], default="random",
+                   help="random: random token ids, lengths from the flags below (default); repeat (spec mode): "
+                        "chat prompts asking to repeat, correct or rename within real text in the prompt, "
+                        "each stopping at EOS or --output-len-max")
     w.add_argument("--num-requests", type=positive_int, default=32)
     w.add_argument("--input-len-min", type=positive_int, default=32)
     w.add_argument("--input-len-max", type=positive_int, default=256)
@@ -47,6 +55,8 @@ def build_parser() -> argparse.ArgumentParser:
     w.add_argument("--output-len-max", type=positive_int, default=256)
     w.add_argument("--seed", type=int, default=0, help="seeds the workload and the engine (default 0)")
     w.add_argument("--shared-prefix-len", type=positive_int, default=200, help="prefix mode: shared tokens")
+    w.add_argument("--rounds", type=positive_int, default=3,
+                   help="spec mode: rounds of the workload through each engine, alternating (default 3)")
     sv = p.add_argument_group("serve mode")
     sv.add_argument("--base-url", default="http://127.0.0.1:8000", help="the running server")
     sv.add_argument("--request-rate", type=float, default=float("inf"),
@@ -77,11 +87,13 @@ def build_parser() -> argparse.ArgumentParser:
 def parse_args(argv=None) -> argparse.Namespace:
     parser = build_parser()
     args = parser.parse_args(argv)
-    for name in ("input_len", "output_len"):
+    for name in ("input_len", "output_len") if args.workload == "random" else ():
         lo, hi = getattr(args, f"{name}_min"), getattr(args, f"{name}_max")
         if lo > hi:
             flag = name.replace("_", "-")
             parser.error(f"--{flag}-min is {lo}, above --{flag}-max ({hi}).")
+    if args.workload != "random" and args.mode != "spec":
+        parser.error(f"--workload {args.workload} is for the spec mode; the {args.mode} mode runs random ids.")
     args.parser = parser
     return args
 
@@ -101,4 +113,6 @@ def main(argv=None) -> int:
         args.parser.error(str(e))
     if args.mode == "prefix":
         return main_prefix(args, config)
+    if args.mode == "spec":
+        return main_spec(args, config)
     return main_offline(args, config)
