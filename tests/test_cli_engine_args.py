@@ -20,13 +20,15 @@ VALUES = dict(model="/tmp/some-checkpoint", dtype="float16", device="cpu", block
               kv_cache_memory_gb=0.5, gpu_memory_utilization=0.5, max_num_seqs=8, max_num_batched_tokens=512,
               max_model_len=128, enable_prefix_caching=False, preemption_mode="swap", swap_space=0.25,
               tensor_parallel_size=2, distributed_executor_backend="mp", attention_backend="torch",
-              enforce_eager=True, seed=7)
+              enforce_eager=True, seed=7,
+              speculative_config={"method": "ngram", "num_speculative_tokens": 3})
 ARGV = ["--model", "/tmp/some-checkpoint", "--dtype", "float16", "--device", "cpu", "--block-size", "32",
         "--num-kv-blocks", "7", "--kv-cache-memory-gb", "0.5", "--gpu-memory-utilization", "0.5",
         "--max-num-seqs", "8", "--max-num-batched-tokens", "512", "--max-model-len", "128",
         "--no-prefix-caching", "--preemption-mode", "swap", "--swap-space", "0.25",
         "--tensor-parallel-size", "2", "--distributed-executor-backend", "mp", "--attention-backend", "torch",
-        "--enforce-eager", "--seed", "7"]
+        "--enforce-eager", "--seed", "7",
+        "--speculative-config", '{"method": "ngram", "num_speculative_tokens": 3}']
 
 
 class Built(Exception):
@@ -119,3 +121,12 @@ def test_generate_seed_seeds_the_requests_and_the_engine(monkeypatch):
     """generate owns --seed (each request's seed, default None); given, it also becomes the engine's seed."""
     assert config_built_by("generate", ["--seed", "3"], monkeypatch).seed == 3
     assert asdict(config_built_by("generate", [], monkeypatch)) == asdict(EngineConfig())
+
+
+def test_a_json_option_that_is_not_json_is_a_usage_error(capsys):
+    import argparse
+    parser = argparse.ArgumentParser()
+    add_engine_args(parser)
+    with pytest.raises(SystemExit):
+        parser.parse_args(["--speculative-config", "{ngram"])
+    assert "--speculative-config: not valid JSON" in capsys.readouterr().err
