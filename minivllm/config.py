@@ -57,6 +57,9 @@ class EngineConfig:
         "a CPU pool", ("recompute", "swap"))
     swap_space: float = option(1.0, "GiB of CPU memory for swapped-out KV blocks (preemption_mode swap)")
     tensor_parallel_size: int = option(1, "ranks; each holds 1/tp of the heads, the MLP and the vocabulary")
+    pipeline_parallel_size: int = option(
+        1, "pipeline stages; each holds a contiguous slice of the layers (and its TP ranks); "
+        "VLLM_PP_LAYER_PARTITION=\"a,b,...\" sets the layers per stage")
     distributed_executor_backend: str = option(
         "auto", "how the ranks start (worker/executor.py): auto, uni (one rank), mp (worker processes), "
         "external_launcher (torchrun)", ("auto", "uni", "mp", "external_launcher"))
@@ -89,7 +92,8 @@ class EngineConfig:
         return cls.from_kwargs(**given)
 
     def validate(self) -> None:
-        for name in ("block_size", "max_num_seqs", "max_num_batched_tokens", "tensor_parallel_size"):
+        for name in ("block_size", "max_num_seqs", "max_num_batched_tokens", "tensor_parallel_size",
+                     "pipeline_parallel_size"):
             value = getattr(self, name)
             if not isinstance(value, int) or value < 1:
                 raise ValueError(f"{name} is {value!r}; it must be a positive int.")
@@ -112,7 +116,10 @@ class EngineConfig:
         if not 0 < self.gpu_memory_utilization <= 1:
             raise ValueError(f"gpu_memory_utilization is {self.gpu_memory_utilization}; it must be in (0, 1].")
         if self.speculative_config is not None:
-            SpeculativeConfig.from_dict(self.speculative_config)      # raises, naming the key, if it is wrong
+            spec = SpeculativeConfig.from_dict(self.speculative_config)   # raises, naming the key, if it is wrong
+            if spec.method == "draft_model" and self.pipeline_parallel_size > 1:
+                raise ValueError("speculative_config method 'draft_model' with pipeline_parallel_size > 1 is not "
+                                 "implemented (the draft runs beside the first stage); use 'ngram'.")
 
     @property
     def speculative(self) -> "SpeculativeConfig | None":

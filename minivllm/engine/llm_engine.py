@@ -34,7 +34,7 @@ from minivllm.engine.sigint import SigintGuard
 from minivllm.model.llama import ModelConfig
 from minivllm.model.loader import check_checkpoint_files, load_tokenizer, resolve_device, resolve_model_path
 from minivllm.outputs import RequestOutput
-from minivllm.worker.distributed import check_tp_size
+from minivllm.worker.distributed import check_tp_size, pp_layer_partition
 from minivllm.worker.executor import make_executor
 
 logger = logging.getLogger(__name__)
@@ -89,6 +89,7 @@ class LLMEngine:
             raise ValueError(f"max_model_len is {self.max_model_len}, above the model's "
                              f"max_position_embeddings of {self.model_config.max_position_embeddings}.")
         check_tp_size(self.model_config, config.tensor_parallel_size)
+        pp_layer_partition(self.model_config.num_hidden_layers, config.pipeline_parallel_size)   # raises if bad
         # Rank 0's ModelRunner lives here; the executor starts the other ranks, if any (executor.py).
         self.executor = make_executor(config, self.model_path, self.model_config, self.device)
         self.model_runner = self.executor.driver

@@ -23,21 +23,44 @@ from torch import nn
 
 @dataclass(frozen=True)
 class TPGroup:
-    """This process's place in the tensor-parallel group (rank 0 of 1 without TP)."""
+    """This process's place in the tensor-parallel group (rank 0 of 1 without TP). `group`: the torch.distributed
+    group of this pipeline stage's TP ranks (None: the default group, when there is one stage)."""
     rank: int = 0
     size: int = 1
+    group: object = None
 
     def all_reduce(self, x: torch.Tensor) -> torch.Tensor:
         if self.size > 1:
-            dist.all_reduce(x)
+            dist.all_reduce(x, group=self.group)
         return x
 
     def all_gather_last_dim(self, x: torch.Tensor) -> torch.Tensor:
         if self.size == 1:
             return x
         parts = [torch.empty_like(x) for _ in range(self.size)]
-        dist.all_gather(parts, x.contiguous())
+        dist.all_gather(parts, x.contiguous(), group=self.group)
         return torch.cat(parts, dim=-1)
+
+
+@dataclass(frozen=True)
+class PPStage:
+    """This process's pipeline stage: decoder layers [start_layer, end_layer) of the model, and the global ranks of
+    the same TP rank in the previous and next stages (None at the ends). One stage holds every layer."""
+    rank: int = 0
+    size: int = 1
+    start_layer: int = 0
+    end_layer: int | None = None          # None: to the last layer
+    prev_rank: int | None = None
+    next_rank: int | None = None
+    driver_rank: int = 0                  # where the last stage sends the logits (rank 0 samples)
+
+    @property
+    def is_first(self) -> bool:
+        return self.rank == 0
+
+    @property
+    def is_last(self) -> bool:
+        return self.rank == self.size - 1
 
 
 def _shard(loaded, dim: int, rank: int, size: int) -> torch.Tensor:

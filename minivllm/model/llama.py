@@ -19,7 +19,7 @@ import torch
 from torch import nn
 
 from minivllm.model.attention import AttentionBackend, AttentionMetadata
-from minivllm.model.layers import (MergedColumnParallelLinear, ParallelLMHead, QKVParallelLinear, RMSNorm,
+from minivllm.model.layers import (MergedColumnParallelLinear, PPStage, ParallelLMHead, QKVParallelLinear, RMSNorm,
                              RotaryEmbedding, RowParallelLinear, TPGroup, VocabParallelEmbedding)
 
 SUPPORTED_ARCHITECTURES = ("LlamaForCausalLM", "Qwen2ForCausalLM", "Qwen3ForCausalLM")
@@ -157,37 +157,69 @@ class LlamaForCausalLM(nn.Module):
         "gate_proj": ("gate_up_proj", 0), "up_proj": ("gate_up_proj", 1),
     }
 
-    def __init__(self, cfg: ModelConfig, tp: TPGroup = TPGroup()):
+    def __init__(self, cfg: ModelConfig, tp: TPGroup = TPGroup(), pp: PPStage = PPStage()):
         super().__init__()
         self.cfg = cfg
         self.tp = tp
-        self.embed_tokens = VocabParallelEmbedding(cfg.vocab_size, cfg.hidden_size, tp)
-        self.layers = nn.ModuleList(LlamaDecoderLayer(cfg, tp) for _ in range(cfg.num_hidden_layers))
-        self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
-        self.lm_head = ParallelLMHead(cfg.vocab_size, cfg.hidden_size, tp)
-        if cfg.tie_word_embeddings:
-            self.lm_head.weight = self.embed_tokens.weight
+        self.pp = pp
+        # Pipeline parallelism: this stage's layers [start, end); the first stage embeds, the last normalizes and
+        # owns the LM head. `self.layers[i]` is decoder layer start + i.
+        self.start_layer = pp.start_layer
+        self.end_layer = cfg.num_hidden_layers if pp.end_layer is None else pp.end_layer
+        if pp.is_first:
+            self.embed_tokens = VocabParallelEmbedding(cfg.vocab_size, cfg.hidden_size, tp)
+        self.layers = nn.ModuleList(LlamaDecoderLayer(cfg, tp) for _ in range(self.start_layer, self.end_layer))
+        if pp.is_last:
+            self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
+            self.lm_head = ParallelLMHead(cfg.vocab_size, cfg.hidden_size, tp)
+            if cfg.tie_word_embeddings and pp.is_first:
+                self.lm_head.weight = self.embed_tokens.weight
         self.rotary = RotaryEmbedding(cfg.head_dim, cfg.max_position_embeddings, cfg.rope_theta, cfg.rope_scaling)
 
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, kv_caches: list,
-                meta: AttentionMetadata, backend: AttentionBackend) -> torch.Tensor:
-        hidden = self.embed_tokens(input_ids)                                 # (num_tokens, hidden)
-        residual = None
+                meta: AttentionMetadata, backend: AttentionBackend,
+                intermediate: tuple[torch.Tensor, torch.Tensor] | None = None):
+        """The last stage returns hidden (num_tokens, hidden) after the final norm; other stages return
+        (hidden, residual), what the next stage takes as `intermediate`."""
+        if self.pp.is_first:
+            hidden, residual = self.embed_tokens(input_ids), None                # (num_tokens, hidden)
+        else:
+            hidden, residual = intermediate
         for layer, kv_cache in zip(self.layers, kv_caches):
             hidden, residual = layer(positions, hidden, residual, kv_cache, meta, backend, self.rotary)
+        if not self.pp.is_last:
+            return hidden, residual
         hidden, _ = self.norm(hidden, residual)
         return hidden
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
         return self.lm_head(hidden).float()                                   # (rows, vocab_size) fp32
 
+    def local_name(self, name: str) -> str | None:
+        """A checkpoint name as this stage's parameter name (layer index made local), or None if another stage
+        owns it. A tied LM head on a last stage that does not embed is loaded from the embedding."""
+        name = name.removeprefix("model.")
+        if name == "lm_head.weight" and self.cfg.tie_word_embeddings:
+            return None                     # tied: the head is the embedding (loaded from embed_tokens)
+        if name.startswith("layers."):
+            index, rest = name[len("layers."):].split(".", 1)
+            if not self.start_layer <= int(index) < self.end_layer:
+                return None
+            return f"layers.{int(index) - self.start_layer}.{rest}"
+        if name.startswith("embed_tokens.") and not self.pp.is_first:
+            tied_head = self.pp.is_last and self.cfg.tie_word_embeddings
+            return name.replace("embed_tokens.", "lm_head.") if tied_head else None
+        if name.startswith(("norm.", "lm_head.")) and not self.pp.is_last:
+            return None
+        return name
+
     def load_param(self, name: str, tensor) -> bool:
         """Load one checkpoint tensor by its Hugging Face name; False if the model has no such weight.
         `tensor` may be a lazy safetensors slice: sharded layers read only their rows or columns of it.
         copy_ converts to the parameter's dtype and device."""
-        name = name.removeprefix("model.")
-        if name == "lm_head.weight" and self.cfg.tie_word_embeddings:
-            return True
+        name = self.local_name(name)
+        if name is None:
+            return False                    # another pipeline stage's weight, or a tied head's copy
         shard_id = None
         for piece, (fused, sid) in self.packed_modules.items():
             if f".{piece}." in name:

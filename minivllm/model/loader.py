@@ -12,7 +12,7 @@ from pathlib import Path
 import torch
 from safetensors import safe_open
 
-from minivllm.model.layers import TPGroup
+from minivllm.model.layers import PPStage, TPGroup
 from minivllm.model.llama import LlamaForCausalLM, ModelConfig
 
 DTYPES = {"float32": torch.float32, "float16": torch.float16, "bfloat16": torch.bfloat16}
@@ -87,11 +87,12 @@ def resolve_dtype(dtype: str | torch.dtype, cfg: ModelConfig, device: torch.devi
 
 
 def load_model(path: Path, cfg: ModelConfig, dtype: torch.dtype, device: torch.device,
-               tp: TPGroup = TPGroup()) -> LlamaForCausalLM:
+               tp: TPGroup = TPGroup(), pp: PPStage = PPStage()) -> LlamaForCausalLM:
+    """This rank's part of the model: its TP shard of its pipeline stage's layers (each rank reads only those)."""
     check_checkpoint_files(path)
     files = sorted(path.glob("*.safetensors"))
     with torch.device(device):
-        model = LlamaForCausalLM(cfg, tp)
+        model = LlamaForCausalLM(cfg, tp, pp)
     for p in model.parameters():          # weights in `dtype`; the rotary tables stay fp32
         p.data = p.data.to(dtype)
     loaded: set[str] = set()
@@ -101,7 +102,7 @@ def load_model(path: Path, cfg: ModelConfig, dtype: torch.dtype, device: torch.d
                 if "rotary_emb" in name:
                     continue
                 if model.load_param(name, st.get_slice(name)):      # lazy: read on indexing
-                    loaded.add(name.removeprefix("model."))
+                    loaded.add(model.local_name(name))
     if device.type == "cpu":
         use_column_major_linear_weights(model)
     expected = {_checkpoint_name(n) for n, _ in model.named_parameters()}

@@ -1,4 +1,5 @@
-"""The tensor-parallel process group: which sizes a model allows, and joining / leaving the group.
+"""The process groups of tensor and pipeline parallelism: which sizes a model allows, the layers of each pipeline
+stage, and joining / leaving the group.
 
 Owns: torch.distributed's default process group for this engine (gloo on a CPU, NCCL on CUDA). The
 layers only ever see a `TPGroup(rank, size)` (layers.py); the executor decides who starts which rank.
@@ -46,6 +47,53 @@ def check_tp_size(cfg: ModelConfig, tp_size: int) -> None:
         found = " and ".join(f"{n} {name}" for name, n in bad.items())
         raise ValueError(f"tensor_parallel_size {tp_size} does not divide the model's {found}; "
                          f"sizes that work for this model: {', '.join(map(str, works))}.")
+
+
+def pp_layer_partition(num_layers: int, pp_size: int) -> list[tuple[int, int]]:
+    """Each pipeline stage's decoder layers [start, end): as even as possible, the earlier stages taking one fewer
+    when they do not divide (the first stage also embeds, the last also runs the LM head), as vLLM does.
+    VLLM_PP_LAYER_PARTITION="5,5,4" (vLLM's variable) sets the counts instead."""
+    if pp_size < 1 or num_layers < pp_size:
+        raise ValueError(f"pipeline_parallel_size is {pp_size} but the model has {num_layers} layers; each stage "
+                         f"needs at least one: use at most {num_layers} stages.")
+    custom = os.environ.get("VLLM_PP_LAYER_PARTITION")
+    if custom:
+        try:
+            counts = [int(x) for x in custom.split(",")]
+        except ValueError:
+            raise ValueError(f"VLLM_PP_LAYER_PARTITION is {custom!r}; it must be comma-separated layer counts, "
+                             f"one per stage, e.g. '15,15'.") from None
+        if len(counts) != pp_size or sum(counts) != num_layers or min(counts) < 1:
+            raise ValueError(f"VLLM_PP_LAYER_PARTITION is {custom!r}: it needs {pp_size} counts of at least 1 "
+                             f"that add up to the model's {num_layers} layers.")
+    else:
+        base, extra = divmod(num_layers, pp_size)
+        counts = [base + (1 if i >= pp_size - extra else 0) for i in range(pp_size)]
+    bounds, start = [], 0
+    for n in counts:
+        bounds.append((start, start + n))
+        start += n
+    return bounds
+
+
+def make_groups(tp_size: int, pp_size: int, rank: int, num_layers: int):
+    """(TPGroup, PPStage) of global `rank` in a world of tp_size x pp_size ranks: rank = stage x tp_size + TP rank.
+    Every rank must call this: torch.distributed creates groups collectively."""
+    from minivllm.model.layers import PPStage, TPGroup
+
+    tp_rank, pp_rank = rank % tp_size, rank // tp_size
+    group = None
+    if pp_size > 1 and tp_size > 1:
+        for stage in range(pp_size):            # every rank creates every stage's group, in the same order
+            g = dist.new_group(list(range(stage * tp_size, (stage + 1) * tp_size)))
+            if stage == pp_rank:
+                group = g
+    start, end = pp_layer_partition(num_layers, pp_size)[pp_rank]
+    stage = PPStage(pp_rank, pp_size, start, end,
+                    prev_rank=rank - tp_size if pp_rank > 0 else None,
+                    next_rank=rank + tp_size if pp_rank < pp_size - 1 else None,
+                    driver_rank=0)
+    return TPGroup(tp_rank, tp_size, group), stage
 
 
 def tp_device(device: torch.device, rank: int) -> torch.device:

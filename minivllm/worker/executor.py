@@ -39,7 +39,7 @@ import torch.distributed as dist
 
 from minivllm.config import EngineConfig
 from minivllm.worker.distributed import (destroy_distributed, get_open_port, init_distributed, launched_by_torchrun,
-                                  tp_device)
+                                         make_groups, tp_device)
 from minivllm.model.layers import TPGroup
 from minivllm.model.llama import ModelConfig
 from minivllm.worker.logprobs import StepLogprobs, compute_logprobs, compute_prompt_logprobs
@@ -186,14 +186,17 @@ def _multiproc_method() -> str:
 
 def _worker_main(rank: int, tp_size: int, init_method: str, config: EngineConfig, model_path, model_cfg,
                  device: str, conn) -> None:
-    """A worker rank's whole life: join the group, load its shard, run every step it is sent."""
+    """A worker rank's whole life: join the group, load its shard (its TP share of its pipeline stage's layers),
+    run every step it is sent."""
     signal.signal(signal.SIGINT, signal.SIG_IGN)     # Ctrl-C reaches the whole process group; the driver decides
+    world = tp_size * config.pipeline_parallel_size
     dev = tp_device(torch.device(device), rank)
     if dev.type == "cpu":
-        torch.set_num_threads(_cpu_threads_per_rank(tp_size))
+        torch.set_num_threads(_cpu_threads_per_rank(world))
     try:
-        init_distributed(rank, tp_size, init_method, dev)
-        runner = ModelRunner(config, model_path, model_cfg, dev, TPGroup(rank, tp_size))
+        init_distributed(rank, world, init_method, dev)
+        tp, pp = make_groups(tp_size, config.pipeline_parallel_size, rank, model_cfg.num_hidden_layers)
+        runner = ModelRunner(config, model_path, model_cfg, dev, tp, pp)
         conn.send(("ready", runner.profile_num_blocks()))
         while True:
             kind, payload = conn.recv()                  # EOFError once the driver is gone
@@ -245,34 +248,37 @@ def _stop_workers(procs: list, conns: list, polite: list[bool], saved_threads: i
 
 class MultiprocExecutor(Executor):
     def __init__(self, config: EngineConfig, model_path, model_cfg: ModelConfig, device: torch.device):
-        tp_size = config.tensor_parallel_size
-        if device.type == "cuda" and tp_size > torch.cuda.device_count():
-            raise ValueError(f"tensor_parallel_size is {tp_size} but this machine has "
-                             f"{torch.cuda.device_count()} GPU(s); lower it or launch across machines with torchrun.")
+        tp_size, pp_size = config.tensor_parallel_size, config.pipeline_parallel_size
+        world = tp_size * pp_size                  # rank = pipeline stage x tp_size + TP rank; rank 0 drives
+        if device.type == "cuda" and world > torch.cuda.device_count():
+            raise ValueError(f"tensor_parallel_size x pipeline_parallel_size is {world} but this machine has "
+                             f"{torch.cuda.device_count()} GPU(s); lower them or launch across machines with torchrun.")
         self.tp_size = tp_size
+        self.world_size = world
         self.procs: list = []
         self.conns: list = []
         self._polite = [True]        # False once a step broke midway: workers may be stuck in a collective
         saved_threads = None
-        if device.type == "cpu" and tp_size > 1:
+        if device.type == "cpu" and world > 1:
             saved_threads = torch.get_num_threads()
-            torch.set_num_threads(_cpu_threads_per_rank(tp_size))
+            torch.set_num_threads(_cpu_threads_per_rank(world))
         self._finalizer = weakref.finalize(self, _stop_workers, self.procs, self.conns, self._polite, saved_threads)
         init_method = f"tcp://127.0.0.1:{get_open_port()}"
         ctx = mp.get_context(_multiproc_method())
         try:
-            for rank in range(1, tp_size):
+            for rank in range(1, world):
                 parent, child = ctx.Pipe()
-                p = ctx.Process(target=_worker_main, name=f"minivllm-tp-worker-{rank}", daemon=True,
+                p = ctx.Process(target=_worker_main, name=f"minivllm-worker-{rank}", daemon=True,
                                 args=(rank, tp_size, init_method, config, model_path, model_cfg, str(device), child))
                 p.start()
                 child.close()
                 self.procs.append(p)
                 self.conns.append(parent)
-            init_distributed(0, tp_size, init_method, tp_device(device, 0))
-            self.driver = ModelRunner(config, model_path, model_cfg, tp_device(device, 0), TPGroup(0, tp_size))
-            sizes = [self.driver.profile_num_blocks()] + [self._receive(rank, "ready") for rank in
-                                                           range(1, tp_size)]
+            init_distributed(0, world, init_method, tp_device(device, 0))
+            tp, pp = make_groups(tp_size, pp_size, 0, model_cfg.num_hidden_layers)
+            self.driver = ModelRunner(config, model_path, model_cfg, tp_device(device, 0), tp, pp)
+            sizes = [self.driver.profile_num_blocks()] + [self._receive(rank, "ready") for rank in range(1, world)]
+            self.num_kv_blocks_per_rank = sizes        # under PP each stage has its own layers' worth
             num_blocks = min(sizes)           # every rank must have every block id
             for conn in self.conns:
                 conn.send(("allocate_kv_cache", num_blocks))
@@ -316,7 +322,7 @@ class MultiprocExecutor(Executor):
         return "\n".join(msgs)
 
     def _send_to_workers(self, model_input) -> None:
-        if not self.procs and self.tp_size > 1:
+        if not self.procs and self.world_size > 1:
             raise RuntimeError("this engine's tensor-parallel workers were shut down; create a new engine.")
         for conn in self.conns:
             conn.send(("execute_model", model_input))
@@ -331,7 +337,8 @@ class MultiprocExecutor(Executor):
             self._polite[0] = False
             self.shutdown()
             if errors:
-                raise RuntimeError(f"a tensor-parallel worker failed; the engine is shut down.\n{errors}") from e
+                kind = "pipeline-parallel" if self.world_size > self.tp_size else "tensor-parallel"
+                raise RuntimeError(f"a {kind} worker failed; the engine is shut down.\n{errors}") from e
             raise
 
     def shutdown(self) -> None:
@@ -347,6 +354,9 @@ class ExternalLauncherExecutor(Executor):
         if not launched_by_torchrun():
             raise ValueError("distributed_executor_backend 'external_launcher' needs RANK, WORLD_SIZE, "
                              "MASTER_ADDR and MASTER_PORT in the environment: start the program with torchrun.")
+        if config.pipeline_parallel_size > 1:
+            raise ValueError("pipeline_parallel_size > 1 under torchrun is not implemented yet; use the 'mp' "
+                             "backend (worker processes on one machine).")
         rank, world = int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"])
         if world != config.tensor_parallel_size:
             raise ValueError(f"torchrun started {world} processes but tensor_parallel_size is "
@@ -365,15 +375,16 @@ class ExternalLauncherExecutor(Executor):
 
 def make_executor(config: EngineConfig, model_path, model_cfg: ModelConfig, device: torch.device) -> Executor:
     backend = config.distributed_executor_backend
+    world = config.tensor_parallel_size * config.pipeline_parallel_size
     if backend == "auto":
-        if config.tensor_parallel_size == 1:
+        if world == 1:
             backend = "uni"
         else:
             backend = "external_launcher" if launched_by_torchrun() else "mp"
     if backend == "uni":
-        if config.tensor_parallel_size != 1:
-            raise ValueError(f"distributed_executor_backend 'uni' runs one rank, but tensor_parallel_size is "
-                             f"{config.tensor_parallel_size}; use 'mp' or 'auto'.")
+        if world != 1:
+            raise ValueError(f"distributed_executor_backend 'uni' runs one rank, but tensor_parallel_size x "
+                             f"pipeline_parallel_size is {world}; use 'mp' or 'auto'.")
         return UniProcExecutor(config, model_path, model_cfg, device)
     if backend == "mp":
         return MultiprocExecutor(config, model_path, model_cfg, device)

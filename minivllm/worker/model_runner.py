@@ -21,11 +21,12 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 
 import torch
+import torch.distributed as dist
 
 from minivllm.model.attention import AttentionMetadata, get_attention_backend
 from minivllm.config import EngineConfig
 from minivllm.worker.cuda_graph import DecodeGraphs
-from minivllm.model.layers import TPGroup
+from minivllm.model.layers import PPStage, TPGroup
 from minivllm.model.llama import ModelConfig
 from minivllm.model.loader import load_model, resolve_dtype
 from minivllm.core.request import Request
@@ -60,20 +61,22 @@ class ModelRunner:
     many KV blocks fit here; `allocate_kv_cache(n)` with the smallest answer over all ranks."""
 
     def __init__(self, config: EngineConfig, model_path, model_cfg: ModelConfig, device: torch.device,
-                 tp: TPGroup = TPGroup()):
+                 tp: TPGroup = TPGroup(), pp: PPStage = PPStage()):
         self.config = config
         self.device = device
         self.model_cfg = model_cfg
         self.tp = tp
         self.dtype = resolve_dtype(config.dtype, model_cfg, device)
-        self.model = load_model(model_path, model_cfg, self.dtype, device, tp)
+        self.pp = pp
+        self.model = load_model(model_path, model_cfg, self.dtype, device, tp, pp)
+        self.num_layers = len(self.model.layers)                         # this pipeline stage's
         self.backend = get_attention_backend(config.attention_backend, device)
         self.sampler = Sampler(config.seed)
         self.rejection_sampler = RejectionSampler(self.sampler)
         self.model_path = model_path
         self.block_size = config.block_size               # (read by a draft-model proposer)
         # Speculative decoding's proposer (spec_decode/): rank 0 only; None when speculation is off.
-        self.proposer = make_proposer(config.speculative, self) if tp.rank == 0 else None
+        self.proposer = make_proposer(config.speculative, self) if tp.rank == 0 and pp.rank == 0 else None
         self.num_kv_heads = model_cfg.num_key_value_heads // tp.size     # this rank's share
         self.num_kv_blocks = 0                                           # set by allocate_kv_cache
         self.graphs: DecodeGraphs | None = None                          # set by allocate_kv_cache on CUDA
@@ -85,13 +88,14 @@ class ModelRunner:
         # Every rank has the same blocks (same block ids, same slots); only the KV heads differ.
         # Zeroed once, so a slot that was never written holds 0, not NaN: masked slots get zero weight,
         # and 0 * NaN would still poison a matmul.
-        self.kv_cache = torch.zeros(2, c.num_hidden_layers, num_kv_blocks, self.block_size,
+        # (Under pipeline parallelism, the layers of this stage only: more blocks fit per stage.)
+        self.kv_cache = torch.zeros(2, self.num_layers, num_kv_blocks, self.block_size,
                                     self.num_kv_heads, c.head_dim, dtype=self.dtype, device=self.device)
-        self.kv_caches = [(self.kv_cache[0, i], self.kv_cache[1, i]) for i in range(c.num_hidden_layers)]
+        self.kv_caches = [(self.kv_cache[0, i], self.kv_cache[1, i]) for i in range(self.num_layers)]
         # The CPU pool that preemption_mode="swap" copies whole blocks to and from (same layout).
         self.num_cpu_blocks = (int(self.config.swap_space * 1024 ** 3 // self.bytes_per_block)
                                if self.config.preemption_mode == "swap" else 0)
-        self.cpu_kv_cache = torch.empty((2, c.num_hidden_layers, self.num_cpu_blocks)
+        self.cpu_kv_cache = torch.empty((2, self.num_layers, self.num_cpu_blocks)
                                         + tuple(self.kv_cache.shape[3:]), dtype=self.dtype,
                                         pin_memory=self.device.type == "cuda" and self.num_cpu_blocks > 0)
         self.graphs = self._capture_cuda_graphs()
@@ -103,7 +107,7 @@ class ModelRunner:
         None (every step eager) off CUDA, with enforce_eager, under tensor parallelism (NCCL inside a
         graph was never tried here), with the PyTorch reference attention (it reads host-side lengths),
         or when capture or the check fails (with a warning)."""
-        if (self.device.type != "cuda" or self.config.enforce_eager or self.tp.size > 1
+        if (self.device.type != "cuda" or self.config.enforce_eager or self.tp.size > 1 or self.pp.size > 1
                 or self.backend.name != "triton"):
             return None
         max_model_len = self.config.max_model_len or self.model_cfg.max_position_embeddings
@@ -127,7 +131,7 @@ class ModelRunner:
     def bytes_per_block(self) -> int:
         """KV bytes of one block on this rank (its share of the KV heads, every layer, K and V)."""
         c = self.model_cfg
-        return 2 * c.num_hidden_layers * self.block_size * self.num_kv_heads * c.head_dim * self.dtype.itemsize
+        return 2 * self.num_layers * self.block_size * self.num_kv_heads * c.head_dim * self.dtype.itemsize
 
     def profile_num_blocks(self) -> int:
         """How many KV blocks fit on this rank: config.num_kv_blocks if given, else from the memory budget."""
@@ -199,6 +203,43 @@ class ModelRunner:
         return t(mi.input_ids, torch.int64), t(mi.positions, torch.int64), meta
 
     # ------------------------------------------------------------------ the step (every rank)
+    def _execute_stage(self, mi: ModelInput) -> tuple[torch.Tensor | None, torch.Tensor | None]:
+        """Pipeline parallelism, one step on this stage: receive (hidden, residual) from the previous stage, run this
+        stage's layers, send them on; the last stage computes the logits and sends them to rank 0, which samples.
+
+            rank 0 (stage 0)  --hidden, residual-->  stage 1  --> ... -->  last stage
+                  ^                                                            |
+                  +----------------------- logits (rows, vocab) --------------+
+        Each message's shape follows from the ModelInput every rank has, so only tensors cross."""
+        pp, rank = self.pp, dist.get_rank()
+        input_ids, positions, meta = self._to_tensors(mi)
+        intermediate = None
+        if not pp.is_first:
+            shape = (len(mi.input_ids), self.model_cfg.hidden_size)
+            hidden = torch.empty(shape, dtype=self.dtype, device=self.device)
+            residual = torch.empty(shape, dtype=self.dtype, device=self.device)
+            dist.recv(hidden, pp.prev_rank)
+            dist.recv(residual, pp.prev_rank)
+            intermediate = (hidden, residual)
+        out = self.model(input_ids, positions, self.kv_caches, meta, self.backend, intermediate)
+        prompt_rows = [r for s in mi.prompt_logprob_spans for r in range(s.first_row, s.first_row + s.num_rows)]
+        rows = mi.sample_rows + prompt_rows
+        logits = None
+        if not pp.is_last:
+            dist.send(out[0].contiguous(), pp.next_rank)
+            dist.send(out[1].contiguous(), pp.next_rank)
+            if rank == pp.driver_rank and rows:
+                logits = torch.empty(len(rows), self.model_cfg.vocab_size, dtype=torch.float32, device=self.device)
+                dist.recv(logits, (pp.size - 1) * self.tp.size)          # the last stage's TP rank 0
+        elif rows:
+            logits = self.model.compute_logits(out[rows])                # (rows, vocab) fp32, all-gathered under TP
+            if self.tp.rank == 0 and rank != pp.driver_rank:
+                dist.send(logits.contiguous(), pp.driver_rank)
+        if rank != pp.driver_rank or logits is None:
+            return None, None
+        num_sampling = len(mi.sample_rows)
+        return (logits[:num_sampling] if num_sampling else None), (logits[num_sampling:] if prompt_rows else None)
+
     def swap_blocks(self, mi: ModelInput) -> None:
         """Copy whole blocks (every layer, K and V) between the device cache and the CPU pool.
         Swap-outs go first: a block freed by a swap-out may be handed to another request this step."""
@@ -218,6 +259,8 @@ class ModelRunner:
         self.swap_blocks(mi)
         if not mi.q_lens:
             return None, None
+        if self.pp.size > 1:
+            return self._execute_stage(mi)
         if self.graphs is not None and self.graphs.can_run(mi.q_lens, mi.block_tables):
             hidden = self.graphs.run(mi.input_ids, mi.positions, mi.slot_mapping, mi.seq_lens, mi.block_tables)
         else:

@@ -1,0 +1,110 @@
+"""Pipeline parallelism on CPU (gloo, worker processes): each stage holds a slice of the layers and only their KV;
+greedy tokens equal one rank's, alone and with tensor parallelism inside each stage.
+
+The oracle is the plain engine (itself checked against Hugging Face in test_parity.py).
+"""
+
+from __future__ import annotations
+
+import multiprocessing
+import os
+import signal
+
+import pytest
+
+from minivllm import LLM, SamplingParams
+from minivllm.worker.distributed import pp_layer_partition
+from tests.conftest import PROMPTS
+from tests.test_tensor_parallel import wait_gone
+
+
+def greedy(n=24):
+    return SamplingParams(temperature=0, max_tokens=n, ignore_eos=True)
+
+
+def token_ids(outputs):
+    return [o.outputs[0].token_ids for o in outputs]
+
+
+@pytest.fixture(scope="module")
+def prompt_ids(tokenizer):
+    system = tokenizer.encode("You are a helpful assistant who answers in one sentence. " * 4,
+                              add_special_tokens=False)
+    return [{"prompt_token_ids": system + tokenizer.encode(p, add_special_tokens=False)} for p in PROMPTS]
+
+
+# Prefix caching, chunked prefill and preemption at once (a budget of 32 tokens, a pool of 14 blocks).
+FEATURES = dict(device="cpu", dtype="float32", max_num_batched_tokens=32, max_num_seqs=32, num_kv_blocks=14)
+
+
+@pytest.fixture(scope="module")
+def reference(model_dir, prompt_ids):
+    return token_ids(LLM(str(model_dir), **FEATURES).generate(prompt_ids, greedy(), use_tqdm=False))
+
+
+@pytest.mark.parametrize("tp, pp", [(1, 2), (1, 3), (3, 2)], ids=["pp2", "pp3", "tp3xpp2"])
+def test_pipeline_stages_give_one_ranks_tokens_with_every_feature_on(model_dir, prompt_ids, reference, tp, pp):
+    with LLM(str(model_dir), tensor_parallel_size=tp, pipeline_parallel_size=pp, **FEATURES) as llm:
+        engine = llm.llm_engine
+        got = token_ids(llm.generate(prompt_ids, greedy(), use_tqdm=False))
+        stats = engine.get_stats()
+        assert got == reference
+        assert stats.prefix_cache_hits > 0 and stats.num_preemptions > 0       # the features fired
+        assert engine.kv_cache_manager.num_free_blocks == engine.kv_cache_manager.num_blocks
+        runner = engine.model_runner                                           # rank 0: the first stage
+        assert len(runner.model.layers) == pp_layer_partition(30, pp)[0][1]
+        assert not hasattr(runner.model, "lm_head") and runner.kv_cache.shape[1] == len(runner.model.layers)
+
+
+def test_each_stage_holds_only_its_layers_so_more_blocks_fit(model_dir):
+    """The same KV memory per rank holds PP times the blocks: a stage stores its own layers' KV only."""
+    one = LLM(str(model_dir), device="cpu", kv_cache_memory_gb=0.05)
+    with LLM(str(model_dir), device="cpu", kv_cache_memory_gb=0.05, pipeline_parallel_size=2) as two:
+        blocks = two.llm_engine.executor.num_kv_blocks_per_rank
+        single = one.llm_engine.kv_cache_manager.num_blocks
+        assert blocks[0] == blocks[1] and 2 * single <= blocks[0] <= 2 * single + 1, (blocks, single)   # rounding
+        assert two.llm_engine.kv_cache_manager.num_blocks == blocks[0]
+
+
+def test_layer_partition(monkeypatch):
+    assert pp_layer_partition(30, 2) == [(0, 15), (15, 30)]
+    assert pp_layer_partition(30, 4) == [(0, 7), (7, 14), (14, 22), (22, 30)]     # the later stages take the extra
+    assert pp_layer_partition(3, 3) == [(0, 1), (1, 2), (2, 3)]
+    monkeypatch.setenv("VLLM_PP_LAYER_PARTITION", "20,10")
+    assert pp_layer_partition(30, 2) == [(0, 20), (20, 30)]
+    for bad in ("20,11", "30,0", "a,b", "10,10,10"):
+        monkeypatch.setenv("VLLM_PP_LAYER_PARTITION", bad)
+        with pytest.raises(ValueError, match="VLLM_PP_LAYER_PARTITION"):
+            pp_layer_partition(30, 2)
+
+
+def test_more_stages_than_layers_is_refused_before_any_process_starts(model_dir):
+    before = {p.pid for p in multiprocessing.active_children()}
+    with pytest.raises(ValueError, match="pipeline_parallel_size is 31 but the model has 30 layers"):
+        LLM(str(model_dir), device="cpu", pipeline_parallel_size=31)
+    with pytest.raises(ValueError, match="tensor_parallel_size 2 does not divide"):
+        LLM(str(model_dir), device="cpu", tensor_parallel_size=2, pipeline_parallel_size=2)
+    with pytest.raises(ValueError, match="draft_model' with pipeline_parallel_size > 1"):
+        LLM(str(model_dir), device="cpu", pipeline_parallel_size=2,
+            speculative_config={"method": "draft_model", "draft_num_layers": 2, "num_speculative_tokens": 2})
+    assert {p.pid for p in multiprocessing.active_children()} == before
+
+
+def test_a_dying_stage_stops_the_engine_naming_the_rank(model_dir):
+    llm = LLM(str(model_dir), device="cpu", num_kv_blocks=64, pipeline_parallel_size=3)
+    pids = llm.llm_engine.executor.worker_pids
+    os.kill(pids[1], signal.SIGKILL)                    # rank 2, the last stage, dies between steps
+    with pytest.raises(RuntimeError, match="a pipeline-parallel worker failed") as e:
+        llm.generate(["Hello"], greedy(4), use_tqdm=False)
+    assert "rank 2" in str(e.value)
+    assert wait_gone(pids) == []
+
+
+def test_n_gram_speculation_through_the_pipeline(model_dir):
+    text = "The quick brown fox jumps over the lazy dog. " * 3
+    kw = dict(device="cpu", dtype="float32", num_kv_blocks=64)
+    want = token_ids(LLM(str(model_dir), **kw).generate([text], greedy(20), use_tqdm=False))
+    spec = {"method": "ngram", "num_speculative_tokens": 3, "prompt_lookup_min": 2, "prompt_lookup_max": 3}
+    with LLM(str(model_dir), pipeline_parallel_size=2, speculative_config=spec, **kw) as llm:
+        assert token_ids(llm.generate([text], greedy(20), use_tqdm=False)) == want
+        assert llm.get_stats().num_spec_accepted_tokens > 0
