@@ -108,3 +108,22 @@ def test_n_gram_speculation_through_the_pipeline(model_dir):
     with LLM(str(model_dir), pipeline_parallel_size=2, speculative_config=spec, **kw) as llm:
         assert token_ids(llm.generate([text], greedy(20), use_tqdm=False)) == want
         assert llm.get_stats().num_spec_accepted_tokens > 0
+
+
+def test_torchrun_launch_with_tp_x_pp_matches_one_rank(llm):
+    """torchrun starts every rank (as it would across machines); every rank runs the engine in lockstep, and the last
+    stage broadcasts the logits so that every rank samples the same tokens. 3 ranks: PP 3 (TP 3 x PP 2 would need
+    6 processes on 2 cores)."""
+    import subprocess
+    import sys
+    from pathlib import Path
+    repo = Path(__file__).resolve().parents[1]
+    prompt = "The capital of France is"
+    expected = llm.generate([prompt], greedy(8), use_tqdm=False)[0].outputs[0].text
+    env = {**os.environ, "PYTHONPATH": str(repo), "OMP_NUM_THREADS": "1"}
+    run = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "3",
+                          "-m", "minivllm.generate", "--pipeline-parallel-size", "3", "--temperature", "0",
+                          "--max-tokens", "8", "--ignore-eos", "--device", "cpu", "--num-kv-blocks", "64", prompt],
+                         env=env, cwd=repo, capture_output=True, text=True, timeout=300)
+    assert run.returncode == 0, run.stderr[-3000:]
+    assert run.stdout.strip() == expected.strip()          # printed once, by rank 0

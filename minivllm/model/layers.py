@@ -53,6 +53,7 @@ class PPStage:
     prev_rank: int | None = None
     next_rank: int | None = None
     driver_rank: int = 0                  # where the last stage sends the logits (rank 0 samples)
+    broadcast_logits: bool = False        # torchrun: every rank samples, so every rank gets the logits
 
     @property
     def is_first(self) -> bool:

@@ -26,6 +26,7 @@ never outlives it; the driver stops its workers on shutdown(), on garbage collec
 
 from __future__ import annotations
 
+import dataclasses
 import multiprocessing as mp
 import os
 import signal
@@ -347,24 +348,29 @@ class MultiprocExecutor(Executor):
 
 class ExternalLauncherExecutor(Executor):
     """Under torchrun every rank runs the same program: the same prompts, the same scheduling and the
-    same sampling (the gathered logits and the seeds are identical), so no step inputs are sent at all;
-    each rank just runs its share of every layer. Print from RANK 0 only."""
+    same sampling (the gathered logits, broadcast from the last pipeline stage, and the seeds are identical),
+    so no step inputs are sent at all; each rank just runs its share of every layer. Print from RANK 0 only."""
 
     def __init__(self, config: EngineConfig, model_path, model_cfg: ModelConfig, device: torch.device):
         if not launched_by_torchrun():
             raise ValueError("distributed_executor_backend 'external_launcher' needs RANK, WORLD_SIZE, "
                              "MASTER_ADDR and MASTER_PORT in the environment: start the program with torchrun.")
-        if config.pipeline_parallel_size > 1:
-            raise ValueError("pipeline_parallel_size > 1 under torchrun is not implemented yet; use the 'mp' "
-                             "backend (worker processes on one machine).")
         rank, world = int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"])
-        if world != config.tensor_parallel_size:
-            raise ValueError(f"torchrun started {world} processes but tensor_parallel_size is "
-                             f"{config.tensor_parallel_size}; they must be equal (--nproc-per-node x --nnodes).")
+        tp_size, pp_size = config.tensor_parallel_size, config.pipeline_parallel_size
+        if world != tp_size * pp_size:
+            raise ValueError(f"torchrun started {world} processes but tensor_parallel_size x pipeline_parallel_size "
+                             f"is {tp_size * pp_size}; they must be equal (--nproc-per-node x --nnodes).")
+        spec = config.speculative
+        if spec is not None and spec.method == "draft_model" and world > 1:
+            raise ValueError("speculative_config method 'draft_model' under torchrun is not implemented (every "
+                             "rank would need the draft); use 'ngram'.")
         self.rank = rank
         dev = tp_device(device, int(os.environ.get("LOCAL_RANK", 0)))
         init_distributed(rank, world, "env://", dev)
-        self.driver = ModelRunner(config, model_path, model_cfg, dev, TPGroup(rank, world))
+        tp, pp = make_groups(tp_size, pp_size, rank, model_cfg.num_hidden_layers)
+        # Every rank samples (in lockstep), so under PP the last stage sends the logits to every rank.
+        pp = dataclasses.replace(pp, broadcast_logits=True)
+        self.driver = ModelRunner(config, model_path, model_cfg, dev, tp, pp)
         n = torch.tensor([self.driver.profile_num_blocks()], device=dev)
         dist.all_reduce(n, op=dist.ReduceOp.MIN)
         self._allocate(int(n.item()))

@@ -76,7 +76,10 @@ class ModelRunner:
         self.model_path = model_path
         self.block_size = config.block_size               # (read by a draft-model proposer)
         # Speculative decoding's proposer (spec_decode/): rank 0 only; None when speculation is off.
-        self.proposer = make_proposer(config.speculative, self) if tp.rank == 0 and pp.rank == 0 else None
+        # (n-gram drafts on every rank: under torchrun every rank schedules, so every rank must draft the same.)
+        spec = config.speculative
+        ngram = spec is not None and spec.method == "ngram"
+        self.proposer = make_proposer(spec, self) if ngram or (tp.rank == 0 and pp.rank == 0) else None
         self.num_kv_heads = model_cfg.num_key_value_heads // tp.size     # this rank's share
         self.num_kv_blocks = 0                                           # set by allocate_kv_cache
         self.graphs: DecodeGraphs | None = None                          # set by allocate_kv_cache on CUDA
@@ -225,12 +228,24 @@ class ModelRunner:
         prompt_rows = [r for s in mi.prompt_logprob_spans for r in range(s.first_row, s.first_row + s.num_rows)]
         rows = mi.sample_rows + prompt_rows
         logits = None
+        last_stage_root = (pp.size - 1) * self.tp.size                   # the last stage's TP rank 0
+        if pp.broadcast_logits:                                          # torchrun: every rank samples
+            if not pp.is_last:
+                dist.send(out[0].contiguous(), pp.next_rank)
+                dist.send(out[1].contiguous(), pp.next_rank)
+            if not rows:
+                return None, None
+            logits = (self.model.compute_logits(out[rows]) if pp.is_last else
+                      torch.empty(len(rows), self.model_cfg.vocab_size, dtype=torch.float32, device=self.device))
+            dist.broadcast(logits, last_stage_root)
+            num_sampling = len(mi.sample_rows)
+            return (logits[:num_sampling] if num_sampling else None), (logits[num_sampling:] if prompt_rows else None)
         if not pp.is_last:
             dist.send(out[0].contiguous(), pp.next_rank)
             dist.send(out[1].contiguous(), pp.next_rank)
             if rank == pp.driver_rank and rows:
                 logits = torch.empty(len(rows), self.model_cfg.vocab_size, dtype=torch.float32, device=self.device)
-                dist.recv(logits, (pp.size - 1) * self.tp.size)          # the last stage's TP rank 0
+                dist.recv(logits, last_stage_root)
         elif rows:
             logits = self.model.compute_logits(out[rows])                # (rows, vocab) fp32, all-gathered under TP
             if self.tp.rank == 0 and rank != pp.driver_rank:
