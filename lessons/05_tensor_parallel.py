@@ -14,7 +14,7 @@
 # ---
 
 # %% [markdown]
-# # Lesson 05: tensor parallelism
+# # Lesson 05: tensor and pipeline parallelism
 #
 # A model whose weights do not fit on one device has to be cut up. vLLM's main answer is **tensor
 # parallelism** (TP), as introduced by Megatron-LM: every weight matrix is split across N processes
@@ -37,7 +37,8 @@
 # 1. split a linear layer by columns and by rows in plain PyTorch, and pair them the Megatron way,
 # 2. run minivllm's parallel layers on 3 real gloo ranks and check the all-reduce against one process,
 # 3. see which heads, MLP features and vocabulary rows each rank of SmolLM2-135M holds, and its KV cache,
-# 4. run the engine with `tensor_parallel_size=3`: the same greedy tokens as one rank.
+# 4. run the engine with `tensor_parallel_size=3`: the same greedy tokens as one rank,
+# 5. pipeline parallelism: layers split into stages, what crosses between them, and the pipeline bubble.
 
 # %%
 import os
@@ -62,8 +63,9 @@ from matplotlib.patches import Patch, Rectangle
 
 from minivllm import LLM, SamplingParams
 from minivllm.model.default_model import default_model_dir
-from minivllm.worker.distributed import check_tp_size, destroy_distributed, get_open_port, init_distributed
-from minivllm.model.layers import ColumnParallelLinear, QKVParallelLinear, RowParallelLinear, TPGroup
+from minivllm.worker.distributed import (check_tp_size, destroy_distributed, get_open_port, init_distributed,
+                                         pp_layer_partition)
+from minivllm.model.layers import ColumnParallelLinear, PPStage, QKVParallelLinear, RowParallelLinear, TPGroup
 from minivllm.model.llama import LlamaForCausalLM, ModelConfig
 
 torch.manual_seed(0)
@@ -671,14 +673,232 @@ assert not dist.is_initialized()                                   # the process
 # with the same seed, so they never disagree about what comes next. Only rank 0 prints.
 # (`tests/test_tensor_parallel.py` runs it with 2 ranks and compares with one. It is not run here: on this
 # machine a 3-rank torchrun takes about 20 seconds, most of it three fresh Python processes importing torch.)
+
+# %% [markdown]
+# ## 5. Pipeline parallelism
 #
+# TP cuts every layer across ranks; **pipeline parallelism** (PP) cuts the *stack* of layers instead. Stage 0
+# holds the first few decoder layers, stage 1 the next few, and so on; a token's hidden state goes through
+# stage 0, is sent to stage 1, and so on to the last stage, which computes the logits. Each stage keeps the
+# weights and the KV cache of its own layers only. `LLM(pipeline_parallel_size=2)` runs it; it combines with TP
+# (`tensor_parallel_size=3, pipeline_parallel_size=2` is 6 ranks: a TP group of 3 per stage).
+#
+# ### Who holds which layers
+#
+# `pp_layer_partition(num_layers, pp_size)` (`worker/distributed.py`) splits the layers as evenly as it can;
+# when they do not divide, the *earlier* stages take one fewer, as vLLM does, because the first stage also
+# embeds and the last also runs the LM head. Each stage's model skeleton, built on the `meta` device as in
+# section 3, shows what else it holds:
+
+# %%
+def stage_skeleton(stage, pp_size):
+    start, end = pp_layer_partition(cfg.num_hidden_layers, pp_size)[stage]
+    with torch.device("meta"):
+        return LlamaForCausalLM(cfg, TPGroup(), PPStage(stage, pp_size, start, end))
+
+
+def stage_extras(model):
+    return [name for name in ("embed_tokens", "norm", "lm_head") if hasattr(model, name)]
+
+
+partitions = {pp: pp_layer_partition(cfg.num_hidden_layers, pp) for pp in (2, 3, 4)}
+stage_params = {}
+for pp, bounds in partitions.items():
+    print(f"PP {pp}:")
+    for stage, (start, end) in enumerate(bounds):
+        model = stage_skeleton(stage, pp)
+        stage_params[pp, stage] = sum(p.numel() for p in model.parameters())
+        print(f"  stage {stage}: layers {start:>2}-{end - 1:>2} ({len(model.layers):>2} layers)"
+              f"  + {', '.join(stage_extras(model)) or 'nothing else':26}  {stage_params[pp, stage] / 1e6:5.1f} M parameters")
+print(f"PP 1: {full / 1e6:.1f} M parameters; PP 2 in all: {(stage_params[2, 0] + stage_params[2, 1]) / 1e6:.1f} M")
+
+# %% [markdown]
+# 30 layers divide by 2 and 3; for 4 stages the first two take 7 and the last two 8. The embedding lives on
+# the first stage and the final norm and LM head on the last. This model *ties* its LM head to the embedding,
+# so with one stage they are one tensor; with several, the last stage loads its own copy of the embedding as
+# its head (`local_name` in `model/llama.py`), which is why PP 2 holds 28 M parameters more in all than PP 1.
+# Unlike TP, any number of stages up to the number of layers works: nothing has to divide the heads.
+#
+# ### The engine with `pipeline_parallel_size=2`
+#
+# The same prompts, greedy, with one stage and with two, at the same KV memory budget per rank
+# (`kv_cache_memory_gb`, and no `num_kv_blocks`, so each rank sizes its own pool). A small spy counts the
+# point-to-point messages rank 0 sends and receives (`ModelRunner._execute_stage` in `worker/model_runner.py`):
+#
+# ```
+# rank 0 (stage 0: embed, layers 0-14)  --hidden, residual-->  rank 1 (stage 1: layers 15-29, norm, LM head)
+#        ^                                                                     |
+#        +------------------------- logits (rows, vocab) -----------------------+
+# ```
+
+# %%
+KV_GB = 0.05                                         # GiB of KV cache per rank
+PP_PARAMS = SamplingParams(temperature=0, max_tokens=8, ignore_eos=True)
+
+pp1 = LLM(seed=0, kv_cache_memory_gb=KV_GB)
+pp1_tokens = [o.outputs[0].token_ids for o in pp1.generate(PROMPTS, PP_PARAMS, use_tqdm=False)]
+pp1_blocks = [pp1.llm_engine.model_runner.kv_cache.shape[2]]           # one rank
+pp1_layers = len(pp1.llm_engine.model_runner.model.layers)
+del pp1
+
+
+@contextmanager
+def p2p_spy():
+    """Record the shapes of the tensors rank 0 sends and receives point-to-point; undo on exit."""
+    seen = {"send": [], "recv": []}
+    real = {name: getattr(dist, name) for name in seen}
+
+    def recording(name):
+        def p2p(tensor, *args, **kwargs):
+            seen[name].append(tuple(tensor.shape))
+            return real[name](tensor, *args, **kwargs)
+        return p2p
+
+    for name in real:
+        setattr(dist, name, recording(name))
+    try:
+        yield seen
+    finally:
+        for name, fn in real.items():
+            setattr(dist, name, fn)
+
+
+with LLM(seed=0, kv_cache_memory_gb=KV_GB, pipeline_parallel_size=2) as pp2:
+    engine = pp2.llm_engine
+    pp2_blocks = engine.executor.num_kv_blocks_per_rank
+    pp2_driver = {"layers": len(engine.model_runner.model.layers), "extras": stage_extras(engine.model_runner.model),
+                  "kv_cache": tuple(engine.model_runner.kv_cache.shape)}
+    with p2p_spy() as p2p:
+        pp2_tokens = [o.outputs[0].token_ids for o in pp2.generate(PROMPTS, PP_PARAMS, use_tqdm=False)]
+    pp2_steps = engine.num_steps
+
+print("PP 1 greedy tokens == PP 2:", pp1_tokens == pp2_tokens)
+print(f"rank 0 under PP 2 holds {pp2_driver['layers']} layers + {pp2_driver['extras']}, kv_cache {pp2_driver['kv_cache']}")
+print(f"KV blocks at kv_cache_memory_gb={KV_GB}: PP 1 ({pp1_layers} layers) {pp1_blocks}, "
+      f"PP 2 (per rank) {pp2_blocks}: {pp2_blocks[0] / pp1_blocks[0]:.2f}x")
+print(f"{pp2_steps} steps; rank 0 sent {len(p2p['send'])} tensors (hidden, residual each step) and received "
+      f"{len(p2p['recv'])} (the logits); the first step's:", p2p["send"][:2], p2p["recv"][:1])
+
+# %% [markdown]
+# The same tokens. Each stage's KV cache covers half the layers, so a block costs it half as much and the same
+# budget holds twice the blocks (one fewer or more, from rounding down): PP, like TP, multiplies the KV cache
+# by the number of ranks. The engine uses the smallest count, since every rank must have every block id.
+#
+# ### What crosses between ranks, per step
+#
+# TP all-reduces (num_tokens, hidden) twice per layer, plus once for the embedding, and all-gathers the
+# logits rows. PP sends (hidden, residual), each (num_tokens, hidden), once per *stage boundary*, and the last
+# stage sends the logits rows to rank 0. The sizes, computed for this model (hidden 576, 30 layers, fp32)
+# for a decode step of 32 requests and a prefill of one 512-token prompt (one row sampled):
+
+# %%
+def step_bytes(num_tokens, num_rows, tp=1, pp=1):
+    """(bytes in hidden-state messages, in logits, number of messages) of one step: tensor sizes, fp32."""
+    row = cfg.hidden_size * DTYPE_BYTES
+    logits = num_rows * cfg.vocab_size * DTYPE_BYTES
+    if tp > 1:
+        n = 1 + 2 * cfg.num_hidden_layers                # embedding + (o_proj, down_proj) per layer
+        return n * num_tokens * row, logits, n + 1
+    n = 2 * (pp - 1)                                     # hidden and residual per boundary
+    return n * num_tokens * row, logits, n + 1
+
+
+traffic = {}
+print(f"{'step':<24}{'parallelism':<12}{'messages':>9}{'hidden states':>15}{'logits':>11}{'total':>11}")
+for step, (num_tokens, num_rows) in {"decode, 32 requests": (32, 32), "prefill, 512 tokens": (512, 1)}.items():
+    for name, kw in {"TP 3": {"tp": 3}, "PP 2": {"pp": 2}, "PP 4": {"pp": 4}}.items():
+        hidden_b, logits_b, msgs = traffic[step, name] = step_bytes(num_tokens, num_rows, **kw)
+        print(f"{step:<24}{name:<12}{msgs:>9}{hidden_b / 2**20:>12.2f} MiB{logits_b / 2**20:>7.2f} MiB"
+              f"{(hidden_b + logits_b) / 2**20:>7.2f} MiB")
+ratio = {step: traffic[step, "TP 3"][0] / traffic[step, "PP 2"][0] for step, _ in traffic}
+print("TP 3 / PP 2 hidden-state bytes:", {step: round(r, 1) for step, r in ratio.items()})
+
+# %% [markdown]
+# Counted as tensor sizes: a ring all-reduce moves about twice that per rank, so TP's real traffic is
+# larger still. TP moves the hidden state 61 times per step, PP once per boundary (30x fewer bytes at PP 2),
+# and every TP all-reduce is a point where all ranks wait for each other, 61 of them per step. PP's cost is
+# elsewhere: a step has to pass through the stages one after another, so PP does not make a step faster; each
+# rank just has fewer layers to store. The logits are the same for both, and for a 32-request decode step
+# they outweigh the hidden states. Hence the usual rule, vLLM's too: **TP within a machine**, where NVLink
+# makes its many all-reduces cheap and it cuts each step's time; **PP across machines**, where links are
+# slower and a few messages per step is all they can afford (or when the TP size cannot divide the heads).
+# Both: TP inside each node, PP between nodes.
+#
+# ### The bubble: one batch in flight, or several
+#
+# With one batch in flight, stage 1 can only start once stage 0 is done, and stage 0 waits for the logits to
+# come back before the next step can be scheduled: at any moment only one stage works. The schedule diagram
+# below (not a measurement) shows 3 stages and 4 micro-batches, each step taking one time unit per stage:
+# on top, each batch passes all stages before the next starts; below, a new batch enters stage 0 as soon as
+# the previous one moves on, so after a warm-up of PP - 1 units the pipe is full.
+
+# %%
+PP_STAGES, MICRO_BATCHES = 3, 4
+
+
+def schedule(in_flight):
+    """{(stage, batch): time slot} with one batch in flight, or one per stage (the pipe kept full)."""
+    return {(s, b): (b * PP_STAGES + s if in_flight == 1 else b + s)
+            for s in range(PP_STAGES) for b in range(MICRO_BATCHES)}
+
+
+schedules = {"1 batch in flight (minivllm today)": schedule(1), f"{PP_STAGES} batches in flight": schedule(PP_STAGES)}
+idle = {}
+for name, slots in schedules.items():
+    span = max(slots.values()) + 1
+    idle[name] = (span - MICRO_BATCHES) / span            # each stage is busy MICRO_BATCHES slots of span
+    print(f"{name:<36} {span:>2} time units, each stage idle {idle[name]:.0%} of them")
+print(f"one batch in flight: idle (PP - 1) / PP = {(PP_STAGES - 1) / PP_STAGES:.0%} for any number of batches; "
+      f"full pipe: (PP - 1) / (batches + PP - 1), toward 0 as batches keep coming")
+
+# %%
+# NBVAL_IGNORE_OUTPUT
+BATCH_COLORS = ["tab:blue", "tab:orange", "tab:green", "tab:red"]
+fig, axes = plt.subplots(2, 1, figsize=(12, 3.8), sharex=True)
+for ax, (name, slots) in zip(axes, schedules.items()):
+    for (s, b), t in slots.items():
+        ax.add_patch(Rectangle((t, PP_STAGES - 1 - s - 0.35), 0.95, 0.7, facecolor=BATCH_COLORS[b], edgecolor="black", lw=0.5))
+        ax.text(t + 0.475, PP_STAGES - 1 - s, f"batch {b}", ha="center", va="center", color="white", fontsize=8)
+    ax.set_yticks(range(PP_STAGES), [f"stage {s}" for s in reversed(range(PP_STAGES))])
+    ax.set_ylim(-0.6, PP_STAGES - 0.4)
+    ax.set_title(f"{name}: each stage idle {idle[name]:.0%} of the time (white: the bubble)", fontsize=10)
+    for side in ("top", "right"):
+        ax.spines[side].set_visible(False)
+axes[1].set_xlim(0, max(schedules["1 batch in flight (minivllm today)"].values()) + 1)
+axes[1].set_xlabel("time (one unit = one stage's share of a step)")
+fig.suptitle("schedule diagram (not measured): 3 stages x 4 micro-batches", fontsize=11)
+plt.tight_layout()
+plt.show()
+
+# %% [markdown]
+# minivllm runs the **first schedule** today: one batch in flight, so at PP 2 each rank is idle half the
+# time, and PP buys memory (bigger models, more KV blocks), not speed. The second is what vLLM v1 does, and
+# what comes next here: the scheduler keeps PP batches in flight (a batch's requests cannot be scheduled again
+# until their tokens come back, so each in-flight batch holds different requests), and the stages overlap.
+# That needs enough concurrent requests to fill PP batches; with few, the bubble returns.
+
+# %%
+assert partitions[2] == [(0, 15), (15, 30)] and partitions[3] == [(0, 10), (10, 20), (20, 30)]
+assert [e - s for s, e in partitions[4]] == [7, 7, 8, 8]
+assert stage_extras(stage_skeleton(0, 2)) == ["embed_tokens"] and stage_extras(stage_skeleton(1, 2)) == ["norm", "lm_head"]
+assert stage_params[2, 0] + stage_params[2, 1] == full + cfg.vocab_size * cfg.hidden_size   # the head's own copy
+assert pp1_tokens == pp2_tokens and pp2_driver["layers"] == 15 and pp2_driver["kv_cache"][1] == 15
+assert all(2 * pp1_blocks[0] <= n <= 2 * pp1_blocks[0] + 1 for n in pp2_blocks)
+assert len(p2p["send"]) == 2 * pp2_steps and len(p2p["recv"]) == pp2_steps
+assert ratio["decode, 32 requests"] == (1 + 2 * cfg.num_hidden_layers) / 2
+assert abs(idle["1 batch in flight (minivllm today)"] - (PP_STAGES - 1) / PP_STAGES) < 1e-12
+assert not mp.active_children() and not dist.is_initialized()
+
+# %% [markdown]
 # ## Check yourself
 #
 # Run this cell. It re-checks the lesson's claims: column shards concatenate and row shards sum to the
 # unsharded layer; a column-then-row MLP needs one sum; on real gloo ranks the all-reduce gives every rank
 # the one-process answer, bit-identical across ranks; each rank of SmolLM2 holds 3 query heads, the 1 KV
 # head they read, a third of the weights and a third of each KV block; TP 2 is refused; and the engine on 3
-# ranks produced TP 1's greedy tokens and left no process behind.
+# ranks produced TP 1's greedy tokens and left no process behind; the pipeline stages split the 30 layers
+# evenly, PP 2 produced PP 1's greedy tokens with twice the KV blocks per rank, sends the hidden state far
+# less often than TP, and one batch in flight leaves each of 3 stages idle two thirds of the time.
 
 # %%
 def self_check():
@@ -708,6 +928,16 @@ def self_check():
     assert tp3_tokens == reference and len(reference) == len(PROMPTS)
     assert all(len(t) == PARAMS.max_tokens for t in reference)
     assert not any(alive(pid) for pid in worker_pids) and not mp.active_children() and not dist.is_initialized()
+    # 5. pipeline parallelism
+    for pp, bounds in partitions.items():
+        assert bounds[0][0] == 0 and bounds[-1][1] == cfg.num_hidden_layers and len(bounds) == pp
+        assert all(a[1] == b[0] for a, b in zip(bounds, bounds[1:]))                # contiguous, no gaps
+        assert max(e - s for s, e in bounds) - min(e - s for s, e in bounds) <= 1   # as even as possible
+    assert pp1_tokens == pp2_tokens and len(pp2_tokens) == len(PROMPTS)
+    assert min(pp2_blocks) >= 2 * pp1_blocks[0]
+    assert all(traffic[step, "PP 2"][0] < traffic[step, "TP 3"][0] for step, _ in traffic)
+    assert idle[f"{PP_STAGES} batches in flight"] < idle["1 batch in flight (minivllm today)"]
+    assert abs(idle["1 batch in flight (minivllm today)"] - 2 / 3) < 1e-12
     return "all checks passed"
 
 
