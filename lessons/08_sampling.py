@@ -613,8 +613,8 @@ masks = []                        # one (rows, ceil(vocab / 32)) int32 bitmask p
 fill_bitmask = manager.grammar_bitmask
 
 
-def recording_bitmask(requests):
-    bitmask = fill_bitmask(requests)
+def recording_bitmask(requests, drafts=None):      # drafts: speculative decoding's (none here)
+    bitmask = fill_bitmask(requests, drafts)
     masks.append(None if bitmask is None else bitmask.clone())
     return bitmask
 

@@ -475,7 +475,9 @@ def test_fault_injection_fuzzer_with_speculative_decoding(engines, prompts, refe
         return machine
     run_state_machine_as_test(make, settings=settings(FAULT_SETTINGS, max_examples=15))
     print("fault injection with speculation:", dict(sorted(stats.items())))
-    assert stats.get("drafts verified") and stats.get("failed step had drafts"), stats
+    # Drafts were verified; whether a random example also failed a step with drafts pending varies from run to run
+    # (tests/test_spec_decode.py::test_a_failed_step_with_drafts_rolls_back does that on purpose, every time).
+    assert stats.get("drafts verified"), stats
 
 
 # ---------------------------------------------------------------------- the old bug, brought back

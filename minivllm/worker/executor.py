@@ -389,8 +389,9 @@ def make_executor(config: EngineConfig, model_path, model_cfg: ModelConfig, devi
             backend = "external_launcher" if launched_by_torchrun() else "mp"
     if backend == "uni":
         if world != 1:
-            raise ValueError(f"distributed_executor_backend 'uni' runs one rank, but tensor_parallel_size x "
-                             f"pipeline_parallel_size is {world}; use 'mp' or 'auto'.")
+            raise ValueError(f"distributed_executor_backend 'uni' runs one rank, but tensor_parallel_size is "
+                             f"{config.tensor_parallel_size} and pipeline_parallel_size {config.pipeline_parallel_size}"
+                             f" ({world} ranks); use 'mp' or 'auto'.")
         return UniProcExecutor(config, model_path, model_cfg, device)
     if backend == "mp":
         return MultiprocExecutor(config, model_path, model_cfg, device)
