@@ -30,7 +30,6 @@ from pathlib import Path
 
 import torch
 
-from minivllm.model.attention import AttentionMetadata
 from minivllm.model.llama import ModelConfig
 from minivllm.model.loader import load_model, resolve_model_path
 
@@ -69,29 +68,22 @@ class DraftModelProposer:
                                     c.head_dim, dtype=self.dtype, device=self.device)
         self.kv_caches = [(self.kv_cache[0, i], self.kv_cache[1, i]) for i in range(c.num_hidden_layers)]
 
-    def _forward(self, input_ids: list[int], positions: list[int], slot_mapping: list[int], q_lens: list[int],
-                 seq_lens: list[int], block_tables: list[list[int]]) -> torch.Tensor:
-        """The draft model over one flat batch on its own cache: hidden (num_tokens, hidden)."""
-        def t(x, dtype):
-            return torch.tensor(x, dtype=dtype).to(self.device, non_blocking=True)
-        cu = [0]
-        for q in q_lens:
-            cu.append(cu[-1] + q)
-        meta = AttentionMetadata(
-            slot_mapping=t(slot_mapping, torch.int64), cu_seqlens_q=t(cu, torch.int32),
-            seq_lens=t(seq_lens, torch.int32), block_tables=t(block_tables, torch.int32),
-            max_q_len=max(q_lens), max_seq_len=max(seq_lens), q_lens_cpu=q_lens, seq_lens_cpu=seq_lens)
-        return self.model(t(input_ids, torch.int64), t(positions, torch.int64), self.kv_caches, meta, self.backend)
+    def _forward(self, mi) -> torch.Tensor:
+        """The draft model over one flat batch (a ModelInput) on its own cache: hidden (num_tokens, hidden)."""
+        from minivllm.worker.model_runner import model_input_tensors
+        input_ids, positions, meta = model_input_tensors(mi, self.device)
+        return self.model(input_ids, positions, self.kv_caches, meta, self.backend)
 
     @torch.inference_mode()
     def observe(self, mi) -> None:
         """Run the step's flat batch (the target's ModelInput) through the draft: its KV where the target's went."""
         if mi.q_lens:
-            self._forward(mi.input_ids, mi.positions, mi.slot_mapping, mi.q_lens, mi.seq_lens, mi.block_tables)
+            self._forward(mi)
 
     @torch.inference_mode()
     def propose_batch(self, requests: list, room: list[int]) -> list[list[int]]:
         """Up to min(k, room[i]) drafts for each request: k one-token passes of the draft, batched."""
+        from minivllm.worker.model_runner import ModelInput
         if not requests:
             return []
         bs = self.block_size
@@ -107,7 +99,8 @@ class DraftModelProposer:
         for j in range(min(self.k, max(room))):
             positions = [p + j for p in last_pos]
             slots = [tables[r][p // bs] * bs + p % bs for r, p in enumerate(positions)]
-            hidden = self._forward(tokens, positions, slots, [1] * len(requests), [p + 1 for p in positions], tables)
+            step = ModelInput(tokens, positions, slots, [1] * len(requests), [p + 1 for p in positions], tables, [])
+            hidden = self._forward(step)
             tokens = self.model.compute_logits(hidden).argmax(dim=-1).tolist()        # (rows,)
             for r, token in enumerate(tokens):
                 if j < room[r]:

@@ -53,6 +53,22 @@ class ModelInput:
     prompt_logprob_spans: list[PromptLogprobsSpan] = field(default_factory=list)   # rows scoring prompt tokens
 
 
+def model_input_tensors(mi: ModelInput, device: torch.device):
+    """(input_ids, positions, AttentionMetadata) of a ModelInput, on `device`. cu_seqlens_q is the prefix sum of
+    q_lens: request i's tokens are rows cu[i] .. cu[i + 1] - 1 of the flat batch."""
+    def t(x, dtype):
+        return torch.tensor(x, dtype=dtype).to(device, non_blocking=True)
+
+    cu = [0]
+    for q in mi.q_lens:
+        cu.append(cu[-1] + q)
+    meta = AttentionMetadata(
+        slot_mapping=t(mi.slot_mapping, torch.int64), cu_seqlens_q=t(cu, torch.int32),
+        seq_lens=t(mi.seq_lens, torch.int32), block_tables=t(mi.block_tables, torch.int32),
+        max_q_len=max(mi.q_lens), max_seq_len=max(mi.seq_lens), q_lens_cpu=mi.q_lens, seq_lens_cpu=mi.seq_lens)
+    return t(mi.input_ids, torch.int64), t(mi.positions, torch.int64), meta
+
+
 class ModelRunner:
     """One rank's model, KV cache share and step execution. Rank 0's runner also builds the inputs
     (`prepare_inputs`) and samples; the others only run `execute_model` on what rank 0 sent them.
@@ -193,17 +209,7 @@ class ModelRunner:
         return model_input, sampling_requests
 
     def _to_tensors(self, mi: ModelInput):
-        def t(x, dtype):
-            return torch.tensor(x, dtype=dtype).to(self.device, non_blocking=True)
-
-        cu = [0]
-        for q in mi.q_lens:
-            cu.append(cu[-1] + q)
-        meta = AttentionMetadata(
-            slot_mapping=t(mi.slot_mapping, torch.int64), cu_seqlens_q=t(cu, torch.int32),
-            seq_lens=t(mi.seq_lens, torch.int32), block_tables=t(mi.block_tables, torch.int32),
-            max_q_len=max(mi.q_lens), max_seq_len=max(mi.seq_lens), q_lens_cpu=mi.q_lens, seq_lens_cpu=mi.seq_lens)
-        return t(mi.input_ids, torch.int64), t(mi.positions, torch.int64), meta
+        return model_input_tensors(mi, self.device)
 
     # ------------------------------------------------------------------ the step (every rank)
     def _execute_stage(self, mi: ModelInput) -> tuple[torch.Tensor | None, torch.Tensor | None]:
