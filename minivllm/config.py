@@ -62,7 +62,8 @@ class EngineConfig:
         "VLLM_PP_LAYER_PARTITION=\"a,b,...\" sets the layers per stage")
     distributed_executor_backend: str = option(
         "auto", "how the ranks start (worker/executor.py): auto, uni (one rank), mp (worker processes), "
-        "external_launcher (torchrun)", ("auto", "uni", "mp", "external_launcher"))
+        "external_launcher (torchrun), ray (Ray actors placed by a placement group; worker/ray_executor.py)",
+        ("auto", "uni", "mp", "external_launcher", "ray"))
     attention_backend: str = option(
         "auto", "auto: triton on CUDA, torch (the PyTorch reference) on a CPU", ("auto", "torch", "triton"))
     enforce_eager: bool = option(False, "CUDA: run decode steps eagerly, without CUDA graphs")

@@ -395,4 +395,7 @@ def make_executor(config: EngineConfig, model_path, model_cfg: ModelConfig, devi
         return UniProcExecutor(config, model_path, model_cfg, device)
     if backend == "mp":
         return MultiprocExecutor(config, model_path, model_cfg, device)
+    if backend == "ray":
+        from minivllm.worker.ray_executor import RayDistributedExecutor     # Ray is imported only when asked for
+        return RayDistributedExecutor(config, model_path, model_cfg, device)
     return ExternalLauncherExecutor(config, model_path, model_cfg, device)
