@@ -60,6 +60,10 @@ class EngineConfig:
     pipeline_parallel_size: int = option(
         1, "pipeline stages; each holds a contiguous slice of the layers (and its TP ranks); "
         "VLLM_PP_LAYER_PARTITION=\"a,b,...\" sets the layers per stage")
+    max_concurrent_batches: int | None = option(
+        None, "pipeline parallelism: batches in flight at once (the engine schedules the next batch while earlier "
+        "ones are in later stages, as vLLM v1's batch queue); default pipeline_parallel_size; 1 sends one batch "
+        "through the stages at a time")
     distributed_executor_backend: str = option(
         "auto", "how the ranks start (worker/executor.py): auto, uni (one rank), mp (worker processes), "
         "external_launcher (torchrun), ray (Ray actors placed by a placement group; worker/ray_executor.py)",
@@ -100,6 +104,14 @@ class EngineConfig:
                 raise ValueError(f"{name} is {value!r}; it must be a positive int.")
         if self.num_kv_blocks is not None and (not isinstance(self.num_kv_blocks, int) or self.num_kv_blocks < 1):
             raise ValueError(f"num_kv_blocks is {self.num_kv_blocks!r}; it must be a positive int or None.")
+        if self.max_concurrent_batches is not None:
+            if not isinstance(self.max_concurrent_batches, int) or self.max_concurrent_batches < 1:
+                raise ValueError(f"max_concurrent_batches is {self.max_concurrent_batches!r}; it must be a positive "
+                                 "int or None (None: one per pipeline stage).")
+            if self.max_concurrent_batches > 1 and self.pipeline_parallel_size == 1:
+                raise ValueError(f"max_concurrent_batches is {self.max_concurrent_batches} but pipeline_parallel_size "
+                                 "is 1: batches overlap only across pipeline stages. Raise pipeline_parallel_size or "
+                                 "leave max_concurrent_batches unset.")
         if self.max_model_len is not None and (not isinstance(self.max_model_len, int) or self.max_model_len < 2):
             raise ValueError(f"max_model_len is {self.max_model_len!r}; it must be an int >= 2 or None.")
         if self.max_num_batched_tokens < self.max_num_seqs:

@@ -55,6 +55,7 @@ from hypothesis.stateful import RuleBasedStateMachine, initialize, invariant, pr
 from minivllm import LLM, SamplingParams
 from minivllm.core.kv_cache_manager import KVCacheManager
 from minivllm.core.request import RequestStatus
+from minivllm.worker.executor import InFlightBatch
 from tests.conftest import PROMPTS as SHARED_PROMPTS
 from tests.test_kv_cache_properties import Spy, check_rolled_back, core_state, live_blocks
 
@@ -337,7 +338,7 @@ class FaultInjection(RuleBasedStateMachine):
         if where == "planned":
             return self.fail_after(engine.scheduler, "schedule", exc)
         if where == "forward":
-            return self.fail_after(engine.executor, "execute_model", exc)
+            return self.fail_after(engine.executor, "collect", exc)     # the forward ran and was sampled
         if where == "output":
             return self.fail_after(engine.output_processor, "process_outputs", exc)
         if where == "layer":
@@ -579,11 +580,14 @@ def test_a_sigint_at_any_line_of_a_steps_bookkeeping_leaves_a_working_engine(eng
         "scheduler.py", "kv_cache_manager.py", "block_pool.py", "swap_space.py", "journal.py", "request.py")) + (
         os.path.join("minivllm", "engine", "llm_engine.py"), os.path.join("minivllm", "engine", "output_processor.py"))
 
-    def execute_model(sched, grammar_bitmask=None):
+    def issue(sched):
         sampling = [r for r in sched.scheduled
                     if r.num_computed_tokens + sched.num_scheduled_tokens[r.request_id] == r.num_tokens]
-        return sampling, [[1000 + r.num_tokens] for r in sampling], None
-    engine.executor.execute_model = execute_model
+        return InFlightBatch(0, sched, None, sampling, received=True)
+
+    def collect(batch, grammar_bitmask=None):
+        return batch.sampling_requests, [[1000 + r.num_tokens] for r in batch.sampling_requests], None
+    engine.executor.issue, engine.executor.collect = issue, collect
     try:
         for warm in (0, 1, 3):                # interrupt the first step, or one with running requests and hits
             for k in itertools.count():

@@ -21,6 +21,15 @@ Order within a step:
 A step's life:  begin_step -> schedule -> (model forward, sampling: not here) -> update_from_output
                 -> finish_request for stop strings -> commit_step        (or rollback_step if anything raised)
 
+Batches in flight (pipeline parallelism, vLLM v1's batch queue): with `max_concurrent_batches` k > 1 the engine
+schedules the next batch while up to k - 1 earlier ones are still in later pipeline stages. A request is in flight
+from the schedule that puts it in a batch to the `update_from_output` of that batch: it is never scheduled again,
+preempted or given new tokens in between (its next token is not known yet). Each batch takes at most
+ceil(max_num_seqs / k) requests, so k batches share the running requests and every stage has work.
+
+    k = 2, four decoding requests:   batch 7 = [A B]  (in stage 1)     batch 8 = [C D]  (in stage 0)
+                                     A, B come back with batch 7's tokens; batch 9 takes them again
+
 Preemption modes (vLLM's names):
     recompute  drop the KV; the request re-runs its prompt + outputs as one prefill when it returns
                (its full blocks stay in the prefix cache, so it often hits them)
@@ -73,7 +82,7 @@ class EngineCoreOutput:
 
 class Scheduler:
     def __init__(self, kv_cache_manager: KVCacheManager, max_num_seqs: int, max_num_batched_tokens: int,
-                 max_model_len: int, preemption_mode: str = "recompute"):
+                 max_model_len: int, preemption_mode: str = "recompute", max_concurrent_batches: int = 1):
         if preemption_mode not in ("recompute", "swap"):
             raise ValueError(f"preemption_mode is {preemption_mode!r}; choose 'recompute' or 'swap'.")
         self.kv_cache_manager = kv_cache_manager
@@ -83,6 +92,9 @@ class Scheduler:
         self.max_num_batched_tokens = max_num_batched_tokens
         self.max_model_len = max_model_len
         self.preemption_mode = preemption_mode
+        self.max_concurrent_batches = max_concurrent_batches
+        self.max_num_seqs_per_batch = -(-max_num_seqs // max_concurrent_batches)
+        self.in_flight: set[Request] = set()      # running requests in a batch whose output has not come back
         self.waiting: list[Request] = []     # sorted by (priority, arrival_time, admission order)
         self.running: list[Request] = []
         self.num_preemptions = 0
@@ -149,18 +161,20 @@ class Scheduler:
         swap_in: list[tuple[int, int]] = []
         spec: dict[str, list[int]] = {}
 
-        # 1. Running requests: decodes (1 token left to compute) before prefill chunks.
+        cap = self.max_num_seqs_per_batch
+        # 1. Running requests: decodes (1 token left to compute) before prefill chunks; not those in flight.
         for req in sorted(self.running, key=lambda r: r.num_tokens - r.num_computed_tokens > 1):
-            if budget == 0:
+            if budget == 0 or len(scheduled) == cap:
                 break
-            if req.status is not RequestStatus.RUNNING:      # preempted earlier in this loop
+            if req.status is not RequestStatus.RUNNING or req in self.in_flight:   # preempted here, or in flight
                 continue
             n = min(req.num_tokens - req.num_computed_tokens, budget)
             drafts = req.spec_token_ids if n == 1 and req.num_computed_tokens == req.num_tokens - 1 else []
             drafts = drafts[:budget - n]                 # a decode verifies its drafts in the same step
             n += len(drafts)
             while not kv.allocate_slots(req, n):
-                victim = max(self.running, key=lambda r: self._keys[r.request_id])   # lowest priority, latest
+                victim = max((r for r in self.running if r not in self.in_flight),     # lowest priority, latest
+                             key=lambda r: self._keys[r.request_id])
                 if victim in scheduled:                         # give back its share of this step
                     budget += scheduled.pop(victim)
                 self._preempt(victim)
@@ -180,7 +194,8 @@ class Scheduler:
 
         # 2. Waiting requests, in priority then arrival order.
         admitted: list[str] = []
-        while self.waiting and budget > 0 and len(self.running) < self.max_num_seqs and not preempted:
+        while (self.waiting and budget > 0 and len(self.running) < self.max_num_seqs and len(scheduled) < cap
+               and not preempted):
             req = self.waiting[0]
             if req.status is RequestStatus.SWAPPED:              # its KV is in the CPU pool: bring it back
                 n = min(req.num_tokens - req.num_computed_tokens, budget)
@@ -211,6 +226,9 @@ class Scheduler:
                               preempted=preempted, newly_admitted=admitted,
                               blocks_to_swap_out=self._swap_out, blocks_to_swap_in=swap_in,
                               scheduled_spec_decode_tokens=spec)
+        for req in scheduled:
+            self.in_flight.add(req)
+            j.record(lambda r=req: self.in_flight.discard(r))
         for req, n in scheduled.items():
             # A decode computes the one token sampled last step (and verifies its drafts, if any); anything else is
             # (a chunk of) a prefill, including a preempted request recomputing its prompt and outputs.
@@ -251,6 +269,10 @@ class Scheduler:
         j = self.journal
         outputs = []
         for req in out.scheduled:
+            if req not in self.in_flight:                   # finished (aborted) while its batch was in flight
+                continue
+            self.in_flight.remove(req)
+            j.record(lambda r=req: self.in_flight.add(r))
             num_scheduled = out.num_scheduled_tokens[req.request_id]
             tokens = sampled.get(req.request_id)
             if tokens is None:                              # a prefill chunk that does not end the prompt
@@ -343,6 +365,9 @@ class Scheduler:
         kv, j = self.kv_cache_manager, self.journal
         if req.status is RequestStatus.RUNNING:
             self._remove(self.running, req)
+            if req in self.in_flight:                       # its batch's output will be dropped
+                self.in_flight.remove(req)
+                j.record(lambda: self.in_flight.add(req))
         elif not req.is_finished:
             self._remove(self.waiting, req)
         if req.status is RequestStatus.SWAPPED:
@@ -374,6 +399,7 @@ class Scheduler:
                 req.status is RequestStatus.SWAPPED), f"{req}: swapped status and CPU blocks disagree"
             assert req.status is RequestStatus.SWAPPED or req.num_computed_tokens == 0, (
                 f"{req} waits with {req.num_computed_tokens} computed tokens but no KV")
+        assert self.in_flight <= set(self.running), "a request in flight is not running"
         live = self.running + self.waiting
         assert len(set(live)) == len(live), "a request is queued twice"
         assert {r.request_id for r in live} == set(self._keys), "the queues and the priority keys disagree"

@@ -40,6 +40,15 @@ class RequestTrace:
 
 
 @dataclass(frozen=True)
+class PipelineTrace:
+    """The batches of one step (they matter under pipeline parallelism, where several can be in flight). The
+    executor numbers batches as they are issued; with one batch in flight a step issues and collects the same one."""
+    issued: int | None                      # the batch this step scheduled and sent into stage 0
+    collected: int | None                   # the batch whose tokens this step applied
+    in_flight: tuple[tuple[int, tuple[str, ...]], ...] = ()   # after the step, oldest first: (batch, request ids)
+
+
+@dataclass(frozen=True)
 class StepTrace:
     step: int
     duration_s: float
@@ -70,6 +79,7 @@ class StepTrace:
     num_draft_tokens: int = 0               # speculative decoding: drafts verified in this step, all requests
     num_accepted_tokens: int = 0            # of those, accepted
     events: list[str] = field(default_factory=list)   # human-readable log lines
+    pipeline: PipelineTrace | None = None
 
     @property
     def by_id(self) -> dict[str, RequestTrace]:
@@ -93,7 +103,7 @@ class StepTracer:
     def build(self, step: int, duration_s: float, sched: SchedulerOutput, events: BlockEvents,
               scheduler: Scheduler, finished: list[Request],
               parent_of: Callable[[str], str] = lambda request_id: request_id,
-              accepted: dict[str, int] | None = None) -> StepTrace:
+              accepted: dict[str, int] | None = None, pipeline: PipelineTrace | None = None) -> StepTrace:
         """`parent_of(request_id)`: the id the caller knows (an n > 1 sample's parent id; the output processor's).
         `accepted`: request id -> drafts accepted this step (speculative decoding)."""
         tables: dict[str, tuple[list[int], tuple[int, ...]]] = {}
@@ -103,7 +113,7 @@ class StepTracer:
                                         accepted.get(r.request_id, 0))
                          for r in live + finished)
         self._tables = tables           # the finished and aborted drop out here
-        return _step_trace(step, duration_s, sched, events, scheduler, finished, requests)
+        return _step_trace(step, duration_s, sched, events, scheduler, finished, requests, pipeline)
 
 
 def _request_trace(r: Request, sched: SchedulerOutput, block_table: tuple[int, ...], parent: str,
@@ -138,7 +148,8 @@ def _forks(requests: tuple[RequestTrace, ...]) -> dict[str, tuple[int, ...]]:
 
 
 def _step_trace(step: int, duration_s: float, sched: SchedulerOutput, events: BlockEvents, scheduler: Scheduler,
-                finished: list[Request], requests: tuple[RequestTrace, ...]) -> StepTrace:
+                finished: list[Request], requests: tuple[RequestTrace, ...],
+                pipeline: PipelineTrace | None = None) -> StepTrace:
     kv = scheduler.kv_cache_manager
     pool = kv.block_pool
     touched = set(events.allocated) | set(events.freed) | set(events.evicted) | set(events.prefix_hit_blocks)
@@ -160,6 +171,12 @@ def _step_trace(step: int, duration_s: float, sched: SchedulerOutput, events: Bl
         log.append(f"prefix hit on blocks {events.prefix_hit_blocks}")
     if events.evicted:
         log.append(f"evict blocks {events.evicted}")
+    if pipeline is not None and pipeline.issued != pipeline.collected:    # batches overlap: say which is which
+        if pipeline.issued is not None:
+            log.append(f"issue batch {pipeline.issued} ({len(sched.scheduled)} requests) into stage 0")
+        if pipeline.collected is not None:
+            log.append(f"batch {pipeline.collected} back from the last stage")
+        log.append(f"{len(pipeline.in_flight)} batch(es) in flight: {[b for b, _ in pipeline.in_flight]}")
     running = scheduler.running
     return StepTrace(
         step=step, duration_s=duration_s,
@@ -179,7 +196,7 @@ def _step_trace(step: int, duration_s: float, sched: SchedulerOutput, events: Bl
         cached_free_blocks=tuple(b for b in sorted(touched) if b in pool.cached_free),
         kv_tokens_stored=sum(r.num_computed_tokens for r in running),
         kv_slots_allocated=sum(len(r.block_table) for r in running) * kv.block_size,
-        forks=forks, events=log,
+        forks=forks, events=log, pipeline=pipeline,
         num_draft_tokens=sum(r.num_draft_tokens for r in requests),
         num_accepted_tokens=sum(r.num_accepted_tokens for r in requests),
     )

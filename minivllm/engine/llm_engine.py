@@ -13,6 +13,7 @@ waiting ones join at the start of the next.
 
 from __future__ import annotations
 
+import collections
 import contextlib
 import itertools
 import logging
@@ -25,9 +26,9 @@ from minivllm.core.journal import StepJournal
 from minivllm.core.kv_cache_manager import KVCacheManager
 from minivllm.core.request import Request, RequestMetrics, RequestStatus
 from minivllm.core.sampling_params import SamplingParams
-from minivllm.core.scheduler import Scheduler
+from minivllm.core.scheduler import Scheduler, SchedulerOutput
 from minivllm.core.structured_output import StructuredOutputManager
-from minivllm.core.trace import StepTrace, StepTracer
+from minivllm.core.trace import PipelineTrace, StepTrace, StepTracer
 from minivllm.engine.output_processor import OutputProcessor
 from minivllm.engine.parallel_sampling import ParentRequest
 from minivllm.engine.sigint import SigintGuard
@@ -35,7 +36,7 @@ from minivllm.model.llama import ModelConfig
 from minivllm.model.loader import check_checkpoint_files, load_tokenizer, resolve_device, resolve_model_path
 from minivllm.outputs import RequestOutput
 from minivllm.worker.distributed import check_tp_size, pp_layer_partition
-from minivllm.worker.executor import make_executor
+from minivllm.worker.executor import InFlightBatch, make_executor
 
 logger = logging.getLogger(__name__)
 
@@ -58,6 +59,7 @@ class EngineStats:
     num_prompt_tokens_computed: int  # prefill tokens that ran through the model (recomputes included)
     num_generated_tokens: int
     num_failed_steps: int            # steps that raised and were rolled back
+    num_batches_in_flight: int = 0   # pipeline parallelism: batches issued whose tokens are not applied yet
     # Speculative decoding (vLLM's spec-decode counters): verification steps of a request with drafts, draft
     # tokens verified, drafts accepted, and accepted drafts by position (0 = the first draft of a step).
     num_spec_drafts: int = 0
@@ -93,10 +95,14 @@ class LLMEngine:
         # Rank 0's ModelRunner lives here; the executor starts the other ranks, if any (executor.py).
         self.executor = make_executor(config, self.model_path, self.model_config, self.device)
         self.model_runner = self.executor.driver
-        self.kv_cache_manager = KVCacheManager(self.executor.num_kv_blocks, config.block_size, StepJournal(),
+        self.journal = StepJournal()        # one undo log for the whole core (journal.py)
+        self.kv_cache_manager = KVCacheManager(self.executor.num_kv_blocks, config.block_size, self.journal,
                                                config.enable_prefix_caching, self.executor.num_cpu_blocks)
+        # Pipeline parallelism: up to one batch per stage in flight (vLLM v1's batch queue), oldest first.
+        self.max_concurrent_batches = self.executor.max_concurrent_batches
+        self.batch_queue: collections.deque[InFlightBatch] = collections.deque()
         self.scheduler = Scheduler(self.kv_cache_manager, config.max_num_seqs, config.max_num_batched_tokens,
-                                   self.max_model_len, config.preemption_mode)
+                                   self.max_model_len, config.preemption_mode, self.max_concurrent_batches)
         self.output_processor = OutputProcessor(self.tokenizer)
         eos = set(self.model_config.eos_token_id)
         if self.tokenizer.eos_token_id is not None:
@@ -235,30 +241,48 @@ class LLMEngine:
         """One engine iteration. Returns an output for every request that has one (see RequestOutputKind).
 
         All or nothing: if anything in it raises, the core is rolled back (journal.py) and the exception is
-        re-raised; `failed_request_ids` then lists the requests the step had scheduled."""
+        re-raised; `failed_request_ids` then lists the requests of the batch that failed.
+
+        With one batch in flight (no pipeline stages) a step schedules a batch, runs it and applies its tokens. With
+        pipeline stages it is vLLM v1's batch-queue step: schedule and issue the next batch if fewer than
+        `max_concurrent_batches` are in flight; then, if the queue is full or nothing new could be scheduled, wait
+        for the oldest batch and apply its tokens. A failed step leaves the batches issued by earlier steps in
+        flight (the one whose tokens it was applying keeps its logits, to be sampled again) and forgets the batch it
+        issued itself: its requests are scheduled again, and its blocks are not trusted (Scheduler.rollback_step)."""
         start = time.perf_counter()
-        scheduler, sampler = self.scheduler, self.model_runner.sampler
-        sched, rng_state = None, None
+        scheduler, sampler, queue, j = self.scheduler, self.model_runner.sampler, self.batch_queue, self.journal
+        sched, issued, batch, rng_state = None, None, None, None
+        core_outputs: list = []
         with self._sigint:                  # Ctrl-C waits for a consistent point, except in the forward (sigint.py)
             scheduler.begin_step()
             try:
-                sched = scheduler.schedule()
-                if sched.is_empty:
+                if len(queue) < self.max_concurrent_batches:
+                    sched = scheduler.schedule()
+                    if not sched.is_empty:
+                        with self._sigint.open():
+                            issued = self.executor.issue(sched)
+                        queue.append(issued)
+                        j.record(queue.pop)
+                if not queue:
                     scheduler.commit_step()
                     return []
-                rng_state = sampler.get_rng_state(sched.scheduled)
-                with self._sigint.open():
-                    sampling_reqs, tokens, logprobs = self.executor.execute_model(
-                        sched, self.structured_output_manager.grammar_bitmask)
-                sampled = {req.request_id: toks for req, toks in zip(sampling_reqs, tokens)}
-                core_outputs = scheduler.update_from_output(sched, sampled)
-                update = self.output_processor.process_outputs(core_outputs, logprobs)
-                for req, stop_string, num_dropped in update.stop_strings:
-                    scheduler.drop_output_tokens(req, num_dropped)      # speculative tokens after the stop string
-                    scheduler.finish_request(req, RequestStatus.FINISHED_STOPPED, stop_string)
-                # Speculative decoding: the next step's drafts, from the tokens as they now stand.
-                scheduler.update_draft_token_ids(self.executor.propose_draft_token_ids(sampling_reqs,
-                                                                                       self.max_model_len))
+                if issued is None or len(queue) == self.max_concurrent_batches:
+                    # The oldest batch's tokens: wait for its logits, sample, update the core.
+                    batch = queue.popleft()
+                    j.record(lambda: queue.appendleft(batch))
+                    rng_state = sampler.get_rng_state(batch.sched.scheduled)
+                    with self._sigint.open():
+                        sampling_reqs, tokens, logprobs = self.executor.collect(
+                            batch, self.structured_output_manager.grammar_bitmask)
+                    sampled = {req.request_id: toks for req, toks in zip(sampling_reqs, tokens)}
+                    core_outputs = scheduler.update_from_output(batch.sched, sampled)
+                    update = self.output_processor.process_outputs(core_outputs, logprobs)
+                    for req, stop_string, num_dropped in update.stop_strings:
+                        scheduler.drop_output_tokens(req, num_dropped)      # speculative tokens after the stop string
+                        scheduler.finish_request(req, RequestStatus.FINISHED_STOPPED, stop_string)
+                    # Speculative decoding: the next step's drafts, from the tokens as they now stand.
+                    scheduler.update_draft_token_ids(self.executor.propose_draft_token_ids(sampling_reqs,
+                                                                                           self.max_model_len))
                 self._sigint.raise_if_held()    # the last point a held Ctrl-C can still fail the step
                 scheduler.commit_step()
             except BaseException:
@@ -266,28 +290,37 @@ class LLMEngine:
                 if rng_state is not None:
                     sampler.set_rng_state(rng_state)
                 self.num_failed_steps += 1
-                if sched is None:   # the plan itself failed: blame what it was working on, so no caller retries forever
-                    blamed = self.scheduler.running or self.scheduler.waiting[:1]
-                else:
+                if batch is not None:
+                    blamed = batch.sched.scheduled
+                elif sched is not None:
                     blamed = sched.scheduled
+                else:   # the plan itself failed: blame what it was working on, so no caller retries forever
+                    blamed = self.scheduler.running or self.scheduler.waiting[:1]
                 self.failed_request_ids = list(dict.fromkeys(self.output_processor.external_id(r.request_id)
                                                              for r in blamed))     # parents' ids for n > 1
                 raise
             # committed: the front end's share of the step (a Ctrl-C held until here is raised on leaving the guard)
             now = time.time()
-            self.output_processor.mark_scheduled(sched.scheduled, now)
-            outputs = self.output_processor.apply(update, now)
-            finished = [co.request for co in core_outputs if co.request.is_finished]
-            for req in finished:
-                del self.requests[req.request_id]
+            if issued is not None:
+                self.output_processor.mark_scheduled(sched.scheduled, now)
+            outputs, finished = [], []
+            if batch is not None:
+                outputs = self.output_processor.apply(update, now)
+                finished = [co.request for co in core_outputs if co.request.is_finished]
+                for req in finished:
+                    del self.requests[req.request_id]
+                self.num_prompt_tokens_computed += batch.sched.num_prefill_tokens
+                self.num_generated_tokens += sum(len(co.new_token_ids) for co in core_outputs)
             self.num_steps += 1
-            self.num_prompt_tokens_computed += sched.num_prefill_tokens
-            self.num_generated_tokens += sum(len(co.new_token_ids) for co in core_outputs)
             events = self.kv_cache_manager.block_pool.pop_events()
         if self.trace_listeners:
             accepted = {co.request.request_id: co.num_accepted_drafts for co in core_outputs}
-            trace = self._tracer.build(self.num_steps, time.perf_counter() - start, sched, events,
-                                       self.scheduler, finished, self.output_processor.external_id, accepted)
+            pipeline = PipelineTrace(issued.step_id if issued else None, batch.step_id if batch else None,
+                                     tuple((b.step_id, tuple(r.request_id for r in b.sched.scheduled)) for b in queue))
+            trace = self._tracer.build(self.num_steps, time.perf_counter() - start,
+                                       sched if issued is not None else SchedulerOutput([], {}), events,
+                                       self.scheduler, finished, self.output_processor.external_id, accepted,
+                                       pipeline)
             for listener in self.trace_listeners:
                 try:
                     listener(trace)
@@ -323,6 +356,7 @@ class LLMEngine:
             num_swapped=self.scheduler.num_swapped,
             num_steps=self.num_steps, num_prompt_tokens_computed=self.num_prompt_tokens_computed,
             num_generated_tokens=self.num_generated_tokens, num_failed_steps=self.num_failed_steps,
+            num_batches_in_flight=len(self.batch_queue),
             num_spec_drafts=self.scheduler.num_drafts, num_spec_draft_tokens=self.scheduler.num_draft_tokens,
             num_spec_accepted_tokens=self.scheduler.num_accepted_tokens,
             num_spec_accepted_tokens_per_pos=tuple(self.scheduler.num_accepted_tokens_per_pos))
@@ -340,6 +374,9 @@ class LLMEngine:
         """Assert every invariant of the core (scheduler.py, kv_cache_manager.py, block_pool.py) and that the
         request table, the queues and the output processor agree."""
         self.scheduler.check_integrity()
+        in_queue = [r for b in self.batch_queue for r in b.sched.scheduled if not r.is_finished]
+        assert len(in_queue) == len(set(in_queue)) and set(in_queue) == self.scheduler.in_flight, (
+            "the requests in flight and the batches in the queue disagree")
         live = {r.request_id for r in self.scheduler.running + self.scheduler.waiting}
         assert live == set(self.requests), f"request table {sorted(self.requests)} but queues {sorted(live)}"
         assert live == set(self.output_processor.states), "the output processor tracks other requests"

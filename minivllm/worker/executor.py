@@ -26,6 +26,8 @@ never outlives it; the driver stops its workers on shutdown(), on garbage collec
 
 from __future__ import annotations
 
+import collections
+import contextlib
 import dataclasses
 import multiprocessing as mp
 import os
@@ -34,6 +36,7 @@ import time
 import traceback
 import weakref
 from collections.abc import Callable
+from dataclasses import dataclass
 
 import torch
 import torch.distributed as dist
@@ -44,7 +47,7 @@ from minivllm.worker.distributed import (destroy_distributed, get_open_port, ini
 from minivllm.model.layers import TPGroup
 from minivllm.model.llama import ModelConfig
 from minivllm.worker.logprobs import StepLogprobs, compute_logprobs, compute_prompt_logprobs
-from minivllm.worker.model_runner import ModelRunner
+from minivllm.worker.model_runner import ModelInput, ModelRunner
 from minivllm.worker.sampler import apply_grammar_bitmask
 from minivllm.core.request import Request
 from minivllm.core.scheduler import SchedulerOutput
@@ -52,34 +55,100 @@ from minivllm.core.scheduler import SchedulerOutput
 GrammarBitmaskFn = Callable[[list[Request], dict[str, list[int]]], "torch.Tensor | None"]
 
 
+@dataclass
+class InFlightBatch:
+    """A batch sent into the ranks whose output has not been used yet (vLLM v1's batch queue holds these).
+
+    Its logits arrive once (`Executor.collect` receives them in the order the batches went in) and are kept, so a
+    step that fails after receiving them and is rolled back can sample them again."""
+    step_id: int
+    sched: SchedulerOutput
+    model_input: ModelInput
+    sampling_requests: list[Request]            # row order
+    logits: torch.Tensor | None = None          # (sampling rows, vocab) fp32, once received
+    prompt_logits: torch.Tensor | None = None   # (prompt-logprob rows, vocab) fp32, once received
+    received: bool = False
+
+
 class Executor:
-    """The engine's view of the ranks: `execute_model(sched)` -> (sampling requests, tokens)."""
+    """The engine's view of the ranks: `issue(sched)` sends a batch in, `collect(batch)` -> (sampling requests,
+    tokens, logprobs); `execute_model(sched)` does both at once."""
 
     driver: ModelRunner          # rank 0's runner, in this process
     num_kv_blocks: int           # the same on every rank
     num_cpu_blocks: int
+    max_concurrent_batches: int = 1     # batches that may be in flight at once (pipeline stages; see issue())
+
+    def __init__(self) -> None:
+        self._next_step_id = 0
+        # Issued batches whose logits have not arrived, oldest first. A batch whose step was rolled back stays here
+        # until its logits are received and dropped: the pipe returns batches in the order they went in.
+        self._unreceived: collections.deque[InFlightBatch] = collections.deque()
 
     def execute_model(self, sched: SchedulerOutput, grammar_bitmask: GrammarBitmaskFn | None = None
                       ) -> tuple[list[Request], list[list[int]], StepLogprobs | None]:
         """The requests that sample this step, their new tokens (one each, or with speculative decoding the accepted
         drafts and one more), and (when any request asked for sample or prompt logprobs) the step's logprobs by
-        request id (logprobs.py).
+        request id (logprobs.py)."""
+        return self.collect(self.issue(sched), grammar_bitmask)
+
+    @property
+    def pipelined(self) -> bool:
+        """Pipeline stages whose logits come back to rank 0 later: rank 0 runs stage 0 of a batch and is free."""
+        return self.driver.pp.size > 1 and not self.driver.pp.broadcast_logits
+
+    def issue(self, sched: SchedulerOutput) -> InFlightBatch:
+        """Send one batch into the ranks. With pipeline stages this returns once rank 0 has run stage 0 and passed
+        the hidden states on: the later stages work on it while the engine schedules and issues the next batch
+        (up to `max_concurrent_batches` at once). Otherwise the whole forward is done here."""
+        model_input, sampling_requests = self.driver.prepare_inputs(sched)
+        self._next_step_id += 1
+        model_input = dataclasses.replace(model_input, step_id=self._next_step_id)
+        batch = InFlightBatch(self._next_step_id, sched, model_input, sampling_requests)
+        self._send_to_workers(model_input)
+        logits, prompt_logits = self.driver.execute_model(model_input)   # (sample rows, vocab), (prompt rows, vocab)
+        if self.pipelined:
+            self._unreceived.append(batch)
+        else:
+            batch.logits, batch.prompt_logits, batch.received = logits, prompt_logits, True
+        if self.driver.proposer is not None:
+            self.driver.proposer.observe(model_input)      # a draft model runs the same batch (spec_decode/)
+        return batch
+
+    def collect(self, batch: InFlightBatch, grammar_bitmask: GrammarBitmaskFn | None = None
+                ) -> tuple[list[Request], list[list[int]], StepLogprobs | None]:
+        """Sample an issued batch: wait for its logits (receiving any older ones first), apply the grammars' masks and
+        sample (see execute_model). Safe to call again on the same batch after a failed step.
 
         `grammar_bitmask(sampling_requests, drafts)` (structured output, core/structured_output.py) is called after
         the forward is issued: on a GPU the kernels are still running while the CPU fills the grammars' masks."""
-        model_input, sampling_requests = self.driver.prepare_inputs(sched)
-        self._send_to_workers(model_input)
-        logits, prompt_logits = self.driver.execute_model(model_input)   # (sample rows, vocab), (prompt rows, vocab)
-        if self.driver.proposer is not None:
-            self.driver.proposer.observe(model_input)      # a draft model runs the same batch (spec_decode/)
+        self._await_logits(batch)
+        sched, sampling_requests = batch.sched, batch.sampling_requests
         drafts = [sched.scheduled_spec_decode_tokens.get(r.request_id, []) for r in sampling_requests]
+        logits = batch.logits
+        if any(r.is_finished for r in sampling_requests):       # aborted while the batch was in flight: drop its rows
+            first_row = [0]
+            for d in drafts:
+                first_row.append(first_row[-1] + len(d) + 1)
+            keep = [i for i, r in enumerate(sampling_requests) if not r.is_finished]
+            logits = logits[[row for i in keep for row in range(first_row[i], first_row[i + 1])]]
+            sampling_requests, drafts = [sampling_requests[i] for i in keep], [drafts[i] for i in keep]
+        elif logits is not None and self.max_concurrent_batches > 1:
+            logits = logits.clone()             # kept intact for a retry: the masks and the sampler write in place
         if grammar_bitmask is not None and sampling_requests:
             bitmask = grammar_bitmask(sampling_requests, sched.scheduled_spec_decode_tokens)   # (rows, vocab / 32)
             if bitmask is not None:
                 logits = apply_grammar_bitmask(logits, bitmask)
         tokens = self._sample(logits, sampling_requests, drafts) if sampling_requests else []
-        return sampling_requests, tokens, self._logprobs(sched, model_input, sampling_requests, drafts, tokens,
-                                                         logits, prompt_logits)
+        return sampling_requests, tokens, self._logprobs(sched, batch.model_input, sampling_requests, drafts, tokens,
+                                                         logits, batch.prompt_logits)
+
+    def _await_logits(self, batch: InFlightBatch) -> None:
+        """Wait until the batch's logits are here, receiving those of older batches first."""
+        while not batch.received:
+            older = self._unreceived.popleft()
+            older.logits, older.prompt_logits = self.driver.receive_logits(older.model_input)
+            older.received = True
 
     def _sample(self, logits: torch.Tensor, requests: list[Request], drafts: list[list[int]]) -> list[list[int]]:
         """Plain rows through the sampler, rows with drafts through the rejection sampler."""
@@ -166,6 +235,7 @@ class Executor:
 
 class UniProcExecutor(Executor):
     def __init__(self, config: EngineConfig, model_path, model_cfg: ModelConfig, device: torch.device):
+        super().__init__()
         self.driver = ModelRunner(config, model_path, model_cfg, device)
         self._allocate(self.driver.profile_num_blocks())
 
@@ -249,6 +319,7 @@ def _stop_workers(procs: list, conns: list, polite: list[bool], saved_threads: i
 
 class MultiprocExecutor(Executor):
     def __init__(self, config: EngineConfig, model_path, model_cfg: ModelConfig, device: torch.device):
+        super().__init__()
         tp_size, pp_size = config.tensor_parallel_size, config.pipeline_parallel_size
         world = tp_size * pp_size                  # rank = pipeline stage x tp_size + TP rank; rank 0 drives
         if device.type == "cuda" and world > torch.cuda.device_count():
@@ -284,6 +355,8 @@ class MultiprocExecutor(Executor):
             for conn in self.conns:
                 conn.send(("allocate_kv_cache", num_blocks))
             self._allocate(num_blocks)
+            # Under PP, rank 0 is free once it has run stage 0: one batch per stage can be in flight.
+            self.max_concurrent_batches = config.max_concurrent_batches or pp_size
         except BaseException:
             self._polite[0] = False
             self.shutdown()
@@ -328,9 +401,18 @@ class MultiprocExecutor(Executor):
         for conn in self.conns:
             conn.send(("execute_model", model_input))
 
-    def execute_model(self, sched, grammar_bitmask=None):
+    def issue(self, sched):
+        with self._stop_all_on_failure():
+            return super().issue(sched)
+
+    def _await_logits(self, batch):
+        with self._stop_all_on_failure():
+            super()._await_logits(batch)
+
+    @contextlib.contextmanager
+    def _stop_all_on_failure(self):
         try:
-            return super().execute_model(sched, grammar_bitmask)
+            yield
         except BaseException as e:
             # A rank failed or we were interrupted midway: the others may be blocked in a collective
             # that will never complete, so the group is unusable. Stop everyone.
@@ -352,6 +434,7 @@ class ExternalLauncherExecutor(Executor):
     so no step inputs are sent at all; each rank just runs its share of every layer. Print from RANK 0 only."""
 
     def __init__(self, config: EngineConfig, model_path, model_cfg: ModelConfig, device: torch.device):
+        super().__init__()
         if not launched_by_torchrun():
             raise ValueError("distributed_executor_backend 'external_launcher' needs RANK, WORLD_SIZE, "
                              "MASTER_ADDR and MASTER_PORT in the environment: start the program with torchrun.")
@@ -360,6 +443,10 @@ class ExternalLauncherExecutor(Executor):
         if world != tp_size * pp_size:
             raise ValueError(f"torchrun started {world} processes but tensor_parallel_size x pipeline_parallel_size "
                              f"is {tp_size * pp_size}; they must be equal (--nproc-per-node x --nnodes).")
+        if (config.max_concurrent_batches or 1) > 1:
+            raise ValueError(f"max_concurrent_batches is {config.max_concurrent_batches}, but under torchrun every rank "
+                             "runs the engine in lockstep with one batch in flight; leave it unset (use "
+                             "distributed_executor_backend 'mp' or 'ray' on one machine for batches in flight).")
         spec = config.speculative
         if spec is not None and spec.method == "draft_model" and world > 1:
             raise ValueError("speculative_config method 'draft_model' under torchrun is not implemented (every "

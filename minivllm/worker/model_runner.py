@@ -18,6 +18,7 @@ tokens 1 and 2: `prompt_logprob_spans`); requests that don't ask add no rows.
 
 from __future__ import annotations
 
+import time
 from dataclasses import dataclass, field
 
 import torch
@@ -51,6 +52,7 @@ class ModelInput:
     blocks_to_swap_out: list[tuple[int, int]] = field(default_factory=list)   # (device block, cpu block)
     blocks_to_swap_in: list[tuple[int, int]] = field(default_factory=list)    # (cpu block, device block)
     prompt_logprob_spans: list[PromptLogprobsSpan] = field(default_factory=list)   # rows scoring prompt tokens
+    step_id: int = 0                           # which batch this is (the executor numbers them; for timelines)
 
 
 def model_input_tensors(mi: ModelInput, device: torch.device):
@@ -98,6 +100,13 @@ class ModelRunner:
         self.proposer = make_proposer(spec, self) if ngram or (tp.rank == 0 and pp.rank == 0) else None
         self.num_kv_heads = model_cfg.num_key_value_heads // tp.size     # this rank's share
         self.num_kv_blocks = 0                                           # set by allocate_kv_cache
+        # Pipeline parallelism: sends still under way (torch.distributed works and the tensors they read). A send
+        # is waited for at this stage's next step, so a stage never blocks on a neighbour that is still busy with
+        # an earlier batch (with several batches in flight, two blocking sends in a cycle would deadlock).
+        self._sends: list[tuple[dist.Work, torch.Tensor]] = []
+        # (step id, start, end) of this rank's stage work, wall-clock seconds; the lesson draws the pipeline from it
+        self.stage_times: list[tuple[int, float, float]] = []
+        self.record_stage_times = False
         self.graphs: DecodeGraphs | None = None                          # set by allocate_kv_cache on CUDA
 
     def allocate_kv_cache(self, num_kv_blocks: int) -> None:
@@ -219,8 +228,11 @@ class ModelRunner:
             rank 0 (stage 0)  --hidden, residual-->  stage 1  --> ... -->  last stage
                   ^                                                            |
                   +----------------------- logits (rows, vocab) --------------+
-        Each message's shape follows from the ModelInput every rank has, so only tensors cross."""
+        Each message's shape follows from the ModelInput every rank has, so only tensors cross. Sends are
+        non-blocking (waited for at the next step); on rank 0 the logits are received later, by `receive_logits`,
+        so that rank 0 can run stage 0 of the next batch while the later stages work on this one."""
         pp, rank = self.pp, dist.get_rank()
+        self._wait_sends()
         input_ids, positions, meta = self._to_tensors(mi)
         intermediate = None
         if not pp.is_first:
@@ -230,6 +242,7 @@ class ModelRunner:
             dist.recv(hidden, pp.prev_rank)
             dist.recv(residual, pp.prev_rank)
             intermediate = (hidden, residual)
+        started = time.time()
         out = self.model(input_ids, positions, self.kv_caches, meta, self.backend, intermediate)
         prompt_rows = [r for s in mi.prompt_logprob_spans for r in range(s.first_row, s.first_row + s.num_rows)]
         rows = mi.sample_rows + prompt_rows
@@ -247,19 +260,35 @@ class ModelRunner:
             num_sampling = len(mi.sample_rows)
             return (logits[:num_sampling] if num_sampling else None), (logits[num_sampling:] if prompt_rows else None)
         if not pp.is_last:
-            dist.send(out[0].contiguous(), pp.next_rank)
-            dist.send(out[1].contiguous(), pp.next_rank)
-            if rank == pp.driver_rank and rows:
-                logits = torch.empty(len(rows), self.model_cfg.vocab_size, dtype=torch.float32, device=self.device)
-                dist.recv(logits, last_stage_root)
+            self._isend(out[0].contiguous(), pp.next_rank)
+            self._isend(out[1].contiguous(), pp.next_rank)
         elif rows:
             logits = self.model.compute_logits(out[rows])                # (rows, vocab) fp32, all-gathered under TP
-            if self.tp.rank == 0 and rank != pp.driver_rank:
-                dist.send(logits.contiguous(), pp.driver_rank)
-        if rank != pp.driver_rank or logits is None:
+            if self.tp.rank == 0:
+                self._isend(logits.contiguous(), pp.driver_rank)
+        if self.record_stage_times:
+            self.stage_times.append((mi.step_id, started, time.time()))
+        return None, None
+
+    def receive_logits(self, mi: ModelInput) -> tuple[torch.Tensor | None, torch.Tensor | None]:
+        """Rank 0 under pipeline parallelism: the logits the last stage computed for `mi` (the same pair as
+        `execute_model` returns). Batches come back in the order they were sent into the pipe."""
+        prompt_rows = sum(s.num_rows for s in mi.prompt_logprob_spans)
+        num_rows = len(mi.sample_rows) + prompt_rows
+        if not mi.q_lens or not num_rows:
             return None, None
+        logits = torch.empty(num_rows, self.model_cfg.vocab_size, dtype=torch.float32, device=self.device)
+        dist.recv(logits, (self.pp.size - 1) * self.tp.size)             # the last stage's TP rank 0
         num_sampling = len(mi.sample_rows)
         return (logits[:num_sampling] if num_sampling else None), (logits[num_sampling:] if prompt_rows else None)
+
+    def _isend(self, tensor: torch.Tensor, dst: int) -> None:
+        self._sends.append((dist.isend(tensor, dst), tensor))
+
+    def _wait_sends(self) -> None:
+        for work, _ in self._sends:
+            work.wait()
+        self._sends.clear()
 
     def swap_blocks(self, mi: ModelInput) -> None:
         """Copy whole blocks (every layer, K and V) between the device cache and the CPU pool.
