@@ -44,12 +44,20 @@ def reference(model_dir, prompt_ids):
 
 @pytest.mark.parametrize("tp, pp", [(1, 2), (1, 3), (3, 2)], ids=["pp2", "pp3", "tp3xpp2"])
 def test_pipeline_stages_give_one_ranks_tokens_with_every_feature_on(model_dir, prompt_ids, reference, tp, pp):
+    """With one batch per stage in flight (the default), as vLLM v1's batch queue."""
     with LLM(str(model_dir), tensor_parallel_size=tp, pipeline_parallel_size=pp, **FEATURES) as llm:
         engine = llm.llm_engine
-        got = token_ids(llm.generate(prompt_ids, greedy(), use_tqdm=False))
+        with engine.record_traces() as traces:
+            got = token_ids(llm.generate(prompt_ids, greedy(), use_tqdm=False))
         stats = engine.get_stats()
         assert got == reference
         assert stats.prefix_cache_hits > 0 and stats.num_preemptions > 0       # the features fired
+        assert engine.max_concurrent_batches == pp
+        pipes = [t.pipeline.in_flight for t in traces if t.pipeline.collected is not None]
+        assert max(len(p) for p in pipes) == pp                                 # the pipe was full
+        for pipe in pipes:                                                      # no request in two batches at once
+            ids = [rid for _, rids in pipe for rid in rids]
+            assert len(ids) == len(set(ids)), pipe
         assert engine.kv_cache_manager.num_free_blocks == engine.kv_cache_manager.num_blocks
         runner = engine.model_runner                                           # rank 0: the first stage
         assert len(runner.model.layers) == pp_layer_partition(30, pp)[0][1]
@@ -112,8 +120,8 @@ def test_n_gram_speculation_through_the_pipeline(model_dir):
 
 def test_torchrun_launch_with_tp_x_pp_matches_one_rank(llm):
     """torchrun starts every rank (as it would across machines); every rank runs the engine in lockstep, and the last
-    stage broadcasts the logits so that every rank samples the same tokens. 3 ranks: PP 3 (TP 3 x PP 2 would need
-    6 processes on 2 cores)."""
+    stage broadcasts the logits so that every rank samples the same tokens. The README's command: TP 3 x PP 2, six
+    processes (on 2 cores, one thread each)."""
     import subprocess
     import sys
     from pathlib import Path
@@ -121,9 +129,109 @@ def test_torchrun_launch_with_tp_x_pp_matches_one_rank(llm):
     prompt = "The capital of France is"
     expected = llm.generate([prompt], greedy(8), use_tqdm=False)[0].outputs[0].text
     env = {**os.environ, "PYTHONPATH": str(repo), "OMP_NUM_THREADS": "1"}
-    run = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "3",
-                          "-m", "minivllm.generate", "--pipeline-parallel-size", "3", "--temperature", "0",
+    run = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "6",
+                          "-m", "minivllm.generate", "--tensor-parallel-size", "3", "--pipeline-parallel-size", "2",
+                          "--temperature", "0",
                           "--max-tokens", "8", "--ignore-eos", "--device", "cpu", "--num-kv-blocks", "64", prompt],
                          env=env, cwd=repo, capture_output=True, text=True, timeout=300)
     assert run.returncode == 0, run.stderr[-3000:]
     assert run.stdout.strip() == expected.strip()          # printed once, by rank 0
+
+
+# ---------------------------------------------------------------------- batches in flight
+def overlaps(times: dict[int, list[tuple[int, float, float]]]) -> int:
+    """How many times stage 0 (rank 0) worked on a batch while the last stage worked on an earlier one."""
+    last = max(times)
+    n = 0
+    for b0, s0, e0 in times[0]:
+        n += sum(1 for b1, s1, e1 in times[last] if b1 < b0 and s1 < e0 and s0 < e1)
+    return n
+
+
+@pytest.mark.parametrize("k", [1, 2])
+def test_with_two_batches_in_flight_the_stages_work_at_the_same_time(model_dir, prompt_ids, reference, k):
+    """Measured, not inferred: each rank notes when it works on which batch. With one batch in flight stage 0 waits
+    for the last stage to finish every batch (the bubble); with two, stage 0 runs batch b + 1 while the last stage
+    runs batch b. The tokens are the same either way."""
+    with LLM(str(model_dir), pipeline_parallel_size=2, max_concurrent_batches=k, **FEATURES) as llm:
+        executor = llm.llm_engine.executor
+        executor.record_stage_times()
+        assert token_ids(llm.generate(prompt_ids, greedy(), use_tqdm=False)) == reference
+        times = executor.stage_times()
+        assert len(times[0]) == len(times[1]) > 10
+        if k == 1:
+            assert overlaps(times) == 0
+        else:
+            assert overlaps(times) >= len(times[0]) // 2, times
+
+
+def test_a_step_that_fails_with_two_batches_in_flight_rolls_back_and_serving_goes_on(model_dir, prompt_ids, reference):
+    """The sampler raises while one batch is being applied and the next is already in the pipe. The step rolls back:
+    the batch it issued is forgotten (its requests are scheduled again) and the batch it was applying stays in flight
+    with its logits; the next steps finish every request with the tokens of a clean run, and no block is lost."""
+    with LLM(str(model_dir), pipeline_parallel_size=2, **FEATURES) as llm:
+        engine = llm.llm_engine
+        sampler = engine.model_runner.sampler
+        real = type(sampler).__call__
+        calls, failed_with = [0], []
+
+        def flaky(self, logits, requests):
+            calls[0] += 1
+            if calls[0] in (4, 9):      # two failures, with the pipe full (and during preemptions, at 9)
+                failed_with.append(len(engine.batch_queue) + 1)   # + the batch being applied
+                raise RuntimeError("injected sampler failure")
+            return real(self, logits, requests)
+        type(sampler).__call__ = flaky
+        try:
+            reqs = [engine.add_request(p, greedy()) for p in prompt_ids]
+            failures = 0
+            while engine.has_unfinished_requests():
+                before = (engine.scheduler.num_preemptions, engine.num_generated_tokens,
+                          [(r.num_computed_tokens, len(r.output_token_ids)) for r in reqs])
+                try:
+                    engine.step()
+                except RuntimeError as e:
+                    assert "injected" in str(e)
+                    failures += 1
+                    assert engine.failed_request_ids
+                    after = (engine.scheduler.num_preemptions, engine.num_generated_tokens,
+                             [(r.num_computed_tokens, len(r.output_token_ids)) for r in reqs])
+                    assert after == before                      # nothing moved
+                engine.check_integrity()
+        finally:
+            type(sampler).__call__ = real
+        assert failures == 2 and failed_with == [2, 2]
+        assert [r.output_token_ids for r in reqs] == reference
+        assert engine.kv_cache_manager.num_free_blocks == engine.kv_cache_manager.num_blocks
+        assert not engine.batch_queue or all(r.is_finished for b in engine.batch_queue for r in b.sched.scheduled)
+
+
+def test_aborting_a_request_whose_batch_is_in_flight(model_dir, prompt_ids, reference):
+    """An abort between steps frees the request at once; when its batch comes back, its row is dropped. The other
+    requests' tokens are unchanged."""
+    with LLM(str(model_dir), pipeline_parallel_size=2, **FEATURES) as llm:
+        engine = llm.llm_engine
+        reqs = [engine.add_request(p, greedy()) for p in prompt_ids]
+        victim = None
+        while victim is None:
+            engine.step()
+            in_flight = [r for b in engine.batch_queue for r in b.sched.scheduled if r.num_output_tokens > 0]
+            victim = in_flight[0] if in_flight else None
+        engine.abort_request(victim.request_id)
+        engine.check_integrity()
+        while engine.has_unfinished_requests():
+            engine.step()
+            engine.check_integrity()
+        for i, r in enumerate(reqs):
+            if r is not victim:
+                assert r.output_token_ids == reference[i]
+        assert victim.status.value == "finished_aborted"
+        assert engine.kv_cache_manager.num_free_blocks == engine.kv_cache_manager.num_blocks
+
+
+def test_batches_in_flight_need_pipeline_stages():
+    from minivllm.config import EngineConfig
+    with pytest.raises(ValueError, match="max_concurrent_batches is 2 but pipeline_parallel_size is 1"):
+        EngineConfig.from_kwargs(max_concurrent_batches=2)
+    with pytest.raises(ValueError, match="max_concurrent_batches is 0"):
+        EngineConfig.from_kwargs(max_concurrent_batches=0, pipeline_parallel_size=2)

@@ -45,7 +45,8 @@ class PipelineTrace:
     executor numbers batches as they are issued; with one batch in flight a step issues and collects the same one."""
     issued: int | None                      # the batch this step scheduled and sent into stage 0
     collected: int | None                   # the batch whose tokens this step applied
-    in_flight: tuple[tuple[int, tuple[str, ...]], ...] = ()   # after the step, oldest first: (batch, request ids)
+    # the batches in flight while the step waited for `collected`, oldest first: (batch, its request ids)
+    in_flight: tuple[tuple[int, tuple[str, ...]], ...] = ()
 
 
 @dataclass(frozen=True)

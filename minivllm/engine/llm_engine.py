@@ -252,6 +252,7 @@ class LLMEngine:
         start = time.perf_counter()
         scheduler, sampler, queue, j = self.scheduler, self.model_runner.sampler, self.batch_queue, self.journal
         sched, issued, batch, rng_state = None, None, None, None
+        pipe: tuple[InFlightBatch, ...] = ()      # the batches in flight while this step waited (the trace's)
         core_outputs: list = []
         with self._sigint:                  # Ctrl-C waits for a consistent point, except in the forward (sigint.py)
             scheduler.begin_step()
@@ -266,6 +267,7 @@ class LLMEngine:
                 if not queue:
                     scheduler.commit_step()
                     return []
+                pipe = tuple(queue)
                 if issued is None or len(queue) == self.max_concurrent_batches:
                     # The oldest batch's tokens: wait for its logits, sample, update the core.
                     batch = queue.popleft()
@@ -289,6 +291,8 @@ class LLMEngine:
                 scheduler.rollback_step()
                 if rng_state is not None:
                     sampler.set_rng_state(rng_state)
+                if issued is not None and not issued.received:
+                    self._drain(issued)
                 self.num_failed_steps += 1
                 if batch is not None:
                     blamed = batch.sched.scheduled
@@ -316,7 +320,7 @@ class LLMEngine:
         if self.trace_listeners:
             accepted = {co.request.request_id: co.num_accepted_drafts for co in core_outputs}
             pipeline = PipelineTrace(issued.step_id if issued else None, batch.step_id if batch else None,
-                                     tuple((b.step_id, tuple(r.request_id for r in b.sched.scheduled)) for b in queue))
+                                     tuple((b.step_id, tuple(r.request_id for r in b.sched.scheduled)) for b in pipe))
             trace = self._tracer.build(self.num_steps, time.perf_counter() - start,
                                        sched if issued is not None else SchedulerOutput([], {}), events,
                                        self.scheduler, finished, self.output_processor.external_id, accepted,
@@ -327,6 +331,14 @@ class LLMEngine:
                 except Exception:       # a listener's bug must not lose the step's outputs
                     logger.exception("step trace listener %r failed", listener)
         return outputs
+
+    def _drain(self, batch: InFlightBatch) -> None:
+        """A rolled-back step issued `batch` into the pipe: wait until every stage is done with it and drop its logits,
+        so the pipe holds exactly the batches in the queue (each stage's next message is the next one's)."""
+        try:
+            self.executor.discard(batch)
+        except BaseException:         # the executor stopped its ranks (it says why); the step's own error goes up
+            logger.exception("could not drain batch %d from the pipeline", batch.step_id)
 
     def add_trace_listener(self, listener: Callable[[StepTrace], None]) -> None:
         """Call `listener(StepTrace)` after every step (see trace.py). Costs nothing while there are none."""

@@ -143,6 +143,11 @@ class Executor:
         return sampling_requests, tokens, self._logprobs(sched, batch.model_input, sampling_requests, drafts, tokens,
                                                          logits, batch.prompt_logits)
 
+    def discard(self, batch: InFlightBatch) -> None:
+        """An issued batch nobody will sample (its step was rolled back): wait for its logits and drop them."""
+        self._await_logits(batch)
+        batch.logits = batch.prompt_logits = None
+
     def _await_logits(self, batch: InFlightBatch) -> None:
         """Wait until the batch's logits are here, receiving those of older batches first."""
         while not batch.received:
@@ -275,6 +280,10 @@ def _worker_main(rank: int, tp_size: int, init_method: str, config: EngineConfig
                 runner.execute_model(payload)
             elif kind == "allocate_kv_cache":
                 runner.allocate_kv_cache(payload)
+            elif kind == "record_stage_times":             # on (True) or off; the list starts empty
+                runner.record_stage_times, runner.stage_times = payload, []
+            elif kind == "stage_times":
+                conn.send(("stage_times", runner.stage_times))
             elif kind == "shutdown":
                 break
     except EOFError:
@@ -378,6 +387,20 @@ class MultiprocExecutor(Executor):
             raise RuntimeError(f"tensor-parallel worker rank {rank} failed:\n{payload}")
         assert kind == expected, (kind, expected)
         return payload
+
+    def record_stage_times(self, on: bool = True) -> None:
+        """Pipeline parallelism: every rank notes (batch, start, end) of its stage's work on each batch from now on
+        (wall-clock seconds; the ranks share this machine's clock). Read them with `stage_times()`."""
+        self.driver.record_stage_times, self.driver.stage_times = on, []
+        for conn in self.conns:
+            conn.send(("record_stage_times", on))
+
+    def stage_times(self) -> dict[int, list[tuple[int, float, float]]]:
+        """rank -> [(batch, start, end)] since `record_stage_times()`; waits for each rank to finish what it was sent."""
+        for conn in self.conns:
+            conn.send(("stage_times", None))
+        return {0: list(self.driver.stage_times)} | {rank: self._receive(rank, "stage_times")
+                                                      for rank in range(1, self.world_size)}
 
     def _worker_errors(self) -> str:
         msgs = []

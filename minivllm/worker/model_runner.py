@@ -262,8 +262,11 @@ class ModelRunner:
         if not pp.is_last:
             self._isend(out[0].contiguous(), pp.next_rank)
             self._isend(out[1].contiguous(), pp.next_rank)
-        elif rows:
-            logits = self.model.compute_logits(out[rows])                # (rows, vocab) fp32, all-gathered under TP
+        else:
+            # (rows, vocab) fp32, all-gathered under TP; with no rows a one-number answer, so that rank 0 always
+            # knows when every stage is done with a batch (what "in flight" means)
+            logits = (self.model.compute_logits(out[rows]) if rows else
+                      torch.zeros(1, dtype=torch.float32, device=self.device))
             if self.tp.rank == 0:
                 self._isend(logits.contiguous(), pp.driver_rank)
         if self.record_stage_times:
@@ -275,10 +278,13 @@ class ModelRunner:
         `execute_model` returns). Batches come back in the order they were sent into the pipe."""
         prompt_rows = sum(s.num_rows for s in mi.prompt_logprob_spans)
         num_rows = len(mi.sample_rows) + prompt_rows
-        if not mi.q_lens or not num_rows:
+        if not mi.q_lens:                                                # only block copies: no stage computed
             return None, None
-        logits = torch.empty(num_rows, self.model_cfg.vocab_size, dtype=torch.float32, device=self.device)
+        shape = (num_rows, self.model_cfg.vocab_size) if num_rows else (1,)      # (1,): "done", nothing to sample
+        logits = torch.empty(shape, dtype=torch.float32, device=self.device)
         dist.recv(logits, (self.pp.size - 1) * self.tp.size)             # the last stage's TP rank 0
+        if not num_rows:
+            return None, None
         num_sampling = len(mi.sample_rows)
         return (logits[:num_sampling] if num_sampling else None), (logits[num_sampling:] if prompt_rows else None)
 
