@@ -238,6 +238,7 @@ def test_the_dashboard_streams_a_chat_and_the_block_grid_changes(app_process, tm
             held = page.locator('#mv-grid .mv-blk[data-state="used"], #mv-grid .mv-blk[data-state="cached"]')
             assert held.count() > 0
             assert "chat-1" in page.locator("#mv-tables").inner_text() + page.locator("#mv-grid").inner_text()
+            assert page.locator('#mv-parallel [data-tp="1"][data-pp="1"]').count() == 1     # the ranks, said
 
             # A second turn: the history (Gradio 6 content blocks) goes back through the chat template.
             page.wait_for_selector('#mv-stats [data-in-flight="0"]', timeout=90_000)     # the answer is done

@@ -235,3 +235,23 @@ def test_batches_in_flight_need_pipeline_stages():
         EngineConfig.from_kwargs(max_concurrent_batches=2)
     with pytest.raises(ValueError, match="max_concurrent_batches is 0"):
         EngineConfig.from_kwargs(max_concurrent_batches=0, pipeline_parallel_size=2)
+
+
+def test_the_dashboard_shows_which_batch_each_stage_holds(model_dir, prompt_ids):
+    """The engine view's parallelism panel, drawn from real steps: with two batches in flight the last stage holds
+    the older one and stage 0 the newer; with one, stage 0 is idle while the last stage works (the bubble)."""
+    from minivllm.entrypoints.dashboard import render_parallelism
+    for k in (2, 1):
+        with LLM(str(model_dir), pipeline_parallel_size=2, max_concurrent_batches=k, **FEATURES) as llm:
+            with llm.llm_engine.record_traces() as traces:
+                llm.generate(prompt_ids[:4], greedy(6), use_tqdm=False)
+        trace = next(t for t in traces if t.pipeline.collected is not None and len(t.pipeline.in_flight) == k)
+        page = render_parallelism(trace, 1, 2, k)
+        assert 'data-tp="1" data-pp="2"' in page and f"up to {k} batch(es) in flight" in page
+        pipe = trace.pipeline.in_flight
+        assert f'data-stage="1" data-batch="{pipe[0][0]}"' in page                  # the oldest, in the last stage
+        if k == 2:
+            assert f'data-stage="0" data-batch="{pipe[1][0]}"' in page and pipe[1][0] > pipe[0][0]
+        else:
+            assert 'data-stage="0" data-batch="">idle' in page
+        assert all(rid in page for rid in pipe[0][1])

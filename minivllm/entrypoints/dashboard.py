@@ -13,6 +13,7 @@ Panels (refreshed by a gr.Timer):
     stats                     KV usage, prefix-cache hit rate, preemptions, step and token counts
     tokens per step           the last steps' prefill and decode tokens, stacked
     event log                 admissions, finishes, preemptions, prefix hits, evictions, aborts
+    parallelism               TP and PP sizes, and under PP which batch each pipeline stage holds
 """
 
 from __future__ import annotations
@@ -212,17 +213,44 @@ def render_tokens_per_step(traces: tuple[StepTrace, ...] | list[StepTrace], widt
             f'xmlns="http://www.w3.org/2000/svg">{"".join(rects)}{caption}</svg>')
 
 
+def render_parallelism(trace: StepTrace | None, tp: int, pp: int, max_batches: int) -> str:
+    """TP x PP and the ranks; under pipeline parallelism, which batch each stage holds as the engine last saw it,
+    while it waited for the oldest batch: the last stage holds the oldest, each earlier stage the next newer one
+    (stage pp - 1 - j holds batch j of the batches in flight, oldest first); a stage with no batch is idle (the
+    bubble, with fewer batches in flight than stages)."""
+    head = (f'<div class="mv-stats mv-parallel" data-tp="{tp}" data-pp="{pp}">tensor parallel <b>{tp}</b> x '
+            f"pipeline parallel <b>{pp}</b> = {tp * pp} rank(s); up to {max_batches} batch(es) in flight")
+    if pp == 1:
+        return head + "</div>"
+    pipe = trace.pipeline.in_flight if trace is not None and trace.pipeline is not None else ()
+    rows = []
+    for stage in range(pp):
+        j = pp - 1 - stage
+        ranks = f"ranks {stage * tp}-{stage * tp + tp - 1}" if tp > 1 else f"rank {stage}"
+        if j < len(pipe):
+            batch, rids = pipe[j]
+            cell = (f'<span data-stage="{stage}" data-batch="{batch}">batch {batch}</span> '
+                    + " ".join(f'<span class="mv-chip" style="background:{request_color(r)}">{html.escape(r)}</span>'
+                               for r in rids[:12]) + (" ..." if len(rids) > 12 else ""))
+        else:
+            cell = f'<span data-stage="{stage}" data-batch="">idle</span>'
+        rows.append(f"<tr><td>stage {stage} ({ranks})</td><td>{cell}</td></tr>")
+    return head + '<table class="mv-table">' + "".join(rows) + "</table></div>"
+
+
 def render_event_log(events: tuple[str, ...] | list[str], limit: int = EVENTS_SHOWN) -> str:
     """The newest events first."""
     lines = list(events)[-limit:][::-1]
     return f'<pre class="mv-log">{html.escape(chr(10).join(lines)) or "no events yet"}</pre>'
 
 
-def render_panels(snap: EngineSnapshot) -> tuple[str, str, str, str, str, str]:
-    """Everything the timer refreshes, in the page's order: grid, stats, queues, tables, chart, log."""
+def render_panels(snap: EngineSnapshot, tp: int = 1, pp: int = 1, max_batches: int = 1
+                  ) -> tuple[str, str, str, str, str, str, str]:
+    """Everything the timer refreshes, in the page's order: grid, stats, queues, tables, chart, log, parallelism."""
     return (render_block_grid(snap.trace, snap.stats.num_kv_blocks, snap.pool), render_stats(snap),
             render_queues(snap.trace), render_block_tables(snap.trace),
-            render_tokens_per_step(snap.recent_traces), render_event_log(snap.events))
+            render_tokens_per_step(snap.recent_traces), render_event_log(snap.events),
+            render_parallelism(snap.trace, tp, pp, max_batches))
 
 
 def message_text(content) -> str:
@@ -289,8 +317,10 @@ def build_dashboard(async_engine: AsyncLLMEngine, title: str = "minivllm"):
         return (f"burst {batch}: {n} requests finished in {time.perf_counter() - start:.1f} s ("
                 + ", ".join(f"{k} {v}" for k, v in sorted(reasons.items())) + ")")
 
+    parallel = (cfg.tensor_parallel_size, cfg.pipeline_parallel_size, async_engine.engine.max_concurrent_batches)
+
     def refresh():
-        return render_panels(async_engine.snapshot(with_pool=True))
+        return render_panels(async_engine.snapshot(with_pool=True), *parallel)
 
     with gr.Blocks(title=title) as demo:
         gr.Markdown(f"## minivllm: live engine\nmodel `{async_engine.engine.model_path.name}` on "
@@ -313,6 +343,7 @@ def build_dashboard(async_engine: AsyncLLMEngine, title: str = "minivllm"):
                     resume_btn = gr.Button("Resume", elem_id="mv-resume")
             with gr.Column(scale=3):
                 stats = gr.HTML(elem_id="mv-stats")
+                parallelism = gr.HTML(elem_id="mv-parallel")
                 gr.Markdown("**Physical KV blocks**: colored by the request holding them; a number is a ref "
                             "count (a prefix shared by several requests); hatched = cached-free (kept for prefix "
                             "hits, evicted when needed); outlined = allocated in the last step.")
@@ -328,7 +359,7 @@ def build_dashboard(async_engine: AsyncLLMEngine, title: str = "minivllm"):
                 log = gr.HTML(elem_id="mv-log")
         gr.Markdown("**Block tables**: each request's logical blocks, in order, and the physical block of each")
         tables = gr.HTML(elem_id="mv-tables")
-        panels = [grid, stats, queues, tables, chart, log]
+        panels = [grid, stats, queues, tables, chart, log, parallelism]
 
         # concurrency_limit=None: Gradio would otherwise run one chat at a time, and batching never shows.
         msg.submit(chat, [msg, chatbot, max_tokens, temperature], [msg, chatbot], concurrency_limit=None,
