@@ -723,7 +723,8 @@ print(f"PP 1: {full / 1e6:.1f} M parameters; PP 2 in all: {(stage_params[2, 0] +
 #
 # The same prompts, greedy, with one stage and with two, at the same KV memory budget per rank
 # (`kv_cache_memory_gb`, and no `num_kv_blocks`, so each rank sizes its own pool). A small spy counts the
-# point-to-point messages rank 0 sends and receives (`ModelRunner._execute_stage` in `worker/model_runner.py`):
+# point-to-point messages rank 0 sends and receives (`ModelRunner._execute_stage` in `worker/model_runner.py`;
+# sends are `isend`, non-blocking, for a reason the bubble section below explains):
 #
 # ```
 # rank 0 (stage 0: embed, layers 0-14)  --hidden, residual-->  rank 1 (stage 1: layers 15-29, norm, LM head)
@@ -745,7 +746,7 @@ del pp1
 @contextmanager
 def p2p_spy():
     """Record the shapes of the tensors rank 0 sends and receives point-to-point; undo on exit."""
-    seen = {"send": [], "recv": []}
+    seen = {"isend": [], "recv": []}
     real = {name: getattr(dist, name) for name in seen}
 
     def recording(name):
@@ -770,14 +771,15 @@ with LLM(seed=0, kv_cache_memory_gb=KV_GB, pipeline_parallel_size=2) as pp2:
                   "kv_cache": tuple(engine.model_runner.kv_cache.shape)}
     with p2p_spy() as p2p:
         pp2_tokens = [o.outputs[0].token_ids for o in pp2.generate(PROMPTS, PP_PARAMS, use_tqdm=False)]
-    pp2_steps = engine.num_steps
+    pp2_batches = engine.executor._next_step_id              # batches sent into the pipe (they are numbered)
 
 print("PP 1 greedy tokens == PP 2:", pp1_tokens == pp2_tokens)
 print(f"rank 0 under PP 2 holds {pp2_driver['layers']} layers + {pp2_driver['extras']}, kv_cache {pp2_driver['kv_cache']}")
 print(f"KV blocks at kv_cache_memory_gb={KV_GB}: PP 1 ({pp1_layers} layers) {pp1_blocks}, "
       f"PP 2 (per rank) {pp2_blocks}: {pp2_blocks[0] / pp1_blocks[0]:.2f}x")
-print(f"{pp2_steps} steps; rank 0 sent {len(p2p['send'])} tensors (hidden, residual each step) and received "
-      f"{len(p2p['recv'])} (the logits); the first step's:", p2p["send"][:2], p2p["recv"][:1])
+print(f"{pp2_batches} batches; rank 0 sent {len(p2p['isend'])} tensors (hidden, residual per batch) and received "
+      f"{len(p2p['recv'])} (the logits, or a one-number 'done' for a batch that samples nothing); the first "
+      "batch's:", p2p["isend"][:2], p2p["recv"][:1])
 
 # %% [markdown]
 # The same tokens. Each stage's KV cache covers half the layers, so a block costs it half as much and the same
@@ -828,7 +830,7 @@ print("TP 3 / PP 2 hidden-state bytes:", {step: round(r, 1) for step, r in ratio
 #
 # With one batch in flight, stage 1 can only start once stage 0 is done, and stage 0 waits for the logits to
 # come back before the next step can be scheduled: at any moment only one stage works. The schedule diagram
-# below (not a measurement) shows 3 stages and 4 micro-batches, each step taking one time unit per stage:
+# below (an idealised picture; the measurement follows) shows 3 stages and 4 batches, one time unit per stage:
 # on top, each batch passes all stages before the next starts; below, a new batch enters stage 0 as soon as
 # the previous one moves on, so after a warm-up of PP - 1 units the pipe is full.
 
@@ -842,7 +844,7 @@ def schedule(in_flight):
             for s in range(PP_STAGES) for b in range(MICRO_BATCHES)}
 
 
-schedules = {"1 batch in flight (minivllm today)": schedule(1), f"{PP_STAGES} batches in flight": schedule(PP_STAGES)}
+schedules = {"1 batch in flight": schedule(1), f"{PP_STAGES} batches in flight": schedule(PP_STAGES)}
 idle = {}
 for name, slots in schedules.items():
     span = max(slots.values()) + 1
@@ -853,7 +855,7 @@ print(f"one batch in flight: idle (PP - 1) / PP = {(PP_STAGES - 1) / PP_STAGES:.
 
 # %%
 # NBVAL_IGNORE_OUTPUT
-BATCH_COLORS = ["tab:blue", "tab:orange", "tab:green", "tab:red"]
+BATCH_COLORS = ["tab:blue", "tab:orange", "tab:green", "tab:red", "tab:purple", "tab:brown"]
 fig, axes = plt.subplots(2, 1, figsize=(12, 3.8), sharex=True)
 for ax, (name, slots) in zip(axes, schedules.items()):
     for (s, b), t in slots.items():
@@ -864,18 +866,90 @@ for ax, (name, slots) in zip(axes, schedules.items()):
     ax.set_title(f"{name}: each stage idle {idle[name]:.0%} of the time (white: the bubble)", fontsize=10)
     for side in ("top", "right"):
         ax.spines[side].set_visible(False)
-axes[1].set_xlim(0, max(schedules["1 batch in flight (minivllm today)"].values()) + 1)
+axes[1].set_xlim(0, max(schedules["1 batch in flight"].values()) + 1)
 axes[1].set_xlabel("time (one unit = one stage's share of a step)")
-fig.suptitle("schedule diagram (not measured): 3 stages x 4 micro-batches", fontsize=11)
+fig.suptitle("schedule diagram (idealised): 3 stages x 4 batches", fontsize=11)
 plt.tight_layout()
 plt.show()
 
 # %% [markdown]
-# minivllm runs the **first schedule** today: one batch in flight, so at PP 2 each rank is idle half the
-# time, and PP buys memory (bigger models, more KV blocks), not speed. The second is what vLLM v1 does, and
-# what comes next here: the scheduler keeps PP batches in flight (a batch's requests cannot be scheduled again
-# until their tokens come back, so each in-flight batch holds different requests), and the stages overlap.
-# That needs enough concurrent requests to fill PP batches; with few, the bubble returns.
+# ### The bubble, measured
+#
+# minivllm does the second schedule, as vLLM v1 does with its *batch queue* (`LLMEngine.step` in
+# `engine/llm_engine.py`): a step schedules and **issues** a new batch (rank 0 runs stage 0 and sends the
+# hidden states on), and only when `max_concurrent_batches` batches (default: one per stage) are in flight does
+# it wait for the oldest one's logits, sample them and update the requests. The scheduler never schedules a
+# request whose batch is still in flight (its next token is not known yet), so the batches hold different
+# requests, and each takes at most `ceil(requests / batches)` of them: otherwise the first batch would take
+# every request and the second would find none.
+#
+# Two details make this work. Sends are non-blocking (`dist.isend`, waited for at the stage's next batch):
+# rank 0 sends batch b + 1's hidden states while the last stage is about to send batch b's logits back, and two
+# blocking sends facing each other would wait forever. And the last stage always answers, with a one-number
+# "done" when a batch samples nothing, so "in flight" means "some stage still works on it".
+#
+# Each rank can note when it works on which batch (`executor.record_stage_times()`, then `stage_times()`: wall
+# clock, one machine). 32 requests decode 24 tokens each, with one batch in flight and with two. The last stage
+# also computes the LM head (576 x 49152, as heavy as 4 layers here), so for this measurement the split gives
+# stage 0 two more layers (`VLLM_PP_LAYER_PARTITION="17,13"`, vLLM's variable) and the stages take about as long.
+
+# %%
+# NBVAL_IGNORE_OUTPUT
+os.environ["VLLM_PP_LAYER_PARTITION"] = "17,13"
+BUBBLE_PROMPTS = [f"{p} (take {i})" for i in range(32) for p in PROMPTS][:32]
+BUBBLE_PARAMS = SamplingParams(temperature=0, max_tokens=24, ignore_eos=True)
+measured = {}
+for k in (1, 2):
+    with LLM(seed=0, num_kv_blocks=256, pipeline_parallel_size=2, max_concurrent_batches=k) as llm:
+        llm.generate(BUBBLE_PROMPTS[:2], SamplingParams(max_tokens=2), use_tqdm=False)          # warm up
+        llm.llm_engine.executor.record_stage_times()
+        start = time.perf_counter()
+        outs = llm.generate(BUBBLE_PROMPTS, BUBBLE_PARAMS, use_tqdm=False)
+        wall = time.perf_counter() - start
+        times = llm.llm_engine.executor.stage_times()
+    t0 = min(s for spans in times.values() for _, s, _ in spans)
+    measured[k] = {"wall": wall, "tokens": [o.outputs[0].token_ids for o in outs],
+                   "spans": {rank: [(b, s - t0, e - t0) for b, s, e in spans] for rank, spans in times.items()},
+                   "busy": {rank: sum(e - s for _, s, e in spans) / wall for rank, spans in times.items()}}
+del os.environ["VLLM_PP_LAYER_PARTITION"]
+for k, m in measured.items():
+    n_tokens = sum(len(t) for t in m["tokens"])
+    print(f"{k} batch(es) in flight: {n_tokens / m['wall']:5.1f} tokens/s, {len(m['spans'][0])} batches; busy: "
+          + ", ".join(f"rank {r} {b:.0%}" for r, b in m["busy"].items()))
+print(f"2 in flight / 1 in flight: {measured[1]['wall'] / measured[2]['wall']:.2f}x the throughput; "
+      "greedy tokens identical:", measured[1]["tokens"] == measured[2]["tokens"])
+
+# %%
+# NBVAL_IGNORE_OUTPUT
+fig, axes = plt.subplots(2, 1, figsize=(12, 3.6), sharex=True)
+for ax, (k, m) in zip(axes, measured.items()):
+    spans = m["spans"]
+    mid = spans[0][len(spans[0]) // 2][1]                      # a window in the steady middle of the run
+    for rank, rank_spans in spans.items():
+        for b, s, e in rank_spans:
+            if mid <= s <= mid + 0.8:
+                ax.add_patch(Rectangle((s - mid, 1 - rank - 0.35), e - s, 0.7, facecolor=BATCH_COLORS[b % 6],
+                                       edgecolor="black", lw=0.5))
+                ax.text((s + e) / 2 - mid, 1 - rank, str(b), ha="center", va="center", color="white", fontsize=8)
+    ax.set_yticks([0, 1], ["stage 1 (rank 1)", "stage 0 (rank 0)"])
+    ax.set_ylim(-0.6, 1.6)
+    ax.set_title(f"measured, {k} batch(es) in flight: rank 0 busy {m['busy'][0]:.0%}, rank 1 busy {m['busy'][1]:.0%} "
+                 "of the run (white: idle)", fontsize=10)
+    for side in ("top", "right"):
+        ax.spines[side].set_visible(False)
+axes[1].set_xlim(0, 0.8)
+axes[1].set_xlabel("seconds (0.8 s from the middle of each run); the number is the batch")
+plt.tight_layout()
+plt.show()
+
+# %% [markdown]
+# On top, the staircase of the first diagram, for real: a batch goes through stage 0, then stage 1, and each
+# rank waits for the other (the gaps are the bubble, plus rank 0's own work between batches: sampling,
+# scheduling, detokenizing). Below, while rank 1 runs batch b, rank 0 already runs batch b + 1: both ranks are
+# busy most of the time. On these 2 cores that turns PP 2 from slower than one process (each rank has one
+# core and half the time nothing to do) into about as fast; on GPUs across machines it is what makes PP
+# worth its memory. It needs enough concurrent requests to fill the batches: with one request there is one
+# batch, and the bubble returns.
 
 # %%
 assert partitions[2] == [(0, 15), (15, 30)] and partitions[3] == [(0, 10), (10, 20), (20, 30)]
@@ -884,9 +958,10 @@ assert stage_extras(stage_skeleton(0, 2)) == ["embed_tokens"] and stage_extras(s
 assert stage_params[2, 0] + stage_params[2, 1] == full + cfg.vocab_size * cfg.hidden_size   # the head's own copy
 assert pp1_tokens == pp2_tokens and pp2_driver["layers"] == 15 and pp2_driver["kv_cache"][1] == 15
 assert all(2 * pp1_blocks[0] <= n <= 2 * pp1_blocks[0] + 1 for n in pp2_blocks)
-assert len(p2p["send"]) == 2 * pp2_steps and len(p2p["recv"]) == pp2_steps
+assert len(p2p["isend"]) == 2 * pp2_batches and len(p2p["recv"]) == pp2_batches
 assert ratio["decode, 32 requests"] == (1 + 2 * cfg.num_hidden_layers) / 2
-assert abs(idle["1 batch in flight (minivllm today)"] - (PP_STAGES - 1) / PP_STAGES) < 1e-12
+assert abs(idle["1 batch in flight"] - (PP_STAGES - 1) / PP_STAGES) < 1e-12
+assert measured[1]["tokens"] == measured[2]["tokens"]
 assert not mp.active_children() and not dist.is_initialized()
 
 # %% [markdown]
@@ -898,7 +973,8 @@ assert not mp.active_children() and not dist.is_initialized()
 # head they read, a third of the weights and a third of each KV block; TP 2 is refused; and the engine on 3
 # ranks produced TP 1's greedy tokens and left no process behind; the pipeline stages split the 30 layers
 # evenly, PP 2 produced PP 1's greedy tokens with twice the KV blocks per rank, sends the hidden state far
-# less often than TP, and one batch in flight leaves each of 3 stages idle two thirds of the time.
+# less often than TP, and one batch in flight leaves each of 3 stages idle two thirds of the time; measured, two
+# batches in flight give the same tokens with the stages working at the same time.
 
 # %%
 def self_check():
@@ -936,8 +1012,14 @@ def self_check():
     assert pp1_tokens == pp2_tokens and len(pp2_tokens) == len(PROMPTS)
     assert min(pp2_blocks) >= 2 * pp1_blocks[0]
     assert all(traffic[step, "PP 2"][0] < traffic[step, "TP 3"][0] for step, _ in traffic)
-    assert idle[f"{PP_STAGES} batches in flight"] < idle["1 batch in flight (minivllm today)"]
-    assert abs(idle["1 batch in flight (minivllm today)"] - 2 / 3) < 1e-12
+    assert idle[f"{PP_STAGES} batches in flight"] < idle["1 batch in flight"]
+    assert abs(idle["1 batch in flight"] - 2 / 3) < 1e-12
+    # measured: the same tokens; with two batches in flight the stages overlap and both ranks are busier
+    assert measured[1]["tokens"] == measured[2]["tokens"]
+    overlap = [(b0, b1) for b0, s0, e0 in measured[2]["spans"][0] for b1, s1, e1 in measured[2]["spans"][1]
+               if b1 < b0 and s1 < e0 and s0 < e1]
+    assert len(overlap) >= len(measured[2]["spans"][0]) // 2
+    assert min(measured[2]["busy"].values()) > max(measured[1]["busy"].values())
     return "all checks passed"
 
 

@@ -25,7 +25,8 @@ Batches in flight (pipeline parallelism, vLLM v1's batch queue): with `max_concu
 schedules the next batch while up to k - 1 earlier ones are still in later pipeline stages. A request is in flight
 from the schedule that puts it in a batch to the `update_from_output` of that batch: it is never scheduled again,
 preempted or given new tokens in between (its next token is not known yet). Each batch takes at most
-ceil(max_num_seqs / k) requests, so k batches share the running requests and every stage has work.
+ceil(n / k) requests, n being the unfinished requests (at most max_num_seqs): the k batches share them evenly,
+so every stage has work (one batch would take them all, and the next would find none).
 
     k = 2, four decoding requests:   batch 7 = [A B]  (in stage 1)     batch 8 = [C D]  (in stage 0)
                                      A, B come back with batch 7's tokens; batch 9 takes them again
@@ -93,7 +94,6 @@ class Scheduler:
         self.max_model_len = max_model_len
         self.preemption_mode = preemption_mode
         self.max_concurrent_batches = max_concurrent_batches
-        self.max_num_seqs_per_batch = -(-max_num_seqs // max_concurrent_batches)
         self.in_flight: set[Request] = set()      # running requests in a batch whose output has not come back
         self.waiting: list[Request] = []     # sorted by (priority, arrival_time, admission order)
         self.running: list[Request] = []
@@ -161,7 +161,7 @@ class Scheduler:
         swap_in: list[tuple[int, int]] = []
         spec: dict[str, list[int]] = {}
 
-        cap = self.max_num_seqs_per_batch
+        cap = -(-min(len(self.running) + len(self.waiting), self.max_num_seqs) // self.max_concurrent_batches)
         # 1. Running requests: decodes (1 token left to compute) before prefill chunks; not those in flight.
         for req in sorted(self.running, key=lambda r: r.num_tokens - r.num_computed_tokens > 1):
             if budget == 0 or len(scheduled) == cap:
