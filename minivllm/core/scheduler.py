@@ -245,6 +245,9 @@ class Scheduler:
         """Send a running request back to the waiting queue, its KV swapped out or dropped."""
         kv, j = self.kv_cache_manager, self.journal
         self._remove(self.running, req)
+        if req in self.in_flight:             # (never chosen by schedule(); its batch's output would be dropped)
+            self.in_flight.remove(req)
+            j.record(lambda: self.in_flight.add(req))
         if self.preemption_mode == "swap" and kv.can_swap_out(req):
             self._swap_out += kv.swap_out(req)
             j.set(req, "status", RequestStatus.SWAPPED)

@@ -259,18 +259,18 @@ class ModelRunner:
             dist.broadcast(logits, last_stage_root)
             num_sampling = len(mi.sample_rows)
             return (logits[:num_sampling] if num_sampling else None), (logits[num_sampling:] if prompt_rows else None)
+        if pp.is_last:
+            # (rows, vocab) fp32, all-gathered under TP; with no rows a one-number answer, so that rank 0 always
+            # knows when every stage is done with a batch (what "in flight" means)
+            out = (self.model.compute_logits(out[rows]) if rows else
+                   torch.zeros(1, dtype=torch.float32, device=self.device)),
+        if self.record_stage_times:                  # noted before sending: the next stage cannot start earlier
+            self.stage_times.append((mi.step_id, started, time.time()))
         if not pp.is_last:
             self._isend(out[0].contiguous(), pp.next_rank)
             self._isend(out[1].contiguous(), pp.next_rank)
-        else:
-            # (rows, vocab) fp32, all-gathered under TP; with no rows a one-number answer, so that rank 0 always
-            # knows when every stage is done with a batch (what "in flight" means)
-            logits = (self.model.compute_logits(out[rows]) if rows else
-                      torch.zeros(1, dtype=torch.float32, device=self.device))
-            if self.tp.rank == 0:
-                self._isend(logits.contiguous(), pp.driver_rank)
-        if self.record_stage_times:
-            self.stage_times.append((mi.step_id, started, time.time()))
+        elif self.tp.rank == 0:
+            self._isend(out[0].contiguous(), pp.driver_rank)
         return None, None
 
     def receive_logits(self, mi: ModelInput) -> tuple[torch.Tensor | None, torch.Tensor | None]:
