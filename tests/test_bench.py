@@ -182,3 +182,32 @@ def test_spec_workload_flag_is_for_the_spec_mode(capsys):
     with pytest.raises(SystemExit) as exc:
         main(["offline", "--workload", "repeat"])
     assert exc.value.code == 2 and "--workload repeat is for the spec mode" in capsys.readouterr().err
+
+
+def test_pipeline_mode_overlaps_the_stages_only_with_batches_in_flight(tmp_path, capsys):
+    import torch
+
+    out = tmp_path / "pipeline.json"
+    threads = torch.get_num_threads()
+    try:            # 1 thread: a 2-thread PP 1 stalls on a busy 2-core machine, and the test must stay short
+        rc = main(["pipeline", "--num-requests", "4", "--input-len-min", "8", "--input-len-max", "16",
+                   "--output-len-min", "12", "--output-len-max", "12", "--rounds", "1", "--threads", "1",
+                   "--json", str(out)])
+    finally:
+        torch.set_num_threads(threads)
+    assert rc == 0
+    printed = capsys.readouterr().out
+    for line in ("c / b:", "c / a:", "identical greedy outputs: yes", "load average (1 min):"):
+        assert line in printed, line
+    r = json.loads(out.read_text())
+    assert set(r["configs"]) == {"a", "b", "c"} and r["outputs_identical"] and r["pipeline_parallel_size"] == 2
+    a, b, c = (r["configs"][k] for k in "abc")
+    assert (a["pipeline_parallel_size"], b["max_concurrent_batches"], c["max_concurrent_batches"]) == (1, 1, 2)
+    for cfg in (a, b, c):
+        assert cfg["median_tokens_per_s"] > 0 and cfg["steps"][0] > 0
+    for cfg in (b, c):
+        assert set(cfg["busy_fraction"]) == {"0", "1"}
+        assert all(0 < f <= 1 for f in cfg["busy_fraction"].values()), cfg["busy_fraction"]
+    # One batch in flight: stage 0 waits for the last stage every time. Two: it runs the next batch meanwhile.
+    assert b["total_overlap"] == 0 and c["total_overlap"] > 0
+    assert r["c_over_b"] == pytest.approx(c["median_tokens_per_s"] / b["median_tokens_per_s"])

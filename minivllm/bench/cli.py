@@ -1,4 +1,4 @@
-"""`python -m minivllm.bench [offline|prefix|spec|kernels|serve]`: the benchmark's command line.
+"""`python -m minivllm.bench [offline|prefix|spec|pipeline|kernels|serve]`: the benchmark's command line.
 
 Owns: the flags (workload, serve, kernels, engine options from EngineConfig, comparison and output), their
 usage errors (exit code 2), and handing each mode to its module:
@@ -8,6 +8,8 @@ usage errors (exit code 2), and handing each mode to its module:
     prefix    prefix.py    requests behind one shared prompt, prefix caching off vs on
     spec      spec.py      one workload (random, or `--workload repeat`: copies of text in the prompt),
                            speculative decoding off vs on, alternating rounds
+    pipeline  pipeline.py  one workload through PP 1, PP n with one batch in flight and PP n with n in flight,
+                           alternating rounds: tokens/s, each rank's busy fraction, the stages' overlap
     kernels   kernels.py   the Triton paged-decode kernel against the GPU's copy bandwidth (CUDA only)
     serve     serve.py     Poisson-timed streaming requests to a running OpenAI-compatible server
 
@@ -20,6 +22,7 @@ import argparse
 
 from minivllm.bench.kernels import KERNEL_DTYPES, main_kernels
 from minivllm.bench.offline import main_offline
+from minivllm.bench.pipeline import main_pipeline
 from minivllm.bench.prefix import main_prefix
 from minivllm.bench.serve import main_serve
 from minivllm.bench.spec import main_spec
@@ -36,12 +39,14 @@ def positive_int(text: str) -> int:
 def build_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog="python -m minivllm.bench",
                                 description="Benchmark minivllm (optionally against Hugging Face transformers).")
-    p.add_argument("mode", nargs="?", default="offline", choices=["offline", "prefix", "spec", "kernels", "serve"],
+    p.add_argument("mode", nargs="?", default="offline",
+                   choices=["offline", "prefix", "spec", "pipeline", "kernels", "serve"],
                    help="offline: throughput and latency of one batch of synthetic requests (default); "
                         "prefix: prefill tokens computed for requests behind one shared system prompt, "
                         "prefix caching off vs on; spec: speculative decoding off vs on (--speculative-config, "
-                        "default n-gram k=4) on the same workload in alternating rounds; kernels (CUDA GPU "
-                        "only): the Triton paged-decode kernel's time and bandwidth vs the device's copy bandwidth and the PyTorch reference; serve: "
+                        "default n-gram k=4) on the same workload in alternating rounds; pipeline: PP 1 vs PP n "
+                        "(--pipeline-parallel-size, default 2) with 1 batch in flight vs n, alternating rounds, with "
+                        "each rank's busy fraction; kernels (CUDA GPU only): the Triton paged-decode kernel's time and bandwidth vs the device's copy bandwidth and the PyTorch reference; serve: "
                         "Poisson-timed streaming requests to a running OpenAI-compatible server (python app.py)")
     w = p.add_argument_group("workload")
     w.add_argument("--workload", choices=["random", "repeat"], default="random",
@@ -56,7 +61,7 @@ def build_parser() -> argparse.ArgumentParser:
     w.add_argument("--seed", type=int, default=0, help="seeds the workload and the engine (default 0)")
     w.add_argument("--shared-prefix-len", type=positive_int, default=200, help="prefix mode: shared tokens")
     w.add_argument("--rounds", type=positive_int, default=3,
-                   help="spec mode: rounds of the workload through each engine, alternating (default 3)")
+                   help="spec and pipeline modes: rounds of the workload through each engine, alternating (default 3)")
     sv = p.add_argument_group("serve mode")
     sv.add_argument("--base-url", default="http://127.0.0.1:8000", help="the running server")
     sv.add_argument("--request-rate", type=float, default=float("inf"),
@@ -115,4 +120,6 @@ def main(argv=None) -> int:
         return main_prefix(args, config)
     if args.mode == "spec":
         return main_spec(args, config)
+    if args.mode == "pipeline":
+        return main_pipeline(args, config)
     return main_offline(args, config)
