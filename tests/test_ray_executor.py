@@ -109,8 +109,13 @@ def test_ray_actors_give_one_ranks_tokens_with_every_feature_on(ray_cluster, mod
         assert os.getpid() not in pids and len(set(pids)) == len(pids) and all(alive(p) for p in pids)
         assert {i["node_id"] for i in executor.worker_info} <= {n["NodeID"] for n in ray.nodes()}
         assert engine.max_concurrent_batches == pp
+        executor.record_stage_times()
         got = token_ids(llm.generate(prompt_ids, greedy(), use_tqdm=False))
         stats = engine.get_stats()
+        times = executor.stage_times()                      # (noted by pipeline stages only)
+        assert sorted(times) == list(range(tp * pp))
+        if pp > 1:                                          # every batch went through every stage
+            assert times[0] and all([b for b, _, _ in times[r]] == [b for b, _, _ in times[0]] for r in times)
         assert got == reference
         assert stats.prefix_cache_hits > 0 and stats.num_preemptions > 0       # the features fired
         assert len(set(executor.num_kv_blocks_per_rank)) == 1                 # 14 blocks asked for, on every rank
