@@ -255,3 +255,20 @@ def test_the_dashboard_shows_which_batch_each_stage_holds(model_dir, prompt_ids)
         else:
             assert 'data-stage="0" data-batch="">idle' in page
         assert all(rid in page for rid in pipe[0][1])
+
+
+def test_aborting_a_prompt_logprobs_request_during_its_prefill_in_flight(model_dir, prompt_ids, reference):
+    """Its batch comes back with prompt-logprob rows for a request that is gone: they are dropped."""
+    with LLM(str(model_dir), pipeline_parallel_size=2, **FEATURES) as llm:
+        engine = llm.llm_engine
+        asks = SamplingParams(temperature=0, max_tokens=4, prompt_logprobs=2)
+        victim = engine.add_request(prompt_ids[0], asks)
+        others = [engine.add_request(p, greedy()) for p in prompt_ids[1:3]]
+        engine.step()                                           # issued, not collected: the pipe is not full yet
+        assert victim in engine.scheduler.in_flight
+        engine.abort_request(victim.request_id)
+        while engine.has_unfinished_requests():
+            engine.step()
+            engine.check_integrity()
+        assert [r.output_token_ids for r in others] == reference[1:3]
+        assert engine.kv_cache_manager.num_free_blocks == engine.kv_cache_manager.num_blocks

@@ -151,7 +151,9 @@ class OutputProcessor:
                                    len(co.new_token_ids) - keep))
         update = OutputUpdate(changes)
         for request_id, chunk in (logprobs.prompt.items() if logprobs else ()):
-            st = self.states[request_id]
+            st = self.states.get(request_id)
+            if st is None:                                 # aborted while its batch was in flight (pipeline)
+                continue
             have = len(st.prompt_logprobs)                 # prompt tokens 0 .. have - 1 are kept already
             assert chunk.first_token <= have, (request_id, chunk.first_token, have)
             new = chunk.rows[have - chunk.first_token:]

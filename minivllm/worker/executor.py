@@ -8,6 +8,13 @@ makes sure they start together, agree on the KV cache size, and stop together, l
     MultiprocExecutor         tp N on this machine: N - 1 spawned workers + the driver, one
                               process group (gloo on CPU, NCCL on CUDA) on a free port
     ExternalLauncherExecutor  tp N under torchrun: every rank runs the whole engine in lockstep
+    RayDistributedExecutor    ranks 1.. as Ray actors in a placement group (ray_executor.py)
+
+Under pipeline parallelism (PP stages of TP ranks each) a step is split in two, `issue` and `collect`, so that
+the engine can keep up to PP batches in flight (vLLM v1's batch queue, engine/llm_engine.py):
+
+    rank 0, stage 0:   [issue b1: stage 0] [issue b2: stage 0] [collect b1: sample] [issue b3] [collect b2] ...
+    rank 1, stage 1:                       [b1: stage 1, logits -> rank 0] [b2: stage 1 ...]
 
 MultiprocExecutor, one step with tp 3:
 
