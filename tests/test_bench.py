@@ -184,9 +184,10 @@ def test_spec_workload_flag_is_for_the_spec_mode(capsys):
     assert exc.value.code == 2 and "--workload repeat is for the spec mode" in capsys.readouterr().err
 
 
-def test_pipeline_mode_overlaps_the_stages_only_with_batches_in_flight(tmp_path, capsys):
+def test_pipeline_mode_overlaps_the_stages_only_with_batches_in_flight(tmp_path, capsys, monkeypatch):
     import torch
 
+    monkeypatch.setenv("VLLM_PP_LAYER_PARTITION", "17,13")     # for PP 2 (b, c); engine a is built without it
     out = tmp_path / "pipeline.json"
     threads = torch.get_num_threads()
     try:            # 1 thread: a 2-thread PP 1 stalls on a busy 2-core machine, and the test must stay short
@@ -201,6 +202,7 @@ def test_pipeline_mode_overlaps_the_stages_only_with_batches_in_flight(tmp_path,
         assert line in printed, line
     r = json.loads(out.read_text())
     assert set(r["configs"]) == {"a", "b", "c"} and r["outputs_identical"] and r["pipeline_parallel_size"] == 2
+    assert r["layer_partition"] == "17,13"
     a, b, c = (r["configs"][k] for k in "abc")
     assert (a["pipeline_parallel_size"], b["max_concurrent_batches"], c["max_concurrent_batches"]) == (1, 1, 2)
     for cfg in (a, b, c):

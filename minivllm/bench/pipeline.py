@@ -14,7 +14,8 @@ ratios c / b and c / a, engine steps, and for b and c what each rank measured it
 `record_stage_times`): its busy fraction (the sum of its stage intervals / the run's wall time) and the overlap
 (how many of rank 0's batch intervals overlapped the last stage's interval of an earlier batch: 0 with one batch
 in flight). Greedy outputs must be identical across a, b and c. The prefix cache is reset before each round.
-`VLLM_PP_LAYER_PARTITION="a,b"` sets the layers per stage (the last stage also computes the LM head).
+`VLLM_PP_LAYER_PARTITION="a,b"` sets the layers per stage of b and c (the last stage also computes the LM head);
+engine a is built without it.
 
 Torch's thread count is process-wide and a multiproc executor sets the driver's to cores / ranks while it lives,
 so each run sets the count its engine was built with: a's own threads, b's and c's per-rank threads.
@@ -89,7 +90,13 @@ def bench_pipeline(engine_kw: dict, pp: int, make_workload, rounds: int
 
     def build(label: str) -> LLM:
         size, batches = settings[label]
-        llm = LLM(**{**engine_kw, "pipeline_parallel_size": size, "max_concurrent_batches": batches})
+        # VLLM_PP_LAYER_PARTITION names the PP n stages' layers; PP 1 has one stage of all of them.
+        hidden = os.environ.pop("VLLM_PP_LAYER_PARTITION", None) if size == 1 else None
+        try:
+            llm = LLM(**{**engine_kw, "pipeline_parallel_size": size, "max_concurrent_batches": batches})
+        finally:
+            if hidden is not None:
+                os.environ["VLLM_PP_LAYER_PARTITION"] = hidden
         if label not in results:
             results[label] = ConfigResult(label, size, llm.llm_engine.max_concurrent_batches, torch.get_num_threads())
         return llm
