@@ -108,6 +108,15 @@ class Executor:
         """Send one batch into the ranks. With pipeline stages this returns once rank 0 has run stage 0 and passed
         the hidden states on: the later stages work on it while the engine schedules and issues the next batch
         (up to `max_concurrent_batches` at once). Otherwise the whole forward is done here."""
+        with self._failure_guard():
+            return self._issue(sched)
+
+    def _failure_guard(self) -> contextlib.AbstractContextManager:
+        """Around the ranks' share of a step (issue, and waiting for logits). Executors with workers stop them all
+        when it raises: a rank may be stuck in a collective whose partner is gone."""
+        return contextlib.nullcontext()
+
+    def _issue(self, sched: SchedulerOutput) -> InFlightBatch:
         model_input, sampling_requests = self.driver.prepare_inputs(sched)
         self._next_step_id += 1
         model_input = dataclasses.replace(model_input, step_id=self._next_step_id)
@@ -157,10 +166,11 @@ class Executor:
 
     def _await_logits(self, batch: InFlightBatch) -> None:
         """Wait until the batch's logits are here, receiving those of older batches first."""
-        while not batch.received:
-            older = self._unreceived.popleft()
-            older.logits, older.prompt_logits = self.driver.receive_logits(older.model_input)
-            older.received = True
+        with self._failure_guard():
+            while not batch.received:
+                older = self._unreceived.popleft()
+                older.logits, older.prompt_logits = self.driver.receive_logits(older.model_input)
+                older.received = True
 
     def _sample(self, logits: torch.Tensor, requests: list[Request], drafts: list[list[int]]) -> list[list[int]]:
         """Plain rows through the sampler, rows with drafts through the rejection sampler."""
@@ -431,16 +441,8 @@ class MultiprocExecutor(Executor):
         for conn in self.conns:
             conn.send(("execute_model", model_input))
 
-    def issue(self, sched):
-        with self._stop_all_on_failure():
-            return super().issue(sched)
-
-    def _await_logits(self, batch):
-        with self._stop_all_on_failure():
-            super()._await_logits(batch)
-
     @contextlib.contextmanager
-    def _stop_all_on_failure(self):
+    def _failure_guard(self):
         try:
             yield
         except BaseException as e:

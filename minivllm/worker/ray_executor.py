@@ -284,21 +284,17 @@ class RayDistributedExecutor(Executor):
             calls = [(rank, ref) for rank, ref in calls if ref not in done and rank not in failed]
         return failed
 
-    def issue(self, sched):
-        with self._stop_all_on_failure():
-            return super().issue(sched)
-
     def _await_logits(self, batch):
-        with self._stop_all_on_failure():
+        with self._failure_guard():
             super()._await_logits(batch)
             self._check_workers()
 
     def execute_model(self, sched, grammar_bitmask=None):
-        with self._stop_all_on_failure():
+        with self._failure_guard():
             return super().execute_model(sched, grammar_bitmask)
 
     @contextlib.contextmanager
-    def _stop_all_on_failure(self):
+    def _failure_guard(self):
         if self._state.get("in_guard"):          # execute_model -> issue -> ...: the outermost guard decides
             yield
             return
