@@ -272,3 +272,22 @@ def test_aborting_a_prompt_logprobs_request_during_its_prefill_in_flight(model_d
             engine.check_integrity()
         assert [r.output_token_ids for r in others] == reference[1:3]
         assert engine.kv_cache_manager.num_free_blocks == engine.kv_cache_manager.num_blocks
+
+
+def test_tp2_x_pp2_on_a_tiny_llama_with_every_feature_on(tmp_path, model_dir):
+    """TP 2 x PP 2 (four ranks: two stages of two TP ranks) on a tiny Llama whose heads TP 2 divides, with prefix
+    caching, chunked prefill and preemption, two batches in flight; the oracle is the plain engine (which
+    test_model_loading.py checks against Hugging Face on the same kind of checkpoint)."""
+    from tests.test_model_loading import write_tiny_checkpoint
+    write_tiny_checkpoint(tmp_path, "LlamaForCausalLM", model_dir, num_attention_heads=4, num_key_value_heads=2)
+    shared = list(range(100, 148))                                    # three full blocks shared by every prompt
+    prompts = [{"prompt_token_ids": shared + p} for p in ([5, 17, 42, 7, 99], [9, 8, 7], list(range(40, 70)), [3])]
+    kw = dict(device="cpu", dtype="float32", max_num_batched_tokens=32, max_num_seqs=8, num_kv_blocks=10)
+    expected = token_ids(LLM(str(tmp_path), **kw).generate(prompts, greedy(24), use_tqdm=False))
+    with LLM(str(tmp_path), tensor_parallel_size=2, pipeline_parallel_size=2, **kw) as llm:
+        with llm.llm_engine.record_traces() as traces:
+            assert token_ids(llm.generate(prompts, greedy(24), use_tqdm=False)) == expected
+        stats = llm.get_stats()
+        assert len(llm.llm_engine.executor.worker_pids) == 3
+        assert stats.prefix_cache_hits > 0 and stats.num_preemptions > 0
+        assert max(len(t.pipeline.in_flight) for t in traces) == 2
