@@ -165,3 +165,13 @@ def test_tiles_the_interpreter_accepts_are_rejected_ahead_of_time(request):
     for info in infos:
         problems = aot.violations(info)
         assert problems and problems[0].startswith(aot.BAD_TILES[info.name][1]), (info.arch, info.name, problems)
+
+
+def test_the_stub_driver_is_undone_even_on_error():
+    from triton.runtime.driver import driver
+    before = driver._active
+    with pytest.raises(RuntimeError, match="inside"):
+        with aot.stub_driver(90) as stub:
+            assert driver.active is stub and stub.get_current_target().arch == 90
+            raise RuntimeError("inside")
+    assert driver._active is before
