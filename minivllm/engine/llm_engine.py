@@ -337,8 +337,8 @@ class LLMEngine:
         so the pipe holds exactly the batches in the queue (each stage's next message is the next one's)."""
         try:
             self.executor.discard(batch)
-        except BaseException:         # the executor stopped its ranks (it says why); the step's own error goes up
-            logger.exception("could not drain batch %d from the pipeline", batch.step_id)
+        except BaseException as e:    # the executor stopped its ranks (it says why); the step's own error goes up
+            logger.warning("could not drain batch %d from the pipeline: %s", batch.step_id, e)
 
     def add_trace_listener(self, listener: Callable[[StepTrace], None]) -> None:
         """Call `listener(StepTrace)` after every step (see trace.py). Costs nothing while there are none."""
