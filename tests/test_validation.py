@@ -115,7 +115,8 @@ def test_stop_token_ids_and_max_tokens(llm):
 
 
 def test_bad_parallel_settings_are_refused_with_the_fix(model_dir):
-    with pytest.raises(ValueError, match="distributed_executor_backend is 'slurm'; choose one of auto, uni, mp, external_launcher, ray"):
+    with pytest.raises(ValueError, match="distributed_executor_backend is 'slurm'; choose one of auto, uni, mp, "
+                                         "external_launcher, ray"):
         LLM(str(model_dir), device="cpu", distributed_executor_backend="slurm")
     with pytest.raises(ValueError, match="needs RANK, WORLD_SIZE.*start the program with torchrun"):
         LLM(str(model_dir), device="cpu", tensor_parallel_size=3, distributed_executor_backend="external_launcher")
