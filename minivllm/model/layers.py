@@ -20,6 +20,8 @@ import torch.distributed as dist
 import torch.nn.functional as F
 from torch import nn
 
+from minivllm.model.cpu_gemm import gemm
+
 
 @dataclass(frozen=True)
 class TPGroup:
@@ -78,12 +80,13 @@ class ColumnParallelLinear(nn.Module):
         self.tp = tp
         self.weight = nn.Parameter(torch.empty(out_features // tp.size, in_features), requires_grad=False)
         self.bias = nn.Parameter(torch.empty(out_features // tp.size), requires_grad=False) if bias else None
+        self.packed_weight: torch.Tensor | None = None     # CPU: `weight` in oneDNN's layout (cpu_gemm.py)
 
     def weight_loader(self, param: nn.Parameter, loaded: torch.Tensor, shard_id=None) -> None:
         param.copy_(_shard(loaded, 0, self.tp.rank, self.tp.size))
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return F.linear(x, self.weight, self.bias)
+        return gemm(x, self.weight, self.bias, self.packed_weight)
 
 
 class QKVParallelLinear(ColumnParallelLinear):
@@ -122,12 +125,13 @@ class RowParallelLinear(nn.Module):
         self.tp = tp
         self.weight = nn.Parameter(torch.empty(out_features, in_features // tp.size), requires_grad=False)
         self.bias = nn.Parameter(torch.empty(out_features), requires_grad=False) if bias else None
+        self.packed_weight: torch.Tensor | None = None     # CPU: `weight` in oneDNN's layout (cpu_gemm.py)
 
     def weight_loader(self, param, loaded, shard_id=None):
         param.copy_(_shard(loaded, 1, self.tp.rank, self.tp.size) if param.dim() == 2 else loaded[:])
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        y = self.tp.all_reduce(F.linear(x, self.weight))     # partial sums from every rank
+        y = self.tp.all_reduce(gemm(x, self.weight, None, self.packed_weight))   # partial sums from every rank
         return y + self.bias if self.bias is not None else y
 
 
@@ -156,8 +160,12 @@ class VocabParallelEmbedding(nn.Module):
 class ParallelLMHead(VocabParallelEmbedding):
     """logits = hidden @ embedding.T, each rank computing its vocabulary slice, gathered for sampling."""
 
+    def __init__(self, vocab_size: int, hidden_size: int, tp: TPGroup):
+        super().__init__(vocab_size, hidden_size, tp)
+        self.packed_weight: torch.Tensor | None = None     # CPU: `weight` in oneDNN's layout (cpu_gemm.py)
+
     def forward(self, hidden: torch.Tensor) -> torch.Tensor:
-        logits = F.linear(hidden, self.weight)                 # (num_seqs, vocab_size / tp)
+        logits = gemm(hidden, self.weight, None, self.packed_weight)   # (num_seqs, vocab_size / tp)
         return self.tp.all_gather_last_dim(logits)              # (num_seqs, vocab_size)
 
 

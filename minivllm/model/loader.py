@@ -12,6 +12,7 @@ from pathlib import Path
 import torch
 from safetensors import safe_open
 
+from minivllm.model.cpu_gemm import prepack_linear_weights
 from minivllm.model.layers import PPStage, TPGroup
 from minivllm.model.llama import LlamaForCausalLM, ModelConfig
 
@@ -103,8 +104,8 @@ def load_model(path: Path, cfg: ModelConfig, dtype: torch.dtype, device: torch.d
                     continue
                 if model.load_param(name, st.get_slice(name)):      # lazy: read on indexing
                     loaded.add(model.local_name(name))
-    if device.type == "cpu":
-        use_column_major_linear_weights(model)
+    if device.type == "cpu" and not prepack_linear_weights(model):       # oneDNN's layout (cpu_gemm.py),
+        use_column_major_linear_weights(model)                            # else the best one for MKL
     expected = {_checkpoint_name(n) for n, _ in model.named_parameters()}
     missing = sorted(expected - {_checkpoint_name(n) for n in loaded})
     if missing:

@@ -1,0 +1,73 @@
+"""oneDNN-prepacked CPU matmuls (model/cpu_gemm.py): same results as F.linear, and really used by the model."""
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+from minivllm.model import cpu_gemm
+from minivllm.model.layers import ColumnParallelLinear, ParallelLMHead, RowParallelLinear, TPGroup
+
+pytestmark = pytest.mark.skipif(not cpu_gemm.onednn_available(), reason="this torch build has no oneDNN")
+
+
+@pytest.mark.parametrize("dtype,rtol,atol", [(torch.float32, 1e-5, 1e-5), (torch.bfloat16, 1.6e-2, 2e-2)])
+@pytest.mark.parametrize("rows", [1, 7, 32, 300])
+def test_packed_gemm_equals_linear(dtype, rtol, atol, rows):
+    g = torch.Generator().manual_seed(rows)
+    w = torch.randn(960, 576, generator=g).to(dtype) / 24
+    b = torch.randn(960, generator=g).to(dtype)
+    x = torch.randn(rows, 576, generator=g).to(dtype)
+    packed = cpu_gemm.prepack(w)
+    assert packed is not None and packed.is_mkldnn
+    torch.testing.assert_close(cpu_gemm.gemm(x, w, b, packed), F.linear(x, w, b), rtol=rtol, atol=atol)
+    torch.testing.assert_close(cpu_gemm.gemm(x, w, None, packed), F.linear(x, w), rtol=rtol, atol=atol)
+
+
+def test_no_packing_for_other_dtypes_and_fallback_on_mismatch():
+    w = torch.randn(8, 4)
+    assert cpu_gemm.prepack(w.half()) is None                 # fp16 on a CPU: F.linear
+    packed = cpu_gemm.prepack(w)
+    x = torch.randn(3, 4, dtype=torch.bfloat16)               # a bf16 input to an fp32 packed weight
+    torch.testing.assert_close(cpu_gemm.gemm(x, w.bfloat16(), None, packed), F.linear(x, w.bfloat16()))
+
+
+def test_every_linear_of_the_model_is_packed_and_used(monkeypatch):
+    from minivllm import LLM, SamplingParams
+
+    llm = LLM(num_kv_blocks=64)
+    model = llm.llm_engine.model_runner.model
+    linears = [m for m in model.modules() if isinstance(m, (ColumnParallelLinear, RowParallelLinear, ParallelLMHead))]
+    assert len(linears) == 30 * 4 + 1                         # qkv, o, gate_up, down per layer + the LM head
+    assert all(m.packed_weight is not None and m.packed_weight.is_mkldnn for m in linears)
+    calls = []
+    real = torch.ops.mkldnn._linear_pointwise
+    monkeypatch.setattr(cpu_gemm, "torch", _CountingTorch(real, calls))
+    out = llm.generate([{"prompt_token_ids": [1, 2, 3, 4]}], SamplingParams(max_tokens=2, temperature=0),
+                       use_tqdm=False)
+    assert len(out[0].outputs[0].token_ids) == 2
+    assert len(calls) == 2 * len(linears)                     # every linear, both steps, went through oneDNN
+
+
+def test_switch_off_with_env(monkeypatch):
+    monkeypatch.setenv("MINIVLLM_CPU_PREPACK", "0")
+    layer = ColumnParallelLinear(4, 8, False, TPGroup())
+    assert cpu_gemm.prepack_linear_weights(layer) == 0 and layer.packed_weight is None
+
+
+class _CountingTorch:
+    """Stands in for the `torch` module inside cpu_gemm, counting calls of oneDNN's packed linear."""
+
+    def __init__(self, real_op, calls):
+        self._real_op, self._calls = real_op, calls
+
+    def __getattr__(self, name):
+        if name == "ops":
+            return self
+        if name == "mkldnn":
+            return self
+        if name == "_linear_pointwise":
+            def counted(*args):
+                self._calls.append(1)
+                return self._real_op(*args)
+            return counted
+        return getattr(torch, name)
