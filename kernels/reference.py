@@ -39,7 +39,8 @@ def gather_kv(cache: torch.Tensor, block_table: torch.Tensor, seq_len: int) -> t
 def paged_decode_attention(query: torch.Tensor, key_cache: torch.Tensor, value_cache: torch.Tensor,
                            block_tables: torch.Tensor, seq_lens: torch.Tensor, scale: float,
                            seq_lens_cpu: list[int] | None = None,
-                           kv_buffer: torch.Tensor | None = None) -> torch.Tensor:
+                           kv_buffer: torch.Tensor | None = None,
+                           compute_dtype: torch.dtype | None = torch.float32) -> torch.Tensor:
     """One query token per sequence attends to all of its seq_len cached tokens.
 
     query (num_seqs, num_heads, head_dim) -> (num_seqs, num_heads, head_dim)
@@ -49,6 +50,9 @@ def paged_decode_attention(query: torch.Tensor, key_cache: torch.Tensor, value_c
     least 2 * num_seqs * max_blocks * block_size * kv_heads * head_dim elements of the cache's dtype):
     the CPU path reuses one across layers and steps. (index_select into a flat buffer is what makes this
     gather fast; fancy indexing `key_cache[tables]` was 1.6-3.8x slower for the whole call, lesson 07.)
+    `compute_dtype`: fp32 (the oracle's default) upcasts q, K and V first; None attends in the cache's own
+    dtype, which the CPU serving path uses in bf16: PyTorch's CPU attention keeps its softmax statistics and
+    sums in fp32 anyway, and skipping the upcast saves two copies of the gathered KV per layer.
     """
     num_seqs, num_heads, head_dim = query.shape
     block_size, num_kv_heads = key_cache.shape[1], key_cache.shape[2]
@@ -74,7 +78,9 @@ def paged_decode_attention(query: torch.Tensor, key_cache: torch.Tensor, value_c
     # An additive mask (0 or -inf) rather than a boolean one: same result, and PyTorch's CPU attention takes
     # it about 10% faster at decode shapes (measured, batch 32, 192 slots).
     bias = torch.zeros(past_end.shape, dtype=torch.float32, device=query.device).masked_fill_(past_end, -math.inf)
-    out = F.scaled_dot_product_attention(q.float(), k.float(), v.float(), attn_mask=bias[:, None, None, :],
+    if compute_dtype is not None:
+        q, k, v = q.to(compute_dtype), k.to(compute_dtype), v.to(compute_dtype)
+    out = F.scaled_dot_product_attention(q, k, v, attn_mask=bias.to(q.dtype)[:, None, None, :],
                                          scale=scale)                     # (num_seqs, kv_heads, group, head_dim)
     return out.reshape(num_seqs, num_heads, head_dim).to(query.dtype)     # (num_seqs, heads, head_dim)
 

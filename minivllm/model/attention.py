@@ -102,7 +102,14 @@ class TorchAttentionBackend(AttentionBackend):
         numel = 2 * len(seq_lens_cpu) * max_blocks * key_cache[0].numel()
         return kernels.reference.paged_decode_attention(q, key_cache, value_cache, block_tables, seq_lens, scale,
                                                         seq_lens_cpu=seq_lens_cpu,
-                                                        kv_buffer=self._buffer(numel, key_cache))
+                                                        kv_buffer=self._buffer(numel, key_cache),
+                                                        compute_dtype=self.compute_dtype(key_cache.dtype))
+
+    @staticmethod
+    def compute_dtype(cache_dtype: torch.dtype) -> torch.dtype | None:
+        """bf16 attends in bf16 (fp32 softmax inside PyTorch's CPU kernel; tests/test_bf16.py holds it to HF's
+        own bf16 error); fp16 is upcast (PyTorch's CPU attention in fp16 is slow), fp32 is fp32."""
+        return None if cache_dtype == torch.bfloat16 else torch.float32
 
 
 class TritonAttentionBackend(AttentionBackend):
