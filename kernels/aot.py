@@ -11,9 +11,10 @@ bundles ptxas, cuobjdump and nvdisasm) if a stub driver tells it which GPU to ta
                                 launching; yields a recorder whose `infos` collect each call's KernelInfo
     compile_wrapper_calls(arch) the project's own wrappers over a grid of shapes -> [KernelInfo]: the tile
                                 sizes compiled are exactly those the wrappers choose
+    compile_stage_variants(arch) the attention kernels at num_stages 1, 2, 3 and as chosen (lesson 04)
     violations(info)            what is wrong with one compiled kernel (spill, stack, shared memory, a
                                 fp16/bf16 dot without tensor-core instructions)
-    python kernels/aot.py --arch 90 [--json FILE]   the same in a process of its own (a table)
+    python kernels/aot.py --arch 90 [--json FILE] [--stages]   the same in a process of its own (a table)
 
 The wrappers' kernels must be JITFunctions, so TRITON_INTERPRET must not be "1" when triton is first
 imported: the tests (whose conftest sets it on a CPU) call this module's command line in a subprocess, one
@@ -447,7 +448,35 @@ def compile_wrapper_calls(arch: int, cases=None, inspect: bool = True) -> list[K
     return rec.infos
 
 
-def compile_in_subprocess(arch: int, extra_env: dict | None = None, timeout: float = 900) -> list[KernelInfo]:
+def compile_stage_variants(arch: int, head_dim: int = 128, dtype: str = "float16") -> list[KernelInfo]:
+    """The decode kernel (a batch) and the prefill kernel (a full 64-row prompt tile) at one shape (GQA 4,
+    blocks of 16), each compiled with num_stages forced to 1, 2 and 3, then as the wrapper chooses. What
+    `choose_num_stages` in triton_ops.py was decided from; lesson 04 shows this table."""
+    ops = _triton_ops()
+    cases = [c for c in wrapper_cases(head_dims=(head_dim,), gqa_ratios=(4,), block_sizes=(16,), dtypes=(dtype,))
+             if c[0].startswith(("decode batch", "prefill prompt"))]
+    infos = []
+    for stages in (1, 2, 3, None):                       # None: the wrapper's own choice
+        with compiling(arch) as rec:
+            for name in ("_paged_decode_kernel", "_paged_prefill_kernel"):
+                fn = getattr(ops, name)
+                chosen = fn.run                             # compiling()'s recorder
+
+                def run(*args, grid, warmup, _chosen=chosen, **kwargs):
+                    if stages is not None:
+                        kwargs["num_stages"] = stages
+                    return _chosen(*args, grid=grid, warmup=warmup, **kwargs)
+                fn.run = run
+            for case, case_dtype, call in cases:
+                rec.case = case if stages is not None else case + " (wrapper's choice)"
+                rec.dtype = case_dtype
+                call()
+        infos += [i for i in rec.infos if i.name in ("_paged_decode_kernel", "_paged_prefill_kernel")]
+    return infos
+
+
+def compile_in_subprocess(arch: int, extra_env: dict | None = None, timeout: float = 900,
+                          stages: bool = False) -> list[KernelInfo]:
     """compile_wrapper_calls(arch) in a fresh Python with TRITON_INTERPRET unset; the caller's process and
     its Triton driver are untouched."""
     root = Path(__file__).resolve().parents[1]
@@ -457,8 +486,8 @@ def compile_in_subprocess(arch: int, extra_env: dict | None = None, timeout: flo
     env.update(extra_env or {})
     with tempfile.TemporaryDirectory() as d:
         out = Path(d) / "infos.json"
-        subprocess.run([sys.executable, str(Path(__file__).resolve()), "--arch", str(arch), "--json", str(out)],
-                       check=True, env=env, timeout=timeout, cwd=str(root))
+        subprocess.run([sys.executable, str(Path(__file__).resolve()), "--arch", str(arch), "--json", str(out)]
+                       + (["--stages"] if stages else []), check=True, env=env, timeout=timeout, cwd=str(root))
         return [KernelInfo(**row) for row in json.loads(out.read_text())]
 
 
@@ -477,10 +506,12 @@ def main(argv=None) -> int:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--arch", type=int, choices=sorted(SHARED_MEM_LIMIT), required=True)
     p.add_argument("--json", help="write the KernelInfo list here")
+    p.add_argument("--stages", action="store_true",
+                   help="only the attention kernels at head_dim 128, fp16, at num_stages 1, 2, 3 and the wrappers' choice")
     args = p.parse_args(argv)
     if os.environ.get("TRITON_INTERPRET") == "1":
         p.error("unset TRITON_INTERPRET: interpreted kernels cannot be compiled")
-    infos = compile_wrapper_calls(args.arch)
+    infos = compile_stage_variants(args.arch) if args.stages else compile_wrapper_calls(args.arch)
     if args.json:
         Path(args.json).write_text(json.dumps([dataclasses.asdict(i) for i in infos]))
     else:

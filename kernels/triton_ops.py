@@ -225,6 +225,43 @@ def _num_sms(device: torch.device) -> int:
     return 132       # off a GPU (the interpreter), choose as an H100 would
 
 
+def _target_arch(device: torch.device) -> int:
+    """The compute capability the kernels are compiled for, as 80, 90, ...: the GPU's own for a CUDA tensor;
+    off a GPU, the target of a driver someone made active (aot.py's stub, compiling for sm_80 or sm_90), else
+    90 (choose as an H100 would, like _num_sms)."""
+    if device.type == "cuda":
+        major, minor = torch.cuda.get_device_capability(device)
+        return 10 * major + minor
+    from triton.runtime.driver import driver
+    active = driver._active                   # never create one here: off a GPU that raises
+    arch = getattr(active.get_current_target(), "arch", None) if active is not None else None
+    return arch if isinstance(arch, int) else 90
+
+
+def choose_num_stages(kernel: str, head_dim_p2: int, block_m: int | None, arch: int, dtype: torch.dtype) -> int:
+    """Software pipelining depth of the loop over KV tiles (Triton's num_stages; its default is 3).
+
+    With 2 stages the loop keeps two K/V tiles in shared memory: while tile j is multiplied and
+    softmaxed, the asynchronous copy (cp.async on sm_80, TMA-less async copies on sm_90) of tile j+1 is in
+    flight. That overlap is what a memory-bound decode loop needs. Compiled ahead of time (kernels/aot.py,
+    fp16, GQA 4, block size 16), a third stage adds no third K/V buffer, only a 256 B prefetch of block-table
+    entries, while costing registers (sm_80 decode, head_dim 128: 96 registers at 2 stages, 113 at 3), so 2.
+    One exception: sm_80's full prefill tile at head_dim 128 (BLOCK_M 64) holds a 64 x 128 fp32 accumulator,
+    64 x 64 scores and the Q fragments in registers (mma.sync) and spills 96-120 B at 2-3 stages; with 1
+    stage it does not spill (255 registers, 40 KB of shared memory). That tile is compute-bound, so losing
+    the copy overlap costs less there than spilling in the inner loop. sm_90 keeps 2 (wgmma takes its
+    operands from shared memory and does not spill). The lesson on paged attention shows these numbers.
+    An fp32 cache keeps Triton's default, 3: its dots are FMA loops over operands in registers (no tensor
+    cores), it is the GPU's correctness oracle rather than its fast path, and its known spills were measured
+    at 3 (tests/test_kernels_aot.py lists them).
+    """
+    if dtype == torch.float32:
+        return 3
+    if kernel == "prefill" and block_m == 64 and head_dim_p2 >= 128 and arch < 90:
+        return 1
+    return 2
+
+
 def choose_num_splits(num_seqs: int, num_kv_heads: int, max_context: int, device: torch.device) -> int:
     """Split the context only when (sequence, KV head) programs alone leave the GPU's SMs idle.
 
@@ -288,6 +325,7 @@ def paged_decode_attention(query: torch.Tensor, key_cache: torch.Tensor, value_c
         num_heads, group_size, head_dim,
         BLOCK_SIZE=block_size, GROUP_P2=_pow2(group_size, 16), HEAD_DIM_P2=head_dim_p2,
         BLOCK_N=block_n, NUM_SPLITS=num_splits, UPCAST=_upcast(key_cache.dtype), num_warps=4,
+        num_stages=choose_num_stages("decode", head_dim_p2, None, _target_arch(query.device), key_cache.dtype),
     )
     if num_splits > 1:
         _merge_splits_kernel[(num_seqs, num_heads)](
@@ -393,5 +431,7 @@ def paged_prefill_attention(query: torch.Tensor, key_cache: torch.Tensor, value_
         num_heads // num_kv_heads, head_dim,
         BLOCK_SIZE=block_size, HEAD_DIM_P2=head_dim_p2, BLOCK_M=block_m, BLOCK_N=block_n,
         UPCAST=_upcast(key_cache.dtype), num_warps=4,
+        num_stages=choose_num_stages("prefill", head_dim_p2, block_m, _target_arch(query.device),
+                                     key_cache.dtype),
     )
     return out
