@@ -81,11 +81,14 @@ class ColumnParallelLinear(nn.Module):
         self.weight = nn.Parameter(torch.empty(out_features // tp.size, in_features), requires_grad=False)
         self.bias = nn.Parameter(torch.empty(out_features // tp.size), requires_grad=False) if bias else None
         self.packed_weight: torch.Tensor | None = None     # CPU: `weight` in oneDNN's layout (cpu_gemm.py)
+        self.quant_method = None                           # CPU: int8 / int4 weights instead (quantization.py)
 
     def weight_loader(self, param: nn.Parameter, loaded: torch.Tensor, shard_id=None) -> None:
         param.copy_(_shard(loaded, 0, self.tp.rank, self.tp.size))
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if self.quant_method is not None:
+            return self.quant_method.apply(self, x, self.bias)
         return gemm(x, self.weight, self.bias, self.packed_weight)
 
 
@@ -126,12 +129,15 @@ class RowParallelLinear(nn.Module):
         self.weight = nn.Parameter(torch.empty(out_features, in_features // tp.size), requires_grad=False)
         self.bias = nn.Parameter(torch.empty(out_features), requires_grad=False) if bias else None
         self.packed_weight: torch.Tensor | None = None     # CPU: `weight` in oneDNN's layout (cpu_gemm.py)
+        self.quant_method = None                           # CPU: int8 / int4 weights instead (quantization.py)
 
     def weight_loader(self, param, loaded, shard_id=None):
         param.copy_(_shard(loaded, 1, self.tp.rank, self.tp.size) if param.dim() == 2 else loaded[:])
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        y = self.tp.all_reduce(gemm(x, self.weight, None, self.packed_weight))   # partial sums from every rank
+        y = (self.quant_method.apply(self, x, None) if self.quant_method is not None
+             else gemm(x, self.weight, None, self.packed_weight))
+        y = self.tp.all_reduce(y)                                  # partial sums from every rank
         return y + self.bias if self.bias is not None else y
 
 
@@ -163,9 +169,11 @@ class ParallelLMHead(VocabParallelEmbedding):
     def __init__(self, vocab_size: int, hidden_size: int, tp: TPGroup):
         super().__init__(vocab_size, hidden_size, tp)
         self.packed_weight: torch.Tensor | None = None     # CPU: `weight` in oneDNN's layout (cpu_gemm.py)
+        self.quant_method = None                           # CPU: int8 / int4 weights instead (quantization.py)
 
     def forward(self, hidden: torch.Tensor) -> torch.Tensor:
-        logits = gemm(hidden, self.weight, None, self.packed_weight)   # (num_seqs, vocab_size / tp)
+        logits = (self.quant_method.apply(self, hidden, None) if self.quant_method is not None
+                  else gemm(hidden, self.weight, None, self.packed_weight))     # (num_seqs, vocab_size / tp)
         return self.tp.all_gather_last_dim(logits)              # (num_seqs, vocab_size)
 
 

@@ -13,6 +13,7 @@ import torch
 from safetensors import safe_open
 
 from minivllm.model.cpu_gemm import prepack_linear_weights
+from minivllm.model.quantization import quantize_linear_weights
 from minivllm.model.layers import PPStage, TPGroup
 from minivllm.model.llama import LlamaForCausalLM, ModelConfig
 
@@ -88,7 +89,7 @@ def resolve_dtype(dtype: str | torch.dtype, cfg: ModelConfig, device: torch.devi
 
 
 def load_model(path: Path, cfg: ModelConfig, dtype: torch.dtype, device: torch.device,
-               tp: TPGroup = TPGroup(), pp: PPStage = PPStage()) -> LlamaForCausalLM:
+               tp: TPGroup = TPGroup(), pp: PPStage = PPStage(), quantization: str | None = None) -> LlamaForCausalLM:
     """This rank's part of the model: its TP shard of its pipeline stage's layers (each rank reads only those)."""
     check_checkpoint_files(path)
     files = sorted(path.glob("*.safetensors"))
@@ -104,7 +105,9 @@ def load_model(path: Path, cfg: ModelConfig, dtype: torch.dtype, device: torch.d
                     continue
                 if model.load_param(name, st.get_slice(name)):      # lazy: read on indexing
                     loaded.add(model.local_name(name))
-    if device.type == "cpu" and not prepack_linear_weights(model):       # oneDNN's layout (cpu_gemm.py),
+    if quantization is not None:
+        quantize_linear_weights(model, quantization, device)              # int8 / int4 (quantization.py)
+    elif device.type == "cpu" and not prepack_linear_weights(model):     # oneDNN's layout (cpu_gemm.py),
         use_column_major_linear_weights(model)                            # else the best one for MKL
     expected = {_checkpoint_name(n) for n, _ in model.named_parameters()}
     missing = sorted(expected - {_checkpoint_name(n) for n in loaded})

@@ -86,7 +86,7 @@ class ModelRunner:
         self.tp = tp
         self.dtype = resolve_dtype(config.dtype, model_cfg, device)
         self.pp = pp
-        self.model = load_model(model_path, model_cfg, self.dtype, device, tp, pp)
+        self.model = load_model(model_path, model_cfg, self.dtype, device, tp, pp, quantization=config.quantization)
         self.num_layers = len(self.model.layers)                         # this pipeline stage's
         self.backend = get_attention_backend(config.attention_backend, device)
         self.sampler = Sampler(config.seed)
