@@ -143,13 +143,14 @@ for name, ms in top_ops(decode_ops, decode_wall):
     print(f"    {name:50} {ms:7.1f} ms  {ms / (decode_wall * 1e3):6.1%}")
 
 # %% [markdown]
-# The same, drawn. Blue is the linear layers (`aten::mm`: the q/k/v, o, gate/up and down projections and
+# The same, drawn. Blue is the linear layers (`mkldnn::_linear_pointwise`, oneDNN's matmul on prepacked weights,
+# or `aten::mm` where it is off: the q/k/v, o, gate/up and down projections and
 # the LM head), orange is attention (the K/V gather, `index_select`, and SDPA; the embedding lookup's one
 # small `index_select` per step is counted in with it), grey everything else.
 
 # %%
 # NBVAL_IGNORE_OUTPUT
-MATMUL, ATTENTION = {"aten::mm", "aten::addmm"}, {"aten::index_select", "aten::index", "aten::bmm", "aten::_softmax"}
+MATMUL, ATTENTION = {"aten::mm", "aten::addmm", "mkldnn::_linear_pointwise"}, {"aten::index_select", "aten::index", "aten::bmm", "aten::_softmax"}
 
 
 def op_color(name):
@@ -360,9 +361,10 @@ assert rate > 0 and rate_batch > 0 and bandwidth > 0
 
 # %%
 def paged_decode_attention_before(query, key_cache, value_cache, block_tables, seq_lens, scale,
-                                  seq_lens_cpu=None, kv_buffer=None):
+                                  seq_lens_cpu=None, kv_buffer=None, compute_dtype=torch.float32):
     """The old reference decode path: fancy-index gather into fresh tensors, then SDPA with enable_gqa.
-    query (num_seqs, num_heads, head_dim) -> (num_seqs, num_heads, head_dim). kv_buffer is ignored."""
+    query (num_seqs, num_heads, head_dim) -> (num_seqs, num_heads, head_dim). kv_buffer and compute_dtype
+    (fp32 here: this lesson's engine runs in fp32) are ignored."""
     num_seqs, num_heads, head_dim = query.shape
     block_size, num_kv_heads = key_cache.shape[1], key_cache.shape[2]
     max_len = max(seq_lens_cpu) if seq_lens_cpu is not None else int(seq_lens.max())
@@ -725,7 +727,7 @@ def self_check():
     assert nbytes > weights                                # a decode step reads every weight, and KV on top
     # 1. the profile
     assert prefill_intensity > 10 * decode_intensity
-    assert max(decode_ops, key=decode_ops.get) == "aten::mm"
+    assert max(decode_ops, key=decode_ops.get) in MATMUL
     per_token = [floors[b] / b for b in sorted(floors)]
     assert all(a >= b * (1 - 1e-9) for a, b in zip(per_token, per_token[1:]))   # bigger batch: never dearer per token
     assert per_token[0] > per_token[-1]
@@ -760,9 +762,9 @@ self_check()
 # - **A small-batch matmul kernel** that reads each weight row once for all rows of the batch: on 30
 #   layers of weights (425 MB), 31.7 vs MKL's 38.8 ms at 8 rows, but 92 vs 50 ms at 32 rows. MKL at one row
 #   already runs at the DRAM floor (18.5 ms at 23 GB/s).
-# - **MKL's packed weights and oneDNN's prepacked linear** (PyTorch's private ops that `torch.compile`
-#   uses): 1.0-1.4x at 8-16 rows in microbenchmarks; MKL's, swapped into the engine, about 8% on a decode
-#   step at batch 32 (within the machine's noise), and its packed copy takes 3x the weight memory.
+# - **MKL's packed weights** (`torch.ops.mkl._mkl_linear`): about 8% on a decode step at batch 32 (within
+#   the machine's noise), and its packed copy takes 3x the weight memory. (oneDNN's prepacked linear was
+#   only microbenchmarked then; swapped into the engine later it did help a lot: see the next section.)
 # - **Fused RMSNorm** (`F.rms_norm`): bit-identical here, but 44 us vs 32 us at 32 rows.
 # - **Smaller token budgets** (chunked prefill mixed into decode steps, so that prefill rows ride along
 #   with the decodes' weight reads): 155-159 output tokens/s at 512 tokens a step vs 128-159 at the default
@@ -773,9 +775,89 @@ self_check()
 # batched decode path together. A step of 31 decodes (300 tokens of context) beside a 64-token prefill went
 # from 244-260 ms to 165-171 ms. A busy server makes such steps all the time.
 #
-# The reason is the same each time: a decode step reads every weight (540 MB in fp32) and the KV of its
+# The reason for the rest is the same each time: a decode step reads every weight (540 MB in fp32) and the KV of its
 # batch from DRAM, which gives these 2 cores about 23 GB/s, so a step costs at least 23 ms at any batch,
 # and the 256-row matmul rate that the ceiling assumes is out of reach at 1-32 rows. The roofline of the
 # default benchmark run (section 2's floor for each of its steps) came to 374.5 output tokens/s, 6.0x
 # Hugging Face `generate` at batch 16 in the same run, and to 5.2x HF at its faster batch of 32 in another:
 # a 6x target would need every step at its floor, or more.
+
+# %% [markdown]
+# ### What did help later: oneDNN's layout, bf16, and 4-bit weights
+#
+# Tried again on 2026-11-24 inside the engine, one idea did move a decode step a lot: **prepacking each
+# linear weight once for oneDNN** (`minivllm/model/cpu_gemm.py`, what vLLM's CPU backend does too). oneDNN
+# rewrites the (out, in) matrix into the tiles its AVX-512 kernel streams through, once at load, instead of
+# the matmul library adapting a plain layout on every call. The engine's decode step at batch 32 went from
+# 185 to 101 ms in fp32, and bf16 (which these cores multiply with `vdpbf16ps`, two products per lane) from
+# 107 to 88 ms. **Weight-only int8 and int4** (`minivllm/model/quantization.py`) read 4-8x fewer bytes than
+# fp32, which wins where a step only reads weights (one row), and loses at 32 rows, where PyTorch's packed-int
+# kernels spend their time dequantizing. The cell measures all of them on the model's own matmuls (30 layers'
+# four linear layers and the LM head), at 1 and 32 rows, here and now:
+
+# %%
+# NBVAL_IGNORE_OUTPUT
+
+from minivllm.model import cpu_gemm, quantization
+from minivllm.model.layers import ColumnParallelLinear, TPGroup
+
+shapes = [((cfg.num_attention_heads + 2 * cfg.num_key_value_heads) * cfg.head_dim, cfg.hidden_size),
+          (cfg.hidden_size, cfg.num_attention_heads * cfg.head_dim),
+          (2 * cfg.intermediate_size, cfg.hidden_size), (cfg.hidden_size, cfg.intermediate_size)]
+g = torch.Generator().manual_seed(0)
+layers = []
+for out_f, in_f in shapes:
+    layer = ColumnParallelLinear(in_f, out_f, False, TPGroup())
+    layer.weight.data = torch.randn(out_f, in_f, generator=g) / in_f ** 0.5
+    layers.append(layer)
+
+
+def step_time(fn, rows, dtype=torch.float32, reps=3):
+    """One decode step's linear layers (each shape 30 times), median of `reps`, in ms."""
+    xs = [torch.randn(rows, l.weight.shape[1] if l.weight.numel() else l.in_features).to(dtype) for l in layers]
+    times = []
+    for _ in range(reps):
+        t0 = time.perf_counter()
+        for _ in range(cfg.num_hidden_layers):
+            for l, x in zip(layers, xs):
+                fn(l, x)
+        times.append(time.perf_counter() - t0)
+    return sorted(times)[reps // 2] * 1e3
+
+
+results = {}
+for rows in (1, 32):
+    results[("F.linear fp32", rows)] = step_time(lambda l, x: F.linear(x, l.weight), rows)
+    packed = [cpu_gemm.prepack(l.weight) for l in layers]
+    lookup = dict(zip(map(id, layers), packed))
+    results[("oneDNN fp32", rows)] = step_time(lambda l, x: cpu_gemm.gemm(x, l.weight, None, lookup[id(l)]), rows)
+    packed16 = {id(l): cpu_gemm.prepack(l.weight.bfloat16()) for l in layers}
+    w16 = {id(l): l.weight.bfloat16() for l in layers}
+    results[("oneDNN bf16", rows)] = step_time(lambda l, x: cpu_gemm.gemm(x, w16[id(l)], None, packed16[id(l)]), rows,
+                                               torch.bfloat16)
+for name, method in (("int8", quantization.Int8WeightOnlyMethod()), ("int4", quantization.Int4WeightOnlyMethod())):
+    qlayers = []
+    for l in layers:
+        q = ColumnParallelLinear(l.weight.shape[1], l.weight.shape[0], False, TPGroup())
+        q.weight.data = l.weight.clone()
+        method.process_weights_after_loading(q)
+        q.in_features = l.weight.shape[1]
+        qlayers.append(q)
+    saved, layers = layers, qlayers
+    for rows in (1, 32):
+        results[(name, rows)] = step_time(lambda l, x: method.apply(l, x, None), rows)
+    layers = saved
+
+print(f"{'matmuls of one decode step':28} {'1 row':>9} {'32 rows':>9}")
+for name in dict.fromkeys(k[0] for k in results):
+    print(f"{name:28} {results[(name, 1)]:7.1f} ms {results[(name, 32)]:7.1f} ms")
+
+# %% [markdown]
+# Same answers, different layout: the packed matmul equals `F.linear` to fp32 rounding (a different order
+# of additions), which is why greedy outputs still match Hugging Face token for token with it on.
+
+# %%
+x = torch.randn(32, layers[0].weight.shape[1])
+assert torch.allclose(cpu_gemm.gemm(x, layers[0].weight, None, cpu_gemm.prepack(layers[0].weight)),
+                      F.linear(x, layers[0].weight), rtol=1e-5, atol=1e-5)
+print("packed == F.linear (to fp32 rounding)")
