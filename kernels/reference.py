@@ -15,15 +15,37 @@ import math
 import torch
 import torch.nn.functional as F
 
+# An fp8 KV cache (kv_cache_dtype="fp8", as vLLM names it) holds e4m3 values (4 exponent bits, 3 mantissa
+# bits, no infinities; largest finite 448) and one scale per layer for K and one for V:
+#     stored = fp8(clamp(x / scale, -448, 448))        x ~= float(stored) * scale
+# The scales never touch an element on the way out: scores are q . k * (softmax_scale * k_scale), and the
+# attention output is v_scale * (softmax weights . v). So reading fp8 costs one conversion per element.
+FP8_DTYPE = torch.float8_e4m3fn
+FP8_MAX = 448.0
+
+
+def quantize_fp8(x: torch.Tensor, scale: float) -> torch.Tensor:
+    """x / scale rounded to the nearest e4m3 value, saturating at +-448 (PyTorch's cast would give NaN)."""
+    return (x.float() / scale).clamp_(-FP8_MAX, FP8_MAX).to(FP8_DTYPE)
+
 
 def store_kv_cache(key: torch.Tensor, value: torch.Tensor, key_cache: torch.Tensor,
-                   value_cache: torch.Tensor, slot_mapping: torch.Tensor) -> None:
-    """Write each new token's K and V into its cache slot; slots of -1 are padding and skipped."""
+                   value_cache: torch.Tensor, slot_mapping: torch.Tensor,
+                   k_scale: float = 1.0, v_scale: float = 1.0) -> None:
+    """Write each new token's K and V into its cache slot; slots of -1 are padding and skipped.
+    An fp8 cache stores K / k_scale and V / v_scale (quantize_fp8); other caches ignore the scales."""
     num_blocks, block_size, num_kv_heads, head_dim = key_cache.shape
     slots = slot_mapping
     if bool((slot_mapping < 0).any()):
         keep = slot_mapping >= 0
         slots, key, value = slot_mapping[keep], key[keep], value[keep]
+    if key_cache.dtype == FP8_DTYPE:
+        # PyTorch has no index_copy_ for fp8 on a CPU: copy the same bytes as uint8.
+        key_cache.view(torch.uint8).view(-1, num_kv_heads, head_dim).index_copy_(
+            0, slots, quantize_fp8(key, k_scale).view(torch.uint8))
+        value_cache.view(torch.uint8).view(-1, num_kv_heads, head_dim).index_copy_(
+            0, slots, quantize_fp8(value, v_scale).view(torch.uint8))
+        return
     key_cache.view(-1, num_kv_heads, head_dim).index_copy_(0, slots, key.to(key_cache.dtype))
     value_cache.view(-1, num_kv_heads, head_dim).index_copy_(0, slots, value.to(value_cache.dtype))
 
@@ -40,7 +62,8 @@ def paged_decode_attention(query: torch.Tensor, key_cache: torch.Tensor, value_c
                            block_tables: torch.Tensor, seq_lens: torch.Tensor, scale: float,
                            seq_lens_cpu: list[int] | None = None,
                            kv_buffer: torch.Tensor | None = None,
-                           compute_dtype: torch.dtype | None = torch.float32) -> torch.Tensor:
+                           compute_dtype: torch.dtype | None = torch.float32,
+                           k_scale: float = 1.0, v_scale: float = 1.0) -> torch.Tensor:
     """One query token per sequence attends to all of its seq_len cached tokens.
 
     query (num_seqs, num_heads, head_dim) -> (num_seqs, num_heads, head_dim)
@@ -53,6 +76,8 @@ def paged_decode_attention(query: torch.Tensor, key_cache: torch.Tensor, value_c
     `compute_dtype`: fp32 (the oracle's default) upcasts q, K and V first; None attends in the cache's own
     dtype, which the CPU serving path uses in bf16: PyTorch's CPU attention keeps its softmax statistics and
     sums in fp32 anyway, and skipping the upcast saves two copies of the gathered KV per layer.
+    An fp8 cache is gathered as fp8 (a quarter of fp32's bytes) and attended in compute_dtype, or in the
+    query's dtype when that is None; k_scale and v_scale fold into the softmax scale and the output.
     """
     num_seqs, num_heads, head_dim = query.shape
     block_size, num_kv_heads = key_cache.shape[1], key_cache.shape[2]
@@ -78,22 +103,28 @@ def paged_decode_attention(query: torch.Tensor, key_cache: torch.Tensor, value_c
     # An additive mask (0 or -inf) rather than a boolean one: same result, and PyTorch's CPU attention takes
     # it about 10% faster at decode shapes (measured, batch 32, 192 slots).
     bias = torch.zeros(past_end.shape, dtype=torch.float32, device=query.device).masked_fill_(past_end, -math.inf)
+    if compute_dtype is None and key_cache.dtype == FP8_DTYPE:
+        compute_dtype = query.dtype                                       # no attention kernel takes fp8
     if compute_dtype is not None:
         q, k, v = q.to(compute_dtype), k.to(compute_dtype), v.to(compute_dtype)
     out = F.scaled_dot_product_attention(q, k, v, attn_mask=bias.to(q.dtype)[:, None, None, :],
-                                         scale=scale)                     # (num_seqs, kv_heads, group, head_dim)
+                                         scale=scale * k_scale)           # (num_seqs, kv_heads, group, head_dim)
+    if v_scale != 1.0:
+        out = out * v_scale
     return out.reshape(num_seqs, num_heads, head_dim).to(query.dtype)     # (num_seqs, heads, head_dim)
 
 
 def paged_prefill_attention(query: torch.Tensor, key_cache: torch.Tensor, value_cache: torch.Tensor,
                             block_tables: torch.Tensor, cu_seqlens_q: torch.Tensor, seq_lens: torch.Tensor,
                             scale: float, q_lens_cpu: list[int] | None = None,
-                            seq_lens_cpu: list[int] | None = None) -> torch.Tensor:
+                            seq_lens_cpu: list[int] | None = None,
+                            k_scale: float = 1.0, v_scale: float = 1.0) -> torch.Tensor:
     """Causal attention for a flat batch of sequences, each with q_len new tokens at the end of its KV.
 
     query (num_tokens, num_heads, head_dim) -> (num_tokens, num_heads, head_dim)
     Sequence i's new tokens sit at positions seq_len_i - q_len_i ... seq_len_i - 1, so the cached
     context (prefix-cache hits, earlier chunks of a chunked prefill) is attended to in full.
+    k_scale, v_scale: an fp8 cache's scales (see quantize_fp8), folded in as in paged_decode_attention.
     """
     num_heads = query.shape[1]
     num_kv_heads = key_cache.shape[2]
@@ -111,8 +142,8 @@ def paged_prefill_attention(query: torch.Tensor, key_cache: torch.Tensor, value_
         q_pos = torch.arange(seq_len - q_len, seq_len, device=query.device)
         mask = torch.arange(seq_len, device=query.device)[None, :] <= q_pos[:, None]  # (q_len, seq_len)
         # 4-D (a batch of one): PyTorch's fused CPU kernel takes only 4-D inputs; 3-D falls back to plain math.
-        o = F.scaled_dot_product_attention(q[None], k[None], v[None], attn_mask=mask, scale=scale,
+        o = F.scaled_dot_product_attention(q[None], k[None], v[None], attn_mask=mask, scale=scale * k_scale,
                                            enable_gqa=num_heads != num_kv_heads)[0]  # (num_heads, q_len, d)
-        out[start:start + q_len] = o.transpose(0, 1).to(query.dtype)
+        out[start:start + q_len] = (o.transpose(0, 1) * v_scale).to(query.dtype)
         start += q_len
     return out

@@ -22,6 +22,10 @@ Layouts (as in kernels/__init__.py; the last dimension of every tensor must be c
     seq_lens                 (num_seqs,) int32, KV length including the new tokens
     cu_seqlens_q             (num_seqs + 1,) int32, query row offsets
 
+fp8 KV cache (kv_cache_dtype="fp8"): the cache is torch.float8_e4m3fn and the store writes x / scale; the
+attention kernels convert each loaded K/V tile to the query's dtype (exact: every e4m3 value is an fp16 and
+a bf16 value) and fold k_scale into the score scale and v_scale into the output, as reference.py does.
+
 Precision: softmax statistics and accumulators are fp32; scores use exp2 with scale * log2(e) folded in.
 Dots take the cache's dtype (fp16/bf16 tensor cores on a GPU, fp32 accumulation); fp32 dots are exact
 ("ieee", not tf32). bf16 is wrong in Triton's CPU interpreter, so there bf16 loads are upcast to fp32 first.
@@ -72,12 +76,28 @@ def _upcast(dtype: torch.dtype) -> bool:
 # ---------------------------------------------------------------------------------------------- KV store
 
 @triton.jit
+def _round_to_e4m3_grid(x):
+    """x (fp32, already within +-448) rounded to the nearest e4m3 value (ties to even), in fp32 arithmetic.
+
+    Only under the CPU interpreter: its fp32 -> fp8 cast rounds half up and loses the carry when rounding
+    crosses a power of two (31.0 -> 16, where a GPU's cvt gives 32). After this rounding the cast is exact.
+    e4m3 keeps 3 mantissa bits: the spacing of its values near x is 2^(exponent(x) - 3), never below 2^-9
+    (the subnormals, under 2^-6)."""
+    exponent = ((x.to(tl.int32, bitcast=True) >> 23) & 0xFF) - 127            # floor(log2 |x|); -127 for 0
+    step = ((tl.maximum(exponent, -6) - 3 + 127) << 23).to(tl.float32, bitcast=True)   # 2^(e - 3), exact
+    r = x / step                                                                 # exact: step is a power of 2
+    r = (r + 12582912.0) - 12582912.0                                            # round to an integer, ties even
+    return r * step                                                              # (1.5 * 2^23 trick, |r| <= 16)
+
+
+@triton.jit
 def _store_kv_cache_kernel(
     key_ptr, value_ptr, key_cache_ptr, value_cache_ptr, slot_mapping_ptr,
     stride_k_tok, stride_k_head, stride_v_tok, stride_v_head,
     stride_c_block, stride_c_slot, stride_c_head,
-    num_tokens, num_kv_heads, head_dim,
+    num_tokens, num_kv_heads, head_dim, k_scale, v_scale,
     BLOCK_SIZE: tl.constexpr, BLOCK_T: tl.constexpr, HEADS_P2: tl.constexpr, HEAD_DIM_P2: tl.constexpr,
+    KV_FP8: tl.constexpr, ROUND_IN_FP32: tl.constexpr,
 ):
     t = tl.program_id(0) * BLOCK_T + tl.arange(0, BLOCK_T)                  # this program's tokens
     slot = tl.load(slot_mapping_ptr + t, mask=t < num_tokens, other=-1).to(tl.int64)
@@ -89,6 +109,12 @@ def _store_kv_cache_kernel(
     mask = (slot >= 0)[:, None, None] & (h3 < num_kv_heads) & (d3 < head_dim)   # slot -1: padding, skipped
     k = tl.load(key_ptr + t3 * stride_k_tok + h3 * stride_k_head + d3, mask=mask)
     v = tl.load(value_ptr + t3 * stride_v_tok + h3 * stride_v_head + d3, mask=mask)
+    if KV_FP8:                       # as reference.quantize_fp8: scale, saturate at e4m3's largest value
+        k = tl.clamp(k.to(tl.float32) / k_scale, -448.0, 448.0)
+        v = tl.clamp(v.to(tl.float32) / v_scale, -448.0, 448.0)
+        if ROUND_IN_FP32:
+            k = _round_to_e4m3_grid(k)
+            v = _round_to_e4m3_grid(v)
     dst = (block[:, None, None] * stride_c_block + offset[:, None, None] * stride_c_slot
            + h3 * stride_c_head + d3)
     tl.store(key_cache_ptr + dst, k.to(key_cache_ptr.dtype.element_ty), mask=mask)
@@ -96,10 +122,12 @@ def _store_kv_cache_kernel(
 
 
 def store_kv_cache(key: torch.Tensor, value: torch.Tensor, key_cache: torch.Tensor,
-                   value_cache: torch.Tensor, slot_mapping: torch.Tensor) -> None:
+                   value_cache: torch.Tensor, slot_mapping: torch.Tensor,
+                   k_scale: float = 1.0, v_scale: float = 1.0) -> None:
     """Write each new token's K and V into its cache slot; slots of -1 are padding and skipped.
 
     key, value (num_tokens, num_kv_heads, head_dim), any token/head strides; caches are written in place.
+    An fp8 (e4m3) cache stores K / k_scale and V / v_scale, saturated at +-448; other caches ignore the scales.
     """
     num_tokens, num_kv_heads, head_dim = key.shape
     _check_cache(key_cache, value_cache)
@@ -116,8 +144,9 @@ def store_kv_cache(key: torch.Tensor, value: torch.Tensor, key_cache: torch.Tens
         key, value, key_cache, value_cache, slot_mapping.contiguous(),
         key.stride(0), key.stride(1), value.stride(0), value.stride(1),
         key_cache.stride(0), key_cache.stride(1), key_cache.stride(2),
-        num_tokens, num_kv_heads, head_dim,
+        num_tokens, num_kv_heads, head_dim, float(k_scale), float(v_scale),
         BLOCK_SIZE=key_cache.shape[1], BLOCK_T=block_t, HEADS_P2=heads_p2, HEAD_DIM_P2=head_dim_p2,
+        KV_FP8=key_cache.dtype == torch.float8_e4m3fn, ROUND_IN_FP32=_interpreting(),
     )
 
 
@@ -127,7 +156,7 @@ def store_kv_cache(key: torch.Tensor, value: torch.Tensor, key_cache: torch.Tens
 def _paged_decode_kernel(
     out_ptr, part_m_ptr, part_l_ptr, part_acc_ptr,
     q_ptr, key_cache_ptr, value_cache_ptr, block_tables_ptr, seq_lens_ptr,
-    scale_log2e,
+    scale_log2e, v_scale,
     stride_q_seq, stride_q_head, stride_o_seq, stride_o_head,
     stride_c_block, stride_c_slot, stride_c_head, stride_bt_seq,
     num_heads, group_size, head_dim,
@@ -166,9 +195,8 @@ def _paged_decode_kernel(
         kv_mask = t_mask[:, None] & d_mask[None, :]
         k = tl.load(key_cache_ptr + kv_off, mask=kv_mask, other=0.0)
         v = tl.load(value_cache_ptr + kv_off, mask=kv_mask, other=0.0)    # masked: unwritten slots may be NaN
-        if UPCAST:
-            k = k.to(tl.float32)
-            v = v.to(tl.float32)
+        k = k.to(q.dtype)            # fp8 -> the query's dtype (exact); bf16 -> fp32 when UPCAST; else no-op
+        v = v.to(q.dtype)
         s = tl.dot(q, tl.trans(k), input_precision="ieee") * scale_log2e    # (GROUP_P2, BLOCK_N)
         s = tl.where(t_mask[None, :], s, float("-inf"))
         m_new = tl.maximum(m_i, tl.max(s, axis=1))
@@ -178,6 +206,7 @@ def _paged_decode_kernel(
         acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v, input_precision="ieee")
         m_i = m_new
 
+    acc = acc * v_scale                              # an fp8 cache's V scale (1.0 otherwise); linear, so split-safe
     if NUM_SPLITS == 1:
         out = acc / tl.where(l_i == 0.0, 1.0, l_i)[:, None]
         tl.store(out_ptr + seq.to(tl.int64) * stride_o_seq + head[:, None] * stride_o_head + d[None, :],
@@ -289,12 +318,13 @@ def _check_attention_inputs(query: torch.Tensor, key_cache: torch.Tensor,
 
 def paged_decode_attention(query: torch.Tensor, key_cache: torch.Tensor, value_cache: torch.Tensor,
                            block_tables: torch.Tensor, seq_lens: torch.Tensor, scale: float,
-                           num_splits: int | None = None) -> torch.Tensor:
+                           num_splits: int | None = None, k_scale: float = 1.0, v_scale: float = 1.0) -> torch.Tensor:
     """One query token per sequence attends to all of its seq_len cached tokens.
 
     query (num_seqs, num_heads, head_dim) -> (num_seqs, num_heads, head_dim)
     num_splits: slices of the context per (sequence, KV head); None picks one with `choose_num_splits`
     from block_tables' width (an upper bound on the context that needs no device sync).
+    k_scale, v_scale: an fp8 cache's scales, folded into the score scale and the output (no per-element work).
     """
     num_seqs, num_heads, head_dim = query.shape
     block_size, num_kv_heads = _check_attention_inputs(query, key_cache, value_cache)
@@ -319,12 +349,12 @@ def paged_decode_attention(query: torch.Tensor, key_cache: torch.Tensor, value_c
     _paged_decode_kernel[(num_seqs, num_kv_heads, num_splits)](
         out, part_m, part_l, part_acc,
         query, key_cache, value_cache, block_tables, seq_lens,
-        scale * LOG2E,
+        scale * k_scale * LOG2E, float(v_scale),
         query.stride(0), query.stride(1), out.stride(0), out.stride(1),
         key_cache.stride(0), key_cache.stride(1), key_cache.stride(2), block_tables.stride(0),
         num_heads, group_size, head_dim,
         BLOCK_SIZE=block_size, GROUP_P2=_pow2(group_size, 16), HEAD_DIM_P2=head_dim_p2,
-        BLOCK_N=block_n, NUM_SPLITS=num_splits, UPCAST=_upcast(key_cache.dtype), num_warps=4,
+        BLOCK_N=block_n, NUM_SPLITS=num_splits, UPCAST=_upcast(query.dtype), num_warps=4,
         num_stages=choose_num_stages("decode", head_dim_p2, None, _target_arch(query.device), key_cache.dtype),
     )
     if num_splits > 1:
@@ -341,7 +371,7 @@ def paged_decode_attention(query: torch.Tensor, key_cache: torch.Tensor, value_c
 @triton.jit
 def _paged_prefill_kernel(
     out_ptr, q_ptr, key_cache_ptr, value_cache_ptr, block_tables_ptr, cu_seqlens_q_ptr, seq_lens_ptr,
-    scale_log2e,
+    scale_log2e, v_scale,
     stride_q_tok, stride_q_head, stride_o_tok, stride_o_head,
     stride_c_block, stride_c_slot, stride_c_head, stride_bt_seq,
     group_size, head_dim,
@@ -383,9 +413,8 @@ def _paged_prefill_kernel(
         kv_mask = t_mask[:, None] & d_mask[None, :]
         k = tl.load(key_cache_ptr + kv_off, mask=kv_mask, other=0.0)
         v = tl.load(value_cache_ptr + kv_off, mask=kv_mask, other=0.0)
-        if UPCAST:
-            k = k.to(tl.float32)
-            v = v.to(tl.float32)
+        k = k.to(q.dtype)            # as in the decode kernel
+        v = v.to(q.dtype)
         s = tl.dot(q, tl.trans(k), input_precision="ieee") * scale_log2e    # (BLOCK_M, BLOCK_N)
         causal = t_mask[None, :] & (tok[None, :] <= pos[:, None])
         s = tl.where(causal, s, float("-inf"))      # every row sees key 0, so each row's max is finite
@@ -396,19 +425,20 @@ def _paged_prefill_kernel(
         acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v, input_precision="ieee")
         m_i = m_new
 
-    out = acc / tl.where(l_i == 0.0, 1.0, l_i)[:, None]
+    out = acc * v_scale / tl.where(l_i == 0.0, 1.0, l_i)[:, None]
     o_off = (q_start + r)[:, None] * stride_o_tok + head * stride_o_head + d[None, :]
     tl.store(out_ptr + o_off, out.to(out_ptr.dtype.element_ty), mask=r_mask[:, None] & d_mask[None, :])
 
 
 def paged_prefill_attention(query: torch.Tensor, key_cache: torch.Tensor, value_cache: torch.Tensor,
                             block_tables: torch.Tensor, cu_seqlens_q: torch.Tensor, seq_lens: torch.Tensor,
-                            scale: float, max_q_len: int | None = None) -> torch.Tensor:
+                            scale: float, max_q_len: int | None = None,
+                            k_scale: float = 1.0, v_scale: float = 1.0) -> torch.Tensor:
     """Causal attention for a flat batch of sequences, each with q_len new tokens at the end of its KV.
 
     query (num_tokens, num_heads, head_dim) -> (num_tokens, num_heads, head_dim)
     The new tokens' K/V must already be in the cache (store_kv_cache first). max_q_len, the longest q_len,
-    sizes the grid; pass it from the host to avoid a device sync.
+    sizes the grid; pass it from the host to avoid a device sync. k_scale, v_scale: as paged_decode_attention.
     """
     num_tokens, num_heads, head_dim = query.shape
     block_size, num_kv_heads = _check_attention_inputs(query, key_cache, value_cache)
@@ -425,12 +455,12 @@ def paged_prefill_attention(query: torch.Tensor, key_cache: torch.Tensor, value_
     grid = (triton.cdiv(max_q_len, block_m), num_heads, num_seqs)
     _paged_prefill_kernel[grid](
         out, query, key_cache, value_cache, block_tables, cu_seqlens_q.contiguous(), seq_lens.contiguous(),
-        scale * LOG2E,
+        scale * k_scale * LOG2E, float(v_scale),
         query.stride(0), query.stride(1), out.stride(0), out.stride(1),
         key_cache.stride(0), key_cache.stride(1), key_cache.stride(2), block_tables.stride(0),
         num_heads // num_kv_heads, head_dim,
         BLOCK_SIZE=block_size, HEAD_DIM_P2=head_dim_p2, BLOCK_M=block_m, BLOCK_N=block_n,
-        UPCAST=_upcast(key_cache.dtype), num_warps=4,
+        UPCAST=_upcast(query.dtype), num_warps=4,
         num_stages=choose_num_stages("prefill", head_dim_p2, block_m, _target_arch(query.device),
                                      key_cache.dtype),
     )

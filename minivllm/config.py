@@ -41,6 +41,10 @@ class EngineConfig:
         None, "CPU: weight-only quantization of the linear layers and LM head (model/quantization.py): int8 "
         "(per channel), int4 (groups of 32), gguf (int4 from a Q4_1-derived checkpoint's own blocks, such as the "
         "embedded default model's); faster at small batches, slower at 32 rows", ("int8", "int4", "gguf"))
+    kv_cache_dtype: str = option(
+        "auto", "KV cache dtype; auto: the model's dtype; fp8 (alias fp8_e4m3): e4m3 with a per-layer scale for K "
+        "and one for V, calibrated at load (half of bf16's KV bytes, a quarter of fp32's)",
+        ("auto", "fp8", "fp8_e4m3"))
     device: str = option("auto", "auto: cuda if torch sees a GPU, else cpu; or cpu, cuda, cuda:N")
     block_size: int = option(16, "tokens per KV block")
     num_kv_blocks: int | None = option(
@@ -127,6 +131,9 @@ class EngineConfig:
         if self.quantization is not None and self.quantization not in choices_of("quantization"):
             raise ValueError(f"quantization is {self.quantization!r}; choose one of "
                              f"{', '.join(choices_of('quantization'))}, or leave it unset (None) for full weights.")
+        if self.kv_cache_dtype not in choices_of("kv_cache_dtype"):
+            raise ValueError(f"kv_cache_dtype is {self.kv_cache_dtype!r}; choose one of "
+                             f"{', '.join(choices_of('kv_cache_dtype'))} (auto: the model's dtype).")
         backends = choices_of("distributed_executor_backend")
         if self.distributed_executor_backend not in backends:
             raise ValueError(f"distributed_executor_backend is {self.distributed_executor_backend!r}; "

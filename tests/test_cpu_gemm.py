@@ -13,6 +13,8 @@ pytestmark = pytest.mark.skipif(not cpu_gemm.onednn_available(), reason="this to
 @pytest.mark.parametrize("dtype,rtol,atol", [(torch.float32, 1e-5, 1e-5), (torch.bfloat16, 1.6e-2, 2e-2)])
 @pytest.mark.parametrize("rows", [1, 7, 32, 300])
 def test_packed_gemm_equals_linear(dtype, rtol, atol, rows):
+    if not cpu_gemm.packable(dtype):
+        pytest.skip(f"this CPU's oneDNN cannot pack {dtype} (bf16 needs AVX-512): the model keeps F.linear")
     g = torch.Generator().manual_seed(rows)
     w = torch.randn(960, 576, generator=g).to(dtype) / 24
     b = torch.randn(960, generator=g).to(dtype)
@@ -46,6 +48,25 @@ def test_every_linear_of_the_model_is_packed_and_used(monkeypatch):
                        use_tqdm=False)
     assert len(out[0].outputs[0].token_ids) == 2
     assert len(calls) == 2 * len(linears)                     # every linear, both steps, went through oneDNN
+
+
+def test_a_dtype_the_cpu_cannot_pack_keeps_f_linear(monkeypatch):
+    """An AVX2-only CPU (an AMD EPYC among these machines) makes oneDNN refuse bf16 with a RuntimeError: the
+    probe says so once, prepack gives None, and the layer's matmul is F.linear's, with the same result."""
+    def refuse(*args, **kwargs):
+        raise RuntimeError("mkldnn_reorder_linear_weight: bf16 path needs the cpu support avx_ne_convert or "
+                           "avx512bw, avx512vl and avx512dq")
+    cpu_gemm.packable.cache_clear()
+    monkeypatch.setattr(torch.ops.mkldnn, "_reorder_linear_weight", refuse)
+    try:
+        assert not cpu_gemm.packable(torch.bfloat16)
+        layer = ColumnParallelLinear(16, 8, False, TPGroup()).to(torch.bfloat16)
+        assert cpu_gemm.prepack_linear_weights(layer) == 0 and layer.packed_weight is None
+        x = torch.randn(3, 16, dtype=torch.bfloat16)
+        torch.testing.assert_close(layer(x), F.linear(x, layer.weight))
+    finally:
+        monkeypatch.undo()
+        cpu_gemm.packable.cache_clear()
 
 
 def test_switch_off_with_env(monkeypatch):

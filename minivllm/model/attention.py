@@ -44,9 +44,10 @@ class AttentionBackend:
 
     def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
                 key_cache: torch.Tensor, value_cache: torch.Tensor,
-                meta: AttentionMetadata, scale: float) -> torch.Tensor:
+                meta: AttentionMetadata, scale: float, k_scale: float = 1.0, v_scale: float = 1.0) -> torch.Tensor:
         # q (num_tokens, num_heads, head_dim); k, v (num_tokens, num_kv_heads, head_dim)
-        # key_cache, value_cache (num_blocks, block_size, num_kv_heads, head_dim)
+        # key_cache, value_cache (num_blocks, block_size, num_kv_heads, head_dim), the model's dtype or fp8
+        # k_scale, v_scale: an fp8 cache holds K / k_scale and V / v_scale (kernels/reference.py: quantize_fp8)
         raise NotImplementedError
 
 
@@ -64,17 +65,18 @@ class TorchAttentionBackend(AttentionBackend):
             self.kv_buffer = torch.empty(int(numel * 1.25), dtype=like.dtype, device=like.device)   # room to grow
         return self.kv_buffer
 
-    def forward(self, q, k, v, key_cache, value_cache, meta, scale):
+    def forward(self, q, k, v, key_cache, value_cache, meta, scale, k_scale=1.0, v_scale=1.0):
         ref = kernels.reference
-        ref.store_kv_cache(k, v, key_cache, value_cache, meta.slot_mapping)
+        ref.store_kv_cache(k, v, key_cache, value_cache, meta.slot_mapping, k_scale, v_scale)
+        scales = dict(k_scale=k_scale, v_scale=v_scale)
         if meta.is_pure_decode:
             return self._decode(q, key_cache, value_cache, meta.block_tables, meta.seq_lens, meta.seq_lens_cpu,
-                                scale)
+                                scale, **scales)
         singles = [i for i, n in enumerate(meta.q_lens_cpu) if n == 1]
         if not singles:
             return ref.paged_prefill_attention(q, key_cache, value_cache, meta.block_tables,
                                                meta.cu_seqlens_q, meta.seq_lens, scale,
-                                               q_lens_cpu=meta.q_lens_cpu, seq_lens_cpu=meta.seq_lens_cpu)
+                                               q_lens_cpu=meta.q_lens_cpu, seq_lens_cpu=meta.seq_lens_cpu, **scales)
         # A mixed step (decodes beside prefill chunks, as chunked prefill and a busy server make): the
         # sequences with one new token are decodes, whatever their context, so they go through the batched
         # decode path together rather than one by one through the prefill loop. Rows are the flat batch's.
@@ -88,28 +90,33 @@ class TorchAttentionBackend(AttentionBackend):
         multi_seqs = torch.tensor(multis, device=q.device)
         out = torch.empty_like(q)
         out[single_rows] = self._decode(q[single_rows], key_cache, value_cache, meta.block_tables[single_seqs],
-                                        meta.seq_lens[single_seqs], [meta.seq_lens_cpu[i] for i in singles], scale)
+                                        meta.seq_lens[single_seqs], [meta.seq_lens_cpu[i] for i in singles], scale,
+                                        **scales)
         multi_q_lens = [meta.q_lens_cpu[i] for i in multis]
         cu = torch.tensor([0] + multi_q_lens, device=q.device).cumsum(0).to(torch.int32)
         out[multi_rows] = ref.paged_prefill_attention(
             q[multi_rows], key_cache, value_cache, meta.block_tables[multi_seqs], cu, meta.seq_lens[multi_seqs],
-            scale, q_lens_cpu=multi_q_lens, seq_lens_cpu=[meta.seq_lens_cpu[i] for i in multis])
+            scale, q_lens_cpu=multi_q_lens, seq_lens_cpu=[meta.seq_lens_cpu[i] for i in multis], **scales)
         return out
 
-    def _decode(self, q, key_cache, value_cache, block_tables, seq_lens, seq_lens_cpu, scale):
+    def _decode(self, q, key_cache, value_cache, block_tables, seq_lens, seq_lens_cpu, scale, k_scale, v_scale):
         block_size = key_cache.shape[1]
         max_blocks = -(-max(seq_lens_cpu) // block_size)
         numel = 2 * len(seq_lens_cpu) * max_blocks * key_cache[0].numel()
         return kernels.reference.paged_decode_attention(q, key_cache, value_cache, block_tables, seq_lens, scale,
                                                         seq_lens_cpu=seq_lens_cpu,
                                                         kv_buffer=self._buffer(numel, key_cache),
-                                                        compute_dtype=self.compute_dtype(key_cache.dtype))
+                                                        compute_dtype=self.compute_dtype(key_cache.dtype),
+                                                        k_scale=k_scale, v_scale=v_scale)
 
     @staticmethod
     def compute_dtype(cache_dtype: torch.dtype) -> torch.dtype | None:
         """bf16 attends in bf16 (fp32 softmax inside PyTorch's CPU kernel; tests/test_bf16.py holds it to HF's
-        own bf16 error); fp16 is upcast (PyTorch's CPU attention in fp16 is slow), fp32 is fp32."""
-        return None if cache_dtype == torch.bfloat16 else torch.float32
+        own bf16 error); fp16 is upcast (PyTorch's CPU attention in fp16 is slow), fp32 is fp32; an fp8 cache
+        is attended in the model's dtype (None: the query's)."""
+        if cache_dtype in (torch.bfloat16, kernels.reference.FP8_DTYPE):
+            return None
+        return torch.float32
 
 
 class TritonAttentionBackend(AttentionBackend):
@@ -117,14 +124,15 @@ class TritonAttentionBackend(AttentionBackend):
 
     name = "triton"
 
-    def forward(self, q, k, v, key_cache, value_cache, meta, scale):
-        kernels.triton_ops.store_kv_cache(k, v, key_cache, value_cache, meta.slot_mapping)
+    def forward(self, q, k, v, key_cache, value_cache, meta, scale, k_scale=1.0, v_scale=1.0):
+        ops = kernels.triton_ops
+        ops.store_kv_cache(k, v, key_cache, value_cache, meta.slot_mapping, k_scale=k_scale, v_scale=v_scale)
         if meta.is_pure_decode:
-            return kernels.triton_ops.paged_decode_attention(q, key_cache, value_cache, meta.block_tables,
-                                                             meta.seq_lens, scale)
-        return kernels.triton_ops.paged_prefill_attention(q, key_cache, value_cache, meta.block_tables,
-                                                          meta.cu_seqlens_q, meta.seq_lens, scale,
-                                                          max_q_len=meta.max_q_len)
+            return ops.paged_decode_attention(q, key_cache, value_cache, meta.block_tables, meta.seq_lens, scale,
+                                              k_scale=k_scale, v_scale=v_scale)
+        return ops.paged_prefill_attention(q, key_cache, value_cache, meta.block_tables, meta.cu_seqlens_q,
+                                           meta.seq_lens, scale, max_q_len=meta.max_q_len,
+                                           k_scale=k_scale, v_scale=v_scale)
 
 
 def get_attention_backend(name: str, device: torch.device) -> AttentionBackend:

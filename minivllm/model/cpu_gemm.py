@@ -21,6 +21,7 @@ tests run with packing on.
 
 from __future__ import annotations
 
+import functools
 import os
 
 import torch
@@ -46,9 +47,25 @@ def gemm(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None,
     return torch.ops.mkldnn._linear_pointwise(x, packed, bias, "none", [], "")
 
 
+@functools.lru_cache(maxsize=None)
+def packable(dtype: torch.dtype) -> bool:
+    """Whether this CPU's oneDNN packs `dtype`: bf16 needs AVX-512 (BW/VL/DQ) or AVX-NE-CONVERT, and an AMD
+    EPYC with only AVX2 (seen among these machines) refuses it with a RuntimeError. Probed once per dtype
+    on a tiny weight, packed and multiplied; a refusal means that dtype keeps F.linear."""
+    if not onednn_available() or dtype not in PACKED_DTYPES:
+        return False
+    try:
+        packed = torch.ops.mkldnn._reorder_linear_weight(torch.ones(16, 16, dtype=dtype), BATCH_HINT)
+        torch.ops.mkldnn._linear_pointwise(torch.ones(2, 16, dtype=dtype), packed, None, "none", [], "")
+    except RuntimeError:
+        return False
+    return True
+
+
 def prepack(weight: torch.Tensor) -> torch.Tensor | None:
-    """oneDNN's layout of a (out, in) CPU weight, or None where packing does not apply."""
-    if weight.device.type != "cpu" or weight.dtype not in PACKED_DTYPES or weight.dim() != 2:
+    """oneDNN's layout of a (out, in) CPU weight, or None where packing does not apply (not a CPU fp32/bf16
+    matrix, or a dtype this CPU's oneDNN cannot pack)."""
+    if weight.device.type != "cpu" or weight.dim() != 2 or not packable(weight.dtype):
         return None
     return torch.ops.mkldnn._reorder_linear_weight(weight.detach().contiguous(), BATCH_HINT)
 

@@ -97,6 +97,10 @@ class LlamaAttention(nn.Module):
         self.num_kv_heads = cfg.num_key_value_heads // tp.size
         self.head_dim = cfg.head_dim
         self.scale = cfg.head_dim ** -0.5
+        # An fp8 KV cache's per-layer scales (the cache holds K / k_scale, V / v_scale); set by the model
+        # runner's calibration (worker/kv_scales.py) when kv_cache_dtype is fp8, ignored by other caches.
+        self.k_scale = 1.0
+        self.v_scale = 1.0
         if cfg.qk_norm:
             self.q_norm = RMSNorm(cfg.head_dim, cfg.rms_norm_eps)
             self.k_norm = RMSNorm(cfg.head_dim, cfg.rms_norm_eps)
@@ -116,7 +120,8 @@ class LlamaAttention(nn.Module):
             q, k = self.q_norm(q), self.k_norm(k)
         q, k = rotary(positions, q, k)
         key_cache, value_cache = kv_cache
-        o = backend.forward(q, k, v, key_cache, value_cache, meta, self.scale)  # (n, heads, head_dim)
+        o = backend.forward(q, k, v, key_cache, value_cache, meta, self.scale,
+                            self.k_scale, self.v_scale)                       # (n, heads, head_dim)
         return self.o_proj(o.reshape(n, q_size))                              # (n, hidden)
 
 

@@ -29,7 +29,8 @@ from minivllm.config import EngineConfig
 from minivllm.worker.cuda_graph import DecodeGraphs
 from minivllm.model.layers import PPStage, TPGroup
 from minivllm.model.llama import ModelConfig
-from minivllm.model.loader import load_model, resolve_dtype
+from minivllm.model.loader import load_model, load_tokenizer, resolve_dtype
+from minivllm.model._kernels import kernels
 from minivllm.core.request import Request
 from minivllm.worker.logprobs import PromptLogprobsSpan
 from minivllm.worker.rejection_sampler import RejectionSampler
@@ -100,6 +101,10 @@ class ModelRunner:
         self.proposer = make_proposer(spec, self) if ngram or (tp.rank == 0 and pp.rank == 0) else None
         self.num_kv_heads = model_cfg.num_key_value_heads // tp.size     # this rank's share
         self.num_kv_blocks = 0                                           # set by allocate_kv_cache
+        # The KV cache's dtype: the model's, or fp8 e4m3 (kv_cache_dtype="fp8"; scales from worker/kv_scales.py)
+        self.kv_cache_dtype = (kernels.reference.FP8_DTYPE if config.kv_cache_dtype in ("fp8", "fp8_e4m3")
+                               else self.dtype)
+        self.kv_scales: list[tuple[float, float]] | None = None          # (k_scale, v_scale) per layer, fp8 only
         # Pipeline parallelism: sends still under way (torch.distributed works and the tensors they read). A send
         # is waited for at this stage's next step, so a stage never blocks on a neighbour that is still busy with
         # an earlier batch (with several batches in flight, two blocking sends in a cycle would deadlock).
@@ -117,14 +122,18 @@ class ModelRunner:
         # Zeroed once, so a slot that was never written holds 0, not NaN: masked slots get zero weight,
         # and 0 * NaN would still poison a matmul.
         # (Under pipeline parallelism, the layers of this stage only: more blocks fit per stage.)
+        if self.kv_cache_dtype != self.dtype and self.kv_scales is None:
+            # fp8: scales first, from a prefill of a fixed text on a temporary cache in the model's dtype.
+            from minivllm.worker.kv_scales import calibrate_kv_scales, calibration_token_ids
+            self.kv_scales = calibrate_kv_scales(self, calibration_token_ids(load_tokenizer(self.model_path)))
         self.kv_cache = torch.zeros(2, self.num_layers, num_kv_blocks, self.block_size,
-                                    self.num_kv_heads, c.head_dim, dtype=self.dtype, device=self.device)
+                                    self.num_kv_heads, c.head_dim, dtype=self.kv_cache_dtype, device=self.device)
         self.kv_caches = [(self.kv_cache[0, i], self.kv_cache[1, i]) for i in range(self.num_layers)]
         # The CPU pool that preemption_mode="swap" copies whole blocks to and from (same layout).
         self.num_cpu_blocks = (int(self.config.swap_space * 1024 ** 3 // self.bytes_per_block)
                                if self.config.preemption_mode == "swap" else 0)
         self.cpu_kv_cache = torch.empty((2, self.num_layers, self.num_cpu_blocks)
-                                        + tuple(self.kv_cache.shape[3:]), dtype=self.dtype,
+                                        + tuple(self.kv_cache.shape[3:]), dtype=self.kv_cache_dtype,
                                         pin_memory=self.device.type == "cuda" and self.num_cpu_blocks > 0)
         self.graphs = self._capture_cuda_graphs()
         if hasattr(self.proposer, "allocate_kv_cache"):           # a draft model: its KV under the same block ids
@@ -159,7 +168,7 @@ class ModelRunner:
     def bytes_per_block(self) -> int:
         """KV bytes of one block on this rank (its share of the KV heads, every layer, K and V)."""
         c = self.model_cfg
-        return 2 * self.num_layers * self.block_size * self.num_kv_heads * c.head_dim * self.dtype.itemsize
+        return 2 * self.num_layers * self.block_size * self.num_kv_heads * c.head_dim * self.kv_cache_dtype.itemsize
 
     def profile_num_blocks(self) -> int:
         """How many KV blocks fit on this rank: config.num_kv_blocks if given, else from the memory budget."""
@@ -299,12 +308,14 @@ class ModelRunner:
     def swap_blocks(self, mi: ModelInput) -> None:
         """Copy whole blocks (every layer, K and V) between the device cache and the CPU pool.
         Swap-outs go first: a block freed by a swap-out may be handed to another request this step."""
+        # As bytes (uint8 views): PyTorch has no indexed copy for fp8 on a CPU; a copy of bytes is the same copy.
+        device_cache, cpu_cache = self.kv_cache.view(torch.uint8), self.cpu_kv_cache.view(torch.uint8)
         if mi.blocks_to_swap_out:
             src, dst = (list(x) for x in zip(*mi.blocks_to_swap_out))
-            self.cpu_kv_cache[:, :, dst] = self.kv_cache[:, :, src].cpu()
+            cpu_cache[:, :, dst] = device_cache[:, :, src].cpu()
         if mi.blocks_to_swap_in:
             src, dst = (list(x) for x in zip(*mi.blocks_to_swap_in))
-            self.kv_cache[:, :, dst] = self.cpu_kv_cache[:, :, src].to(self.device)
+            device_cache[:, :, dst] = cpu_cache[:, :, src].to(self.device)
 
     @torch.inference_mode()
     def execute_model(self, mi: ModelInput) -> tuple[torch.Tensor | None, torch.Tensor | None]:
