@@ -84,7 +84,7 @@ def violations(info: KernelInfo) -> list[str]:
     limit = SHARED_MEM_LIMIT[info.arch]
     if info.shared_bytes > limit:
         out.append(f"shared memory {info.shared_bytes} B > sm_{info.arch} limit {limit} B")
-    if info.uses_dot and info.dtype in ("float16", "bfloat16") and not info.uses_tensor_cores:
+    if info.uses_dot and info.dtype.endswith(("float16", "bfloat16")) and not info.uses_tensor_cores:
         out.append("tl.dot on fp16/bf16 but no tensor-core instruction (mma/wgmma/HMMA) in PTX or SASS")
     return out
 
@@ -371,8 +371,16 @@ def compiling(arch: int, inspect: bool = True):
 HEAD_DIMS = (64, 128)
 GQA_RATIOS = (1, 4)
 BLOCK_SIZES = (16, 32)
-DTYPES = ("float16", "bfloat16", "float32")
+DTYPES = ("float16", "bfloat16", "float32", "fp8-bfloat16", "fp8-float16")
 NUM_HEADS = 16
+
+
+def _cache_and_query_dtypes(dtype_name: str):
+    """"float16" -> (fp16 cache, fp16 queries); "fp8-bfloat16" -> (an fp8 e4m3 cache, bf16 queries and K/V)."""
+    import torch
+    if dtype_name.startswith("fp8-"):
+        return torch.float8_e4m3fn, getattr(torch, dtype_name.removeprefix("fp8-"))
+    return getattr(torch, dtype_name), getattr(torch, dtype_name)
 
 
 def wrapper_cases(head_dims=HEAD_DIMS, gqa_ratios=GQA_RATIOS, block_sizes=BLOCK_SIZES, dtypes=DTYPES):
@@ -382,7 +390,7 @@ def wrapper_cases(head_dims=HEAD_DIMS, gqa_ratios=GQA_RATIOS, block_sizes=BLOCK_
     ops = _triton_ops()
     cases = []
     for dtype_name in dtypes:
-        dtype = getattr(torch, dtype_name)
+        cache_dtype, dtype = _cache_and_query_dtypes(dtype_name)
         for head_dim in head_dims:
             for gqa in gqa_ratios:
                 kv_heads = NUM_HEADS // gqa
@@ -391,7 +399,7 @@ def wrapper_cases(head_dims=HEAD_DIMS, gqa_ratios=GQA_RATIOS, block_sizes=BLOCK_
                         continue    # block size only changes index math: other sizes in the first dtype only
                     tag = f"hd{head_dim}/gqa{gqa}/bs{bs}"
 
-                    def cache(num_blocks, bs=bs, kv_heads=kv_heads, head_dim=head_dim, dtype=dtype):
+                    def cache(num_blocks, bs=bs, kv_heads=kv_heads, head_dim=head_dim, dtype=cache_dtype):
                         return torch.zeros(num_blocks, bs, kv_heads, head_dim, dtype=dtype)
 
                     def store(num_tokens, cache=cache, kv_heads=kv_heads, head_dim=head_dim, dtype=dtype):
@@ -433,7 +441,8 @@ def compile_wrapper_calls(arch: int, cases=None, inspect: bool = True) -> list[K
     """Compile every kernel the wrappers launch over the grid, for sm_`arch`; one KernelInfo per distinct
     binary (kernel x dtype x compile-time configuration), in first-seen order. Needs TRITON_INTERPRET unset."""
     from triton import knobs
-    cases = wrapper_cases() if cases is None else cases
+    if cases is None:                  # Triton has no e4m3 before sm_89: fp8 caches compile for sm_90 only
+        cases = wrapper_cases(dtypes=[d for d in DTYPES if arch >= 89 or not d.startswith("fp8-")])
     saved = Path(knobs.cache.dir) / f"minivllm_aot_sm{arch}.json"   # inspections of the cached binaries
     if saved.exists():
         _inspected.update(json.loads(saved.read_text()))

@@ -136,6 +136,8 @@ def store_kv_cache(key: torch.Tensor, value: torch.Tensor, key_cache: torch.Tens
     if key_cache.shape[2:] != (num_kv_heads, head_dim):
         raise ValueError(f"key has {num_kv_heads} heads of {head_dim}; the cache holds "
                          f"{tuple(key_cache.shape[2:])}.")
+    if key_cache.dtype == torch.float8_e4m3fn:
+        check_fp8_supported(key.device)
     if num_tokens == 0:
         return
     heads_p2, head_dim_p2 = _pow2(num_kv_heads), _pow2(head_dim)
@@ -161,7 +163,7 @@ def _paged_decode_kernel(
     stride_c_block, stride_c_slot, stride_c_head, stride_bt_seq,
     num_heads, group_size, head_dim,
     BLOCK_SIZE: tl.constexpr, GROUP_P2: tl.constexpr, HEAD_DIM_P2: tl.constexpr,
-    BLOCK_N: tl.constexpr, NUM_SPLITS: tl.constexpr, UPCAST: tl.constexpr,
+    BLOCK_N: tl.constexpr, NUM_SPLITS: tl.constexpr, UPCAST: tl.constexpr, KV_FP8: tl.constexpr,
 ):
     seq = tl.program_id(0)
     kv_head = tl.program_id(1)
@@ -195,7 +197,10 @@ def _paged_decode_kernel(
         kv_mask = t_mask[:, None] & d_mask[None, :]
         k = tl.load(key_cache_ptr + kv_off, mask=kv_mask, other=0.0)
         v = tl.load(value_cache_ptr + kv_off, mask=kv_mask, other=0.0)    # masked: unwritten slots may be NaN
-        k = k.to(q.dtype)            # fp8 -> the query's dtype (exact); bf16 -> fp32 when UPCAST; else no-op
+        if KV_FP8:                   # e4m3 -> fp16 is one instruction on sm_89+ and exact (so is fp16 -> bf16)
+            k = k.to(tl.float16)
+            v = v.to(tl.float16)
+        k = k.to(q.dtype)            # -> the query's dtype; bf16 -> fp32 when UPCAST; else a no-op
         v = v.to(q.dtype)
         s = tl.dot(q, tl.trans(k), input_precision="ieee") * scale_log2e    # (GROUP_P2, BLOCK_N)
         s = tl.where(t_mask[None, :], s, float("-inf"))
@@ -206,9 +211,9 @@ def _paged_decode_kernel(
         acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v, input_precision="ieee")
         m_i = m_new
 
-    acc = acc * v_scale                              # an fp8 cache's V scale (1.0 otherwise); linear, so split-safe
+    # v_scale: an fp8 cache's V scale (1.0 otherwise), applied once per row with the softmax's 1 / l
     if NUM_SPLITS == 1:
-        out = acc / tl.where(l_i == 0.0, 1.0, l_i)[:, None]
+        out = acc * (v_scale / tl.where(l_i == 0.0, 1.0, l_i))[:, None]
         tl.store(out_ptr + seq.to(tl.int64) * stride_o_seq + head[:, None] * stride_o_head + d[None, :],
                  out.to(out_ptr.dtype.element_ty), mask=g_mask[:, None] & d_mask[None, :])
     else:
@@ -216,7 +221,7 @@ def _paged_decode_kernel(
         row = (seq.to(tl.int64) * num_heads + head) * NUM_SPLITS + split    # (GROUP_P2,)
         tl.store(part_m_ptr + row, m_i, mask=g_mask)
         tl.store(part_l_ptr + row, l_i, mask=g_mask)
-        tl.store(part_acc_ptr + row[:, None] * head_dim + d[None, :], acc,
+        tl.store(part_acc_ptr + row[:, None] * head_dim + d[None, :], acc * v_scale,       # (linear: merges as is)
                  mask=g_mask[:, None] & d_mask[None, :])
 
 
@@ -267,7 +272,8 @@ def _target_arch(device: torch.device) -> int:
     return arch if isinstance(arch, int) else 90
 
 
-def choose_num_stages(kernel: str, head_dim_p2: int, block_m: int | None, arch: int, dtype: torch.dtype) -> int:
+def choose_num_stages(kernel: str, head_dim_p2: int, block_m: int | None, arch: int, dtype: torch.dtype,
+                      query_dtype: torch.dtype | None = None) -> int:
     """Software pipelining depth of the loop over KV tiles (Triton's num_stages; its default is 3).
 
     With 2 stages the loop keeps two K/V tiles in shared memory: while tile j is multiplied and
@@ -283,9 +289,16 @@ def choose_num_stages(kernel: str, head_dim_p2: int, block_m: int | None, arch: 
     An fp32 cache keeps Triton's default, 3: its dots are FMA loops over operands in registers (no tensor
     cores), it is the GPU's correctness oracle rather than its fast path, and its known spills were measured
     at 3 (tests/test_kernels_aot.py lists them).
+    An fp8 cache (`dtype` is the cache's; sm_89 and newer: Triton has no e4m3 before) under fp16 queries keeps 2
+    (no spill at 1, 2 or 3 stages on sm_90). Under bf16 queries, where each tile goes e4m3 -> fp16 -> bf16,
+    ptxas held most tiles to 128 registers and spilled 16-28 B in some configuration at 2 stages and at 3
+    (decode and the 16-row prefill tile, head_dim 64 and 128), and in none at 1: so 1 there. Its tiles are
+    a quarter of fp32's bytes, so one buffer is still 12 KB of K and V a step of the loop.
     """
     if dtype == torch.float32:
         return 3
+    if dtype == torch.float8_e4m3fn and query_dtype == torch.bfloat16:
+        return 1
     if kernel == "prefill" and block_m == 64 and head_dim_p2 >= 128 and arch < 90:
         return 1
     return 2
@@ -302,11 +315,22 @@ def choose_num_splits(num_seqs: int, num_kv_heads: int, max_context: int, device
     return max(1, min(want, most, MAX_SPLITS))
 
 
+def check_fp8_supported(device: torch.device) -> None:
+    """Triton has e4m3 (its fp8e4nv) only from compute capability 8.9 (Ada, Hopper): an A100 cannot hold an fp8
+    cache here. (Off a GPU, the interpreter and the sm_90 compile both can.)"""
+    arch = _target_arch(device)
+    if arch < 89:
+        raise ValueError(f"kv_cache_dtype='fp8' needs a GPU of compute capability 8.9 or newer for the Triton "
+                         f"kernels (Triton has no e4m3 type on sm_{arch}); use kv_cache_dtype='auto' on this GPU.")
+
+
 def _check_attention_inputs(query: torch.Tensor, key_cache: torch.Tensor,
                             value_cache: torch.Tensor) -> tuple[int, int]:
     """Shared checks of both attention wrappers; returns (block_size, num_kv_heads)."""
     num_heads, head_dim = query.shape[1], query.shape[2]
     _check_cache(key_cache, value_cache)
+    if key_cache.dtype == torch.float8_e4m3fn:
+        check_fp8_supported(query.device)
     block_size, num_kv_heads = key_cache.shape[1], key_cache.shape[2]
     if num_heads % num_kv_heads:
         raise ValueError(f"{num_heads} query heads do not divide into {num_kv_heads} KV heads.")
@@ -354,8 +378,10 @@ def paged_decode_attention(query: torch.Tensor, key_cache: torch.Tensor, value_c
         key_cache.stride(0), key_cache.stride(1), key_cache.stride(2), block_tables.stride(0),
         num_heads, group_size, head_dim,
         BLOCK_SIZE=block_size, GROUP_P2=_pow2(group_size, 16), HEAD_DIM_P2=head_dim_p2,
-        BLOCK_N=block_n, NUM_SPLITS=num_splits, UPCAST=_upcast(query.dtype), num_warps=4,
-        num_stages=choose_num_stages("decode", head_dim_p2, None, _target_arch(query.device), key_cache.dtype),
+        BLOCK_N=block_n, NUM_SPLITS=num_splits, UPCAST=_upcast(query.dtype),
+        KV_FP8=key_cache.dtype == torch.float8_e4m3fn, num_warps=4,
+        num_stages=choose_num_stages("decode", head_dim_p2, None, _target_arch(query.device), key_cache.dtype,
+                                     query.dtype),
     )
     if num_splits > 1:
         _merge_splits_kernel[(num_seqs, num_heads)](
@@ -376,7 +402,7 @@ def _paged_prefill_kernel(
     stride_c_block, stride_c_slot, stride_c_head, stride_bt_seq,
     group_size, head_dim,
     BLOCK_SIZE: tl.constexpr, HEAD_DIM_P2: tl.constexpr,
-    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, UPCAST: tl.constexpr,
+    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, UPCAST: tl.constexpr, KV_FP8: tl.constexpr,
 ):
     tile = tl.program_id(0)
     head = tl.program_id(1)
@@ -413,7 +439,10 @@ def _paged_prefill_kernel(
         kv_mask = t_mask[:, None] & d_mask[None, :]
         k = tl.load(key_cache_ptr + kv_off, mask=kv_mask, other=0.0)
         v = tl.load(value_cache_ptr + kv_off, mask=kv_mask, other=0.0)
-        k = k.to(q.dtype)            # as in the decode kernel
+        if KV_FP8:                   # as in the decode kernel
+            k = k.to(tl.float16)
+            v = v.to(tl.float16)
+        k = k.to(q.dtype)
         v = v.to(q.dtype)
         s = tl.dot(q, tl.trans(k), input_precision="ieee") * scale_log2e    # (BLOCK_M, BLOCK_N)
         causal = t_mask[None, :] & (tok[None, :] <= pos[:, None])
@@ -425,7 +454,7 @@ def _paged_prefill_kernel(
         acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v, input_precision="ieee")
         m_i = m_new
 
-    out = acc * v_scale / tl.where(l_i == 0.0, 1.0, l_i)[:, None]
+    out = acc * (v_scale / tl.where(l_i == 0.0, 1.0, l_i))[:, None]            # v_scale: as in the decode kernel
     o_off = (q_start + r)[:, None] * stride_o_tok + head * stride_o_head + d[None, :]
     tl.store(out_ptr + o_off, out.to(out_ptr.dtype.element_ty), mask=r_mask[:, None] & d_mask[None, :])
 
@@ -460,8 +489,8 @@ def paged_prefill_attention(query: torch.Tensor, key_cache: torch.Tensor, value_
         key_cache.stride(0), key_cache.stride(1), key_cache.stride(2), block_tables.stride(0),
         num_heads // num_kv_heads, head_dim,
         BLOCK_SIZE=block_size, HEAD_DIM_P2=head_dim_p2, BLOCK_M=block_m, BLOCK_N=block_n,
-        UPCAST=_upcast(query.dtype), num_warps=4,
+        UPCAST=_upcast(query.dtype), KV_FP8=key_cache.dtype == torch.float8_e4m3fn, num_warps=4,
         num_stages=choose_num_stages("prefill", head_dim_p2, block_m, _target_arch(query.device),
-                                     key_cache.dtype),
+                                     key_cache.dtype, query.dtype),
     )
     return out

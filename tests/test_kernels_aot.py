@@ -3,7 +3,8 @@
 On a CPU the kernels only run under Triton's interpreter, which accepts tiles no GPU compiler would, and says
 nothing about registers or shared memory. Here every kernel is compiled through the project's own wrappers
 (kernels/aot.py: a stub driver, launches turned into warmup=True compiles), so the tiles compiled are the
-ones the wrappers choose, over head dims (64, 128) x GQA ratios (1, 4) x dtypes (fp16, bf16, fp32) x the
+ones the wrappers choose, over head dims (64, 128) x GQA ratios (1, 4) x dtypes (fp16, bf16, fp32, and an fp8
+e4m3 cache under bf16 / fp16 queries, on sm_90 only: Triton has no e4m3 before sm_89) x the
 shapes they see (decode of a large batch / of one long context with split-KV + merge, prefill of a short
 chunk (BLOCK_M 16) and of a prompt (BLOCK_M 64), the KV store for decode and prefill), at cache block size
 16, and at block size 32 in fp16 (the block size only changes index arithmetic; the whole grid at both sizes
@@ -116,6 +117,9 @@ def test_the_grid_covers_every_kernel_dtype_and_the_wrappers_tiles(compiled, arc
     seen = {(i.name, i.dtype) for i in infos}
     for name in aot.KERNEL_NAMES:
         for dtype in aot.DTYPES:
+            if dtype.startswith("fp8-") and arch < 89:
+                assert (name, dtype) not in seen      # no e4m3 in Triton before sm_89 (the wrappers refuse it)
+                continue
             assert (name, dtype) in seen, f"{name} {dtype} was never compiled for sm_{arch}"
     prefill_m = {i.config["BLOCK_M"] for i in infos if i.name == "_paged_prefill_kernel"}
     assert {16, 64} <= prefill_m                       # a short chunk and a full prompt tile
@@ -164,6 +168,18 @@ def test_tiles_the_interpreter_accepts_are_rejected_ahead_of_time(request):
         assert problems and problems[0].startswith(aot.BAD_TILES[info.name][1]), (info.arch, info.name, problems)
 
 
+def test_an_fp8_cache_is_refused_before_sm_89_with_a_clear_error():
+    key_cache = torch.zeros(4, 16, 2, 64, dtype=torch.float8_e4m3fn)
+    q = torch.zeros(1, 4, 64, dtype=torch.float16)
+    with aot.stub_driver(80):
+        with pytest.raises(ValueError, match=r"compute capability 8.9 or newer .* sm_80.*kv_cache_dtype='auto'"):
+            kernels.triton_ops.paged_decode_attention(q, key_cache, key_cache.clone(),
+                                                      torch.zeros(1, 1, dtype=torch.int32),
+                                                      torch.ones(1, dtype=torch.int32), 0.125)
+    with aot.stub_driver(90):
+        kernels.triton_ops.check_fp8_supported(torch.device("cpu"))          # sm_90: fine
+
+
 def test_the_stub_driver_is_undone_even_on_error():
     from triton.runtime.driver import driver
     before = driver._active
@@ -178,13 +194,16 @@ def test_the_stub_driver_is_undone_even_on_error():
 @pytest.mark.parametrize("arch", ARCHS)
 def test_pipelining_depth_is_the_wrappers_deliberate_choice(compiled, arch):
     """num_stages as `choose_num_stages` decides: 2 for fp16/bf16 attention (double-buffered K/V tiles), 1 for
-    sm_80's 64-row prefill tile at head_dim 128 (2 spills there), Triton's default 3 for the fp32 oracle."""
+    sm_80's 64-row prefill tile at head_dim 128 (2 spills there), Triton's default 3 for the fp32 oracle, 1 for
+    an fp8 cache under bf16 queries (2 and 3 spilled there)."""
     for info in compiled[arch]:
         if info.name not in aot.DOT_KERNELS:
             continue
         c = info.config
         if info.dtype == "float32":
             expected = 3
+        elif info.dtype == "fp8-bfloat16":
+            expected = 1
         elif info.name == "_paged_prefill_kernel" and c["BLOCK_M"] == 64 and c["HEAD_DIM_P2"] >= 128 and arch < 90:
             expected = 1
         else:

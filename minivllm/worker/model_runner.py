@@ -105,6 +105,8 @@ class ModelRunner:
         self.kv_cache_dtype = (kernels.reference.FP8_DTYPE if config.kv_cache_dtype in ("fp8", "fp8_e4m3")
                                else self.dtype)
         self.kv_scales: list[tuple[float, float]] | None = None          # (k_scale, v_scale) per layer, fp8 only
+        if self.kv_cache_dtype != self.dtype and self.backend.name == "triton":
+            kernels.triton_ops.check_fp8_supported(device)                # before any memory is spent on it
         # Pipeline parallelism: sends still under way (torch.distributed works and the tensors they read). A send
         # is waited for at this stage's next step, so a stage never blocks on a neighbour that is still busy with
         # an earlier batch (with several batches in flight, two blocking sends in a cycle would deadlock).
