@@ -49,6 +49,8 @@ import warnings
 
 warnings.filterwarnings("ignore", message="IProgress not found")   # tqdm's notice when ipywidgets is absent
 
+import inspect
+
 import matplotlib.pyplot as plt
 import torch
 from matplotlib.patches import Patch, Rectangle
@@ -283,6 +285,43 @@ assert other_prefix != h1 and kv.num_cached_blocks["A"] == 3
 b_req = Request("B", SYSTEM + [211, 212, 213, 214, 215], greedy)
 hits = kv.get_computed_blocks(b_req)
 print("B's cached prefix:", hits, f"= {len(hits) * kv.block_size} tokens")
+
+# %% [markdown]
+# ### Exercise: find the longest cached prefix
+#
+# Before reading on, write that walk yourself. `longest_cached_prefix(token_ids, block_size, lookup)` returns
+# the block ids of the longest run of cached **full** blocks that starts `token_ids`:
+#
+# - hash block i's tokens (a tuple) with `hash_block_tokens(parent, tokens)`, where `parent` is block i-1's
+#   hash, and `ROOT_HASH` for block 0;
+# - `lookup(block_hash, tokens)` (here the pool's own `pool.lookup`) gives the cached block id, or None;
+# - stop at the first miss, and never take the whole prompt: at least one token must be left to compute,
+#   because the step needs its logits to sample the next token.
+#
+# `check` runs your function on small hand-made caches, then on 30 random prompts against the real
+# `KVCacheManager`, and says which case failed and how. (In CI the lessons run with the solutions, from
+# `lessons/solutions/`; try first.)
+
+# %%
+from course import check, exercise
+
+
+@exercise("01.longest_cached_prefix")
+def longest_cached_prefix(token_ids, block_size, lookup):
+    hits = []
+    # your code here
+    raise NotImplementedError
+
+
+check(longest_cached_prefix)
+print("B's cached prefix, by your function:", longest_cached_prefix(b_req.all_token_ids, kv.block_size, pool.lookup))
+
+# %% [markdown]
+# The real one, `KVCacheManager.get_computed_blocks`, does the same walk, and also looks in `pending` (blocks
+# this very step computes, explained below):
+
+# %%
+print(inspect.getsource(KVCacheManager.get_computed_blocks))
 
 # %% [markdown]
 # Now allocate with the hits: they join B's block table first, the pool raises their ref counts

@@ -1,0 +1,94 @@
+"""The course's exercises: the learner writes the heart of a module in a lesson, a check says if it is right.
+
+In a lesson (the notebook's folder, lessons/, is on sys.path, so `import course` works there):
+
+    from course import exercise, check
+
+    @exercise("01.longest_cached_prefix")
+    def longest_cached_prefix(token_ids, block_size, lookup):
+        ...                                   # your code here
+        raise NotImplementedError
+
+    check(longest_cached_prefix)              # prints what passed, or raises ExerciseFailed saying what is wrong
+
+Where the pieces live (one concept each):
+    lessons/course.py            this file: the two calls above and the error they raise
+    lessons/checks/cNN_*.py      each lesson's checks: `check_<name>(fn)` runs the learner's function on cases
+                                 with known answers (and, where it makes sense, inside the real engine) and
+                                 raises ExerciseFailed naming the case, the expected and the actual value
+    lessons/solutions/sNN_*.py   each lesson's solutions, out of the learner's sight: `<name>(...)`
+    tests/test_course_*.py       that each check passes the solution and rejects an empty and a plausible but
+                                 wrong answer (so no check can pass whatever it is given)
+
+CI runs every lesson with the solutions filled in: with MINIVLLM_LESSON_SOLUTIONS=1 in the environment (the
+repository's conftest.py sets it for nbval), `@exercise` hands the lesson the solution instead of the cell's
+function. A learner never sets it: their own code is what the check runs.
+"""
+
+from __future__ import annotations
+
+import functools
+import importlib
+import os
+import pkgutil
+from pathlib import Path
+from typing import Callable
+
+SOLUTIONS_ENV = "MINIVLLM_LESSON_SOLUTIONS"
+_HERE = Path(__file__).resolve().parent
+
+
+class ExerciseFailed(AssertionError):
+    """A check found the learner's function wrong; the message says on which case and how."""
+
+
+def _module(package: str, lesson: str):
+    """lessons/<package>/<p><lesson>_*.py, imported (e.g. checks/c01_block_manager.py for lesson "01")."""
+    prefix = package[0] + lesson + "_"
+    names = [m.name for m in pkgutil.iter_modules([str(_HERE / package)]) if m.name.startswith(prefix)]
+    if len(names) != 1:
+        raise LookupError(f"expected one lessons/{package}/{prefix}*.py, found {names}")
+    return importlib.import_module(f"{package}.{names[0]}")
+
+
+def solution(name: str) -> Callable:
+    """The solution of exercise "NN.function_name"."""
+    lesson, function = name.split(".")
+    return getattr(_module("solutions", lesson), function)
+
+
+def exercise(name: str) -> Callable[[Callable], Callable]:
+    """Mark the learner's function as exercise `name` ("NN.function_name"). Returns it unchanged, or the
+    solution when MINIVLLM_LESSON_SOLUTIONS=1 (CI running the lessons)."""
+    def mark(fn: Callable) -> Callable:
+        chosen = solution(name) if os.environ.get(SOLUTIONS_ENV) == "1" else fn
+        @functools.wraps(chosen)
+        def wrapper(*args, **kwargs):
+            return chosen(*args, **kwargs)
+        wrapper.exercise_name = name
+        return wrapper
+    return mark
+
+
+def check(fn: Callable, name: str | None = None) -> None:
+    """Run exercise `name`'s checks (default: the name `@exercise` gave `fn`) on `fn`. Prints one line per
+    group of cases that passed; raises ExerciseFailed on the first that does not. A function that raises
+    NotImplementedError (the cell as given) is told to write its code first."""
+    name = name or getattr(fn, "exercise_name", None)
+    if name is None:
+        raise ValueError("check(fn): fn has no exercise name; decorate it with @exercise(\"NN.name\") or pass name=")
+    lesson, function = name.split(".")
+    checker = getattr(_module("checks", lesson), f"check_{function}")
+    try:
+        for line in checker(fn):
+            print("ok:", line)
+    except NotImplementedError:
+        raise ExerciseFailed(f"{function} is not written yet: replace `raise NotImplementedError` with your code "
+                             f"and run the cell again.") from None
+    print(f"all checks of {name} passed")
+
+
+def expect_equal(actual, expected, what: str) -> None:
+    """The checks' one comparison: raises ExerciseFailed saying what was compared, what came and what was due."""
+    if actual != expected:
+        raise ExerciseFailed(f"{what}: expected {expected!r}, got {actual!r}")
