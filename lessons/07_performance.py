@@ -272,6 +272,41 @@ print(f"weights:         {weights / 1e6:6.0f} MB read by every step "
       f"(KV: {roofline.kv_bytes_per_token(cfg, ITEMSIZE) / 1e3:.1f} kB per cached token)")
 
 # %% [markdown]
+# ### Exercise: the decode-step memory floor
+#
+# Count those bytes yourself. Write `decode_memory_floor_ms(cfg, itemsize, batch, context, bandwidth)`: the
+# milliseconds a decode step needs at least, if it reads each of its bytes once at `bandwidth` bytes/s:
+#
+# - every weight of the model once: per layer the fused `qkv_proj` (hidden x (heads + 2 kv_heads) x
+#   head_dim), `o_proj`, the fused `gate_up_proj` (hidden x 2 x intermediate), `down_proj`, and two RMSNorm
+#   weights; then the final norm and the LM head (vocab x hidden). The embedding table is only *indexed* (one
+#   row per token), so it does not count; the default model ties it to the LM head, which is read whole;
+# - the K and V of `context` cached tokens for each of the `batch` sequences, in every layer;
+# - `itemsize` bytes an element (4 for fp32, 2 for bf16).
+#
+# `cfg` is `engine.model_config` (fields `hidden_size`, `head_dim`, `num_attention_heads`,
+# `num_key_value_heads`, `intermediate_size`, `num_hidden_layers`, `vocab_size`). The check compares your
+# count with the loaded model's own parameter bytes and with `roofline.py`'s formula on other shapes.
+
+# %%
+from course import check, exercise
+
+
+@exercise("07.decode_memory_floor_ms")
+def decode_memory_floor_ms(cfg, itemsize, batch, context, bandwidth):
+    # your code here
+    raise NotImplementedError
+
+
+check(decode_memory_floor_ms)
+
+# %%
+# NBVAL_IGNORE_OUTPUT
+print(f"this machine ({bandwidth / 1e9:.1f} GB/s): a decode step at batch {NUM_REQUESTS} with 300 tokens of context "
+      f"each needs at least {decode_memory_floor_ms(cfg, ITEMSIZE, NUM_REQUESTS, 300, bandwidth):.1f} ms in fp32, "
+      f"{decode_memory_floor_ms(cfg, 2, NUM_REQUESTS, 300, bandwidth):.1f} ms in bf16")
+
+# %% [markdown]
 # Now the decode steps against their floor. The profiled steps above carry the profiler's overhead, so
 # we time a few more without it (`StepTrace.duration_s`, what `python -m minivllm.bench` uses too).
 
@@ -361,10 +396,11 @@ assert rate > 0 and rate_batch > 0 and bandwidth > 0
 
 # %%
 def paged_decode_attention_before(query, key_cache, value_cache, block_tables, seq_lens, scale,
-                                  seq_lens_cpu=None, kv_buffer=None, compute_dtype=torch.float32):
+                                  seq_lens_cpu=None, kv_buffer=None, compute_dtype=torch.float32,
+                                  k_scale=1.0, v_scale=1.0):
     """The old reference decode path: fancy-index gather into fresh tensors, then SDPA with enable_gqa.
     query (num_seqs, num_heads, head_dim) -> (num_seqs, num_heads, head_dim). kv_buffer and compute_dtype
-    (fp32 here: this lesson's engine runs in fp32) are ignored."""
+    (fp32 here: this lesson's engine runs in fp32) are ignored, and so are an fp8 cache's scales (1.0 here)."""
     num_seqs, num_heads, head_dim = query.shape
     block_size, num_kv_heads = key_cache.shape[1], key_cache.shape[2]
     max_len = max(seq_lens_cpu) if seq_lens_cpu is not None else int(seq_lens.max())
@@ -750,47 +786,45 @@ self_check()
 #
 # ### What did not help on these 2-core CPUs (and why)
 #
-# Measured on the CI machines, 2026-11-22; each idea was tried, timed, and left out of minivllm
-# (the machine's noise is large: runs of the same command differ by up to 20%):
+# Each idea below was tried inside the engine, timed against the unchanged engine in alternating runs, and
+# left out of minivllm; the dated numbers are in the README's "Measured" section, not repeated here, since this
+# lesson shows only what it measures itself. (The machine's noise is large: runs of the same command differ by
+# up to 20%.)
 #
-# - **A C++ decode-attention kernel** that walks the block table itself (no gather copy, no padding).
-#   On a cache that fits in L3 it was 1.7x faster than the reference; inside the engine, at batch 32 and
-#   300 tokens of context, 1.33 ms vs 1.56 ms a layer, and the whole benchmark did not get faster
-#   (147.1 vs 154.7 output tokens/s, within the machine's noise). The KV of a decode step (about 440 MB at
-#   batch 32 over 30 layers) comes from DRAM either way: the gather's copy lands in cache and SDPA reads it
-#   from there, so removing it saves little.
-# - **A small-batch matmul kernel** that reads each weight row once for all rows of the batch: on 30
-#   layers of weights (425 MB), 31.7 vs MKL's 38.8 ms at 8 rows, but 92 vs 50 ms at 32 rows. MKL at one row
-#   already runs at the DRAM floor (18.5 ms at 23 GB/s).
-# - **MKL's packed weights** (`torch.ops.mkl._mkl_linear`): about 8% on a decode step at batch 32 (within
-#   the machine's noise), and its packed copy takes 3x the weight memory. (oneDNN's prepacked linear was
-#   only microbenchmarked then; swapped into the engine later it did help a lot: see the next section.)
-# - **Fused RMSNorm** (`F.rms_norm`): bit-identical here, but 44 us vs 32 us at 32 rows.
-# - **Smaller token budgets** (chunked prefill mixed into decode steps, so that prefill rows ride along
-#   with the decodes' weight reads): 155-159 output tokens/s at 512 tokens a step vs 128-159 at the default
-#   8,192, three alternating runs each: no clear change. (A mixed step itself did get faster: see below.)
+# - **A C++ decode-attention kernel** that walks the block table itself (no gather copy, no padding). Alone,
+#   on a cache that fits in L3, it beat the reference; inside the engine the whole benchmark did not get
+#   faster. The KV of a decode step comes from DRAM either way: the gather's copy lands in cache and SDPA
+#   reads it from there, so removing the copy saves little.
+# - **A small-batch matmul kernel** that reads each weight row once for all rows of the batch: faster than
+#   MKL at about 8 rows, much slower at 32; at one row MKL already runs at the memory floor.
+# - **MKL's packed weights** (`torch.ops.mkl._mkl_linear`): within the machine's noise, at 3x the weight
+#   memory. (oneDNN's prepacked linear, tried later inside the engine, did help: next section.)
+# - **Fused RMSNorm** (`F.rms_norm`): bit-identical here, but slower at 32 rows.
+# - **Smaller token budgets** (prefill chunks riding along with the decodes' weight reads): no clear change.
 #
-# One thing found on the way did help. In a mixed step the PyTorch backend used to send every sequence,
-# decodes included, one at a time through the prefill loop; now the sequences with one new token take the
-# batched decode path together. A step of 31 decodes (300 tokens of context) beside a 64-token prefill went
-# from 244-260 ms to 165-171 ms. A busy server makes such steps all the time.
+# One thing found on the way did help: in a mixed step, the sequences with one new token now take the batched
+# decode path together instead of going one at a time through the prefill loop.
 #
-# The reason for the rest is the same each time: a decode step reads every weight (540 MB in fp32) and the KV of its
-# batch from DRAM, which gives these 2 cores about 23 GB/s, so a step costs at least 23 ms at any batch,
-# and the 256-row matmul rate that the ceiling assumes is out of reach at 1-32 rows. The roofline of the
-# default benchmark run (section 2's floor for each of its steps) came to 374.5 output tokens/s, 6.0x
-# Hugging Face `generate` at batch 16 in the same run, and to 5.2x HF at its faster batch of 32 in another:
-# a 6x target would need every step at its floor, or more.
+# The reason for the rest is the one this lesson measured: a decode step reads every weight and the KV of its
+# batch from memory, so it costs at least the floor computed below at any batch, and the 256-row matmul rate
+# is out of reach at 1-32 rows.
+
+# %%
+# NBVAL_IGNORE_OUTPUT
+floor_1 = decode_memory_floor_ms(cfg, ITEMSIZE, 1, 300, bandwidth)
+floor_32 = decode_memory_floor_ms(cfg, ITEMSIZE, NUM_REQUESTS, 300, bandwidth)
+print(f"weights {weights / 1e6:.0f} MB at {bandwidth / 1e9:.1f} GB/s: a decode step costs at least {floor_1:.1f} ms "
+      f"at batch 1 and {floor_32:.1f} ms at batch {NUM_REQUESTS} (300 tokens of context each), however it is coded")
 
 # %% [markdown]
 # ### What did help later: oneDNN's layout, bf16, and 4-bit weights
 #
-# Tried again on 2026-11-24 inside the engine, one idea did move a decode step a lot: **prepacking each
-# linear weight once for oneDNN** (`minivllm/model/cpu_gemm.py`, what vLLM's CPU backend does too). oneDNN
-# rewrites the (out, in) matrix into the tiles its AVX-512 kernel streams through, once at load, instead of
-# the matmul library adapting a plain layout on every call. The engine's decode step at batch 32 went from
-# 185 to 101 ms in fp32, and bf16 (which these cores multiply with `vdpbf16ps`, two products per lane) from
-# 107 to 88 ms. **Weight-only int8 and int4** (`minivllm/model/quantization.py`) read 4-8x fewer bytes than
+# Tried again inside the engine, one idea did move a decode step a lot: **prepacking each linear weight once
+# for oneDNN** (`minivllm/model/cpu_gemm.py`, what vLLM's CPU backend does too). oneDNN rewrites the (out, in)
+# matrix into the tiles its kernel streams through, once at load, instead of the matmul library adapting a
+# plain layout on every call; on CPUs with AVX-512 BF16 it also packs bf16 (two products per lane with
+# `vdpbf16ps`), while an AVX2-only CPU refuses bf16 packing and keeps `F.linear` (the table below says which
+# this machine is). **Weight-only int8 and int4** (`minivllm/model/quantization.py`) read 4-8x fewer bytes than
 # fp32, which wins where a step only reads weights (one row), and loses at 32 rows, where PyTorch's packed-int
 # kernels spend their time dequantizing. The cell measures all of them on the model's own matmuls (30 layers'
 # four linear layers and the LM head), at 1 and 32 rows, here and now:
@@ -848,6 +882,7 @@ for name, method in (("int8", quantization.Int8WeightOnlyMethod()), ("int4", qua
         results[(name, rows)] = step_time(lambda l, x: method.apply(l, x, None), rows)
     layers = saved
 
+print("oneDNN packs bf16 on this CPU:", cpu_gemm.packable(torch.bfloat16))
 print(f"{'matmuls of one decode step':28} {'1 row':>9} {'32 rows':>9}")
 for name in dict.fromkeys(k[0] for k in results):
     print(f"{name:28} {results[(name, 1)]:7.1f} ms {results[(name, 32)]:7.1f} ms")
