@@ -283,3 +283,26 @@ def test_fp8_swap_preemption_round_trips_the_bytes(model_dir):
     got = [o.outputs[0].token_ids for o in tight.generate(prompts, params, use_tqdm=False)]
     assert tight.llm_engine.scheduler.num_preemptions > 0          # the tight pool did swap
     assert got == expected
+
+
+def test_fp8_scales_and_tokens_under_pipeline_and_tensor_parallelism(model_dir, llm_fp8):
+    """The calibration runs across ranks: pipeline stages pass the calibration prompt's hidden states on (the
+    same arithmetic as one rank, so the same scales and tokens exactly); tensor-parallel ranks agree on each
+    layer's largest |K| and |V| over all heads (so their scales are one rank's, to fp32 rounding)."""
+    tok = llm_fp8.get_tokenizer()
+    prompts = [{"prompt_token_ids": tok.encode(p, add_special_tokens=False)} for p in PROMPTS[:3]]
+    params = SamplingParams(temperature=0, max_tokens=12, ignore_eos=True)
+    want = [o.outputs[0].token_ids for o in llm_fp8.generate(prompts, params, use_tqdm=False)]
+    one_rank = llm_fp8.llm_engine.model_runner.kv_scales
+    with LLM(str(model_dir), kv_cache_dtype="fp8", num_kv_blocks=256, pipeline_parallel_size=2) as pp:
+        stage0 = pp.llm_engine.model_runner.kv_scales
+        assert stage0 == one_rank[:len(stage0)] and 0 < len(stage0) < 30     # stage 0's layers, exactly
+        assert [o.outputs[0].token_ids for o in pp.generate(prompts, params, use_tqdm=False)] == want
+    with LLM(str(model_dir), kv_cache_dtype="fp8", num_kv_blocks=256, tensor_parallel_size=3) as tp:
+        rank0 = tp.llm_engine.model_runner.kv_scales
+        assert tp.llm_engine.model_runner.num_kv_heads == 1                 # each rank holds one of the 3 KV heads
+        for (k1, v1), (k3, v3) in zip(one_rank, rank0, strict=True):
+            assert abs(k3 / k1 - 1) < 1e-4 and abs(v3 / v1 - 1) < 1e-4     # all heads' amax, not rank 0's own
+        got = [o.outputs[0].token_ids for o in tp.generate(prompts, params, use_tqdm=False)]
+        agreed = sum(next((j for j, (a, b) in enumerate(zip(g, w)) if a != b), len(w)) for g, w in zip(got, want))
+        assert agreed >= len(want) * 12 // 2
