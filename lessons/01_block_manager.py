@@ -892,6 +892,16 @@ assert small_engine.failed_request_ids == ["X", "1", "2"] and small_engine.get_s
 assert again.outputs[0].text == reference and again.num_cached_tokens == 0
 
 # %% [markdown]
+# > **How vLLM v1 does it differently.** The same design, with more cases: `vllm/v1/core/block_pool.py` keeps
+# > the free blocks in a doubly linked list (`FreeKVCacheBlockQueue`) so a hit can take a block out of the
+# > middle in O(1), and evicts from its front, as here. Its block hash (`vllm/v1/core/kv_cache_utils.py`)
+# > covers the parent hash, the tokens and *extra keys* (LoRA adapter, multimodal inputs, a cache salt), with a
+# > choice of hash function (`--prefix-caching-hash-algo`: SHA-256 or Python's builtin), and blocks are hashed
+# > in `allocate_slots`, before the forward, not at commit. A model with several kinds of attention layers
+# > (sliding window, full, Mamba) gets one block table per *KV cache group*, coordinated by
+# > `KVCacheCoordinator`; minivllm has one group.
+
+# %% [markdown]
 # ## Check yourself
 #
 # Run this cell. It rebuilds the lesson's claims from scratch on fresh KV cache managers (sharing, chaining,

@@ -735,6 +735,14 @@ print(f"decode steps through the static buffers: {graphs.stats.replays}, padding
 # run it once more with `--enforce-eager` to see what the graphs are worth.
 
 # %% [markdown]
+# > **How vLLM does it differently.** vLLM's CPU backend does in C++ what this lesson measures in PyTorch ops:
+# > its own paged-attention kernels read the block table directly (no gather), and the model is compiled with
+# > `torch.compile` (inductor) so norms, rotary and activations fuse into fewer loops; on a GPU, vLLM captures
+# > CUDA graphs for a list of batch sizes (section 5's idea) and its attention backends (FlashAttention,
+# > FlashInfer, Triton) read the paged cache in the kernel. Its benchmark, `vllm bench serve`, is the one
+# > `README.md` uses to compare the two servers.
+
+# %% [markdown]
 # ## Check yourself
 #
 # Run this cell. It re-checks the lesson's claims: the old and new decode attention agree; the FLOPs and
