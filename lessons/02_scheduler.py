@@ -321,6 +321,65 @@ assert any(r.kind == "decode" for r in by_step[first_step["late"]].values())   #
 assert chunks["long"] > 1 and chunks["short"] == 1         # the long prompt was split, the short one was not
 
 # %% [markdown]
+# ### Exercise: one scheduling step with a token budget
+#
+# Before reading `schedule()`, plan a step yourself. `schedule_step(running, waiting, max_num_batched_tokens,
+# max_num_seqs)` returns `{request_id: tokens}`: how many tokens each scheduled request computes this step
+# (a request that gets nothing is left out).
+#
+# - `running` is a list of `(request_id, tokens still to compute)` in the running queue's order, at most
+#   `max_num_seqs` of them; `waiting` is a list of `(request_id, prompt tokens)` in the waiting queue's order
+#   (priority, then arrival).
+# - Running requests go first: those with exactly 1 token left (decodes) first, then the others (prefill
+#   chunks), each group in queue order. Each takes what it still needs, cut to what is left of the budget;
+#   once the budget is spent, the others get nothing this step.
+# - Then waiting requests, in order, while some budget is left and fewer than `max_num_seqs` requests are
+#   running (those running plus those admitted so far). A prompt longer than what is left of the budget is
+#   admitted with a chunk of it, and the next request waits: the queue is never skipped.
+# - The KV pool is large enough for everyone (running out is lesson 03), and there is no prefix cache, so an
+#   admitted request computes its prompt from its first token.
+#
+# `check` runs your function on hand-made steps, then against a real `Scheduler` on 6 random workloads
+# (requests arriving at random, the model's output faked), comparing your plan with `schedule()`'s before
+# every step, and says which case failed and how. At the end your function plans step 1 of section 2.
+# (In CI the lessons run with the solutions, from `lessons/solutions/`; try first.)
+
+# %%
+from course import check, exercise
+
+
+@exercise("02.schedule_step")
+def schedule_step(running, waiting, max_num_batched_tokens, max_num_seqs):
+    budget = max_num_batched_tokens
+    scheduled = {}
+    # your code here
+    raise NotImplementedError
+
+
+check(schedule_step)
+first = [(rid, len(tokenizer.encode(PROMPTS[rid], add_special_tokens=False))) for rid in ("short", "long", "medium")]
+print("step 1, by your function:", schedule_step([], first, BUDGET, engine.scheduler.max_num_seqs))
+print("step 1, by the scheduler:", plan.num_scheduled_tokens)
+
+# %% [markdown]
+# The real one, `Scheduler.schedule`, has the same two loops, with more in them: it asks the KV cache manager
+# for the blocks of every scheduled token (`allocate_slots`) and preempts someone when there are none (lesson
+# 03), admits nobody in a step that preempted, brings back swapped requests (lesson 03), offers the blocks a
+# step fills to the requests admitted after them (lesson 01), adds the draft tokens of speculative decoding
+# (lesson 09), and with pipeline parallelism shares the requests between the batches in flight (`cap`).
+# `num_cached` is the prefix-cache hit of a waiting request (0 here).
+
+# %%
+import inspect
+
+from minivllm.core.scheduler import Scheduler
+
+print(inspect.getsource(Scheduler.schedule))
+
+# %%
+assert schedule_step([], first, BUDGET, engine.scheduler.max_num_seqs) == plan.num_scheduled_tokens
+
+# %% [markdown]
 # ## 3. Priorities
 #
 # `engine.add_request(..., priority=p)` (and `LLM.generate(..., priority=[...])`) orders the waiting queue:

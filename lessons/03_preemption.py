@@ -252,6 +252,90 @@ assert [t.preempted for t in prio_traces if t.preempted] == [("A",), ("D",)]
 assert prio_out == reference                                       # priorities change the order, not the answers
 
 # %% [markdown]
+# ### Exercise: choosing a victim and recomputing
+#
+# Write one recompute preemption yourself, on plain data. A request is a `Seq` (from the lesson's checks), a
+# named tuple of `request_id`, `priority`, `arrival`, `status`, `num_computed_tokens` and `block_table`.
+# `preempt(running, waiting)` takes both queues in order (`waiting` is sorted by `(priority, arrival)`) and
+# returns `(running, waiting, freed)` after one preemption:
+#
+# - the victim is the running request with the largest `(priority, arrival)`: the largest priority number,
+#   and among equals the latest arrival. The order of the running queue plays no part;
+# - it leaves `running` (the others keep their order) and goes into `waiting` at its place by
+#   `(priority, arrival)`, behind every request with a smaller key and before the others. With equal
+#   priorities that puts it ahead of every request that has never run (they all arrived after it), behind
+#   only earlier victims that arrived before it;
+# - recompute drops its KV: its `status` becomes `"preempted"`, `num_computed_tokens` 0 and `block_table`
+#   empty (`seq._replace(status=..., ...)` makes the changed copy);
+# - `freed` is its blocks in the order they are freed: the last block first, as `KVCacheManager.free` does
+#   (with the prefix cache on, the tail of a sequence is then evicted before its head).
+#
+# `check` runs your function on hand-made queues, then on every preemption of a real `Scheduler` in 8 random
+# workloads (a pool too small for them, the model's output faked): each is recorded with both queues just
+# before and just after `Scheduler._preempt`. At the end your function picks the victims of the two runs above, from
+# their step traces.
+
+# %%
+from course import check, exercise
+from checks.c03_preemption import Seq
+
+
+@exercise("03.preempt")
+def preempt(running, waiting):
+    # your code here
+    raise NotImplementedError
+
+
+check(preempt)
+
+
+def queues_after(trace):
+    """The running and waiting queues after a traced step, as Seq (arrival: A is 0, ..., D is 3)."""
+    seqs = [Seq(r.request_id, r.priority, list(PROMPTS).index(r.request_id), r.status, r.num_computed_tokens,
+                r.block_table) for r in trace.requests]
+    running = [s for s in seqs if s.status == "running"]
+    waiting = sorted((s for s in seqs if s.status in ("waiting", "preempted")), key=lambda s: (s.priority, s.arrival))
+    return running, waiting
+
+
+victims = {}
+for name, traces in [("recompute", rc_traces), ("priority", prio_traces)]:
+    by_step = {t.step: t for t in traces}
+    for t in traces:
+        if t.preempted:
+            running, waiting = queues_after(by_step[t.step - 1])
+            left = preempt(running, waiting)[0]
+            victims[name, t.step] = ([s.request_id for s in running if s not in left], list(t.preempted))
+            print(f"{name} run, step {t.step}: your victim {victims[name, t.step][0]}, "
+                  f"the scheduler's {victims[name, t.step][1]}")
+
+# %% [markdown]
+# In the scheduler the choice is one line of `schedule()`: when `allocate_slots` finds no free block, it
+# takes the `max` of the running requests by `self._keys[...]`, which is `(priority, arrival_time, the order
+# of add_request)` (the last breaks ties between equal arrival times), and preempts it until the request
+# that asked has its blocks, or is itself the victim:
+
+# %%
+import inspect
+
+from minivllm.core.scheduler import Scheduler
+
+source = inspect.getsource(Scheduler.schedule).splitlines()
+start = next(i for i, line in enumerate(source) if "while not kv.allocate_slots" in line)
+print("\n".join(source[start:start + 9]))
+
+# %% [markdown]
+# `_preempt` does the rest, for both modes: out of `running`, the KV freed (recompute) or copied to the CPU
+# pool (swap), back into `waiting` at its place (`_push_waiting` keeps the queue sorted), every change written
+# to the step's journal.
+
+# %%
+print(inspect.getsource(Scheduler._preempt))
+
+# %%
+assert len(victims) == 4 and all(mine == real for mine, real in victims.values())
+
+# %% [markdown]
 # ## 3. Swap
 #
 # Now `preemption_mode="swap"` with `swap_space=0.05` (GiB): a CPU pool of the same block layout, big
@@ -453,7 +537,12 @@ def self_check():
                                           ("swap", sw_engine, sw_out, sw_traces)]:
         assert outputs == reference, f"{mode}: outputs changed"
         assert any(t.preempted for t in traces), f"{mode}: nothing was preempted"
-        assert all(t.num_kv_blocks - t.num_free_blocks <= t.num_kv_blocks for t in traces)
+        for t in traces:                 # every block in use belongs to one running request; never more than the pool
+            held = [b for r in t.requests if r.status == "running" for b in r.block_table]
+            assert len(held) == len(set(held)) == t.num_kv_blocks - t.num_free_blocks <= NUM_BLOCKS, (
+                f"{mode}, step {t.step}: the running requests hold {len(held)} blocks ({len(set(held))} distinct), "
+                f"the pool counts {t.num_kv_blocks - t.num_free_blocks} in use of {NUM_BLOCKS}")
+        assert any(t.num_free_blocks == 0 for t in traces), f"{mode}: the pool never ran full"
         statuses = {r.status for t in traces for r in t.requests}
         prefill, copies = cost(traces)
         recomputes = [r for t in traces for r in t.requests if what_ran(r) == "recompute"]
