@@ -291,9 +291,54 @@ for step in range(1, 7):
         show_running(engine)
 
 # %% [markdown]
+# ### Exercise: how many blocks does a request hold?
+#
+# Before reading on, work it out from the numbers printed above. `blocks_held(num_prompt_tokens,
+# num_output_tokens, block_size)` returns how many blocks are in a running request's block table after the step
+# that gave it its `num_output_tokens`-th token. Two things decide it:
+#
+# - which of its tokens have KV after the step: compare the "with KV" column with the prompt and output counts;
+# - blocks are taken whole: a partly filled last block counts as one.
+#
+# `check` runs your function on hand-worked cases, then compares it with the block tables of a real engine (one
+# of its own, with blocks of 8 tokens) after every step, and with which requests that engine accepts for its
+# pool. It says which case failed and how. (In CI the lessons run with the solutions, from `lessons/solutions/`;
+# try first.)
+
+# %%
+from course import check, exercise
+
+
+@exercise("00.blocks_held")
+def blocks_held(num_prompt_tokens, num_output_tokens, block_size):
+    # your code here
+    raise NotImplementedError
+
+
+check(blocks_held)
+for r in engine.scheduler.running:
+    print(f"{r.request_id:7} holds {len(r.block_table)} blocks; blocks_held says "
+          f"{blocks_held(r.num_prompt_tokens, r.num_output_tokens, engine.kv_cache_manager.block_size)}")
+
+# %% [markdown]
 # After a step, each request holds exactly the blocks its tokens with KV need: `ceil(with KV / 16)`.
 # "With KV" trails the token count by one: the newest sampled token has no KV yet. The next step computes it,
-# after taking a fresh block if the last one is full.
+# after taking a fresh block if the last one is full. That is `KVCacheManager.allocate_slots`, called by the
+# scheduler for every request it schedules: `total` is the tokens that will have KV once the step has run, and
+# only the blocks missing from the block table are taken from the pool:
+
+# %%
+import inspect
+
+from minivllm.core.kv_cache_manager import KVCacheManager
+
+print(inspect.getsource(KVCacheManager.blocks_needed))
+print(inspect.getsource(KVCacheManager.allocate_slots))
+
+# %% [markdown]
+# The same count decides whether a request is accepted at all: `LLMEngine.validate_request` refuses one whose
+# last step, with `prompt + max_tokens - 1` tokens with KV, would need more blocks than the whole pool has (the
+# last group of checks above).
 #
 # Now the ref counts. `colors` and `haiku` have the same first block id: the first 16 tokens of both prompts
 # are the same system-prompt tokens, the French question of section 3 left that block in the prefix cache,

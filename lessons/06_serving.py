@@ -104,7 +104,7 @@ print("finish reason:", out.outputs[0].finish_reason)
 
 # %% [markdown]
 # Each delta is one token's worth of text (a token that completes no character yet would give an empty
-# delta, and the detokenizer holds back text that might still turn into a stop string). The last one is
+# delta, and text that might still turn into a stop string is held back: the exercise below). The last one is
 # empty: its token is the end-of-sequence token `<|im_end|>`, which ends the request and, as in vLLM, is
 # left out of the text. Joined, the deltas are exactly the text that the default, `CUMULATIVE`, outputs end
 # with: that is all a streaming client has to do.
@@ -123,6 +123,86 @@ print(f"characters these {len(deltas)} outputs carry: {sum(map(len, deltas))} as
 
 # %%
 assert "".join(deltas) == cumulative[-1] and out.finished
+
+# %% [markdown]
+# ### Exercise: hold back what may become a stop string
+#
+# With stop strings a delta is not simply one token's text. `SamplingParams(stop=[...])` ends a request at the
+# first stop string and leaves the stop string out of the text. But a stop string can span tokens: when the text
+# so far ends in `" Par"`, nobody knows yet whether `" Paris"` is coming, and text once streamed cannot be taken
+# back. So the output processor (`engine/output_processor.py`) holds back the end of the text that could still
+# be the start of a stop string, and sends it with a later delta.
+#
+# Write what it does. `stream_deltas(pieces, stop)` takes `pieces`, the new text of each step's token as the
+# detokenizer gives it (`""` for a token that completes no character yet, or for the end-of-sequence token),
+# and the list of stop strings `stop`; it returns the text of each step's DELTA output, one per step:
+#
+# - keep the text not sent yet; each step, add the new piece to it;
+# - if a stop string occurs in that text, the step's delta is the text before it (the earliest occurrence of
+#   any of them) and the stream ends there, whatever pieces are left;
+# - otherwise send all but the last `max(len(s) for s in stop) - 1` characters (a stop string not complete yet
+#   can only have started there) and keep those;
+# - the last piece (the request ended by length or end-of-sequence) sends everything still held back.
+#
+# With no stop strings nothing is held back, and the deltas are the pieces. `check` runs your function on
+# hand-made pieces, then on 16 streams of a real engine of its own, with stop strings cut from its own answers
+# (inside a token, across two tokens, one that never comes, several at once), comparing your deltas with the
+# ones the engine streamed. (In CI the lessons run with the solutions, from `lessons/solutions/`; try first.)
+
+# %%
+from course import check, exercise
+
+
+@exercise("06.stream_deltas")
+def stream_deltas(pieces, stop):
+    deltas, pending = [], ""
+    # your code here
+    raise NotImplementedError
+
+
+check(stream_deltas)
+
+# %% [markdown]
+# The answer of section 1 again, now with `stop=[" Paris"]`: streamed by the engine, and predicted by your
+# function from the pieces streamed above without a stop string (then each delta is one token's piece). The
+# first token's text waits whole; the stream ends before `" Paris"`.
+
+# %%
+stop_params = SamplingParams(temperature=0, max_tokens=16, stop=[" Paris"], output_kind=RequestOutputKind.DELTA)
+held_back = [out.outputs[0].text async for out in async_engine.generate(question, stop_params)]
+predicted = stream_deltas(deltas, [" Paris"])
+print("stream_deltas:", predicted)
+print("the engine sent:", repr("".join(held_back)))
+
+
+def boundaries(parts):
+    """Where each delta ends in the joined text."""
+    ends, n = set(), 0
+    for p in parts:
+        n += len(p)
+        ends.add(n)
+    return ends
+
+
+# The same text, cut at the same places. (The async stream merges the DELTA outputs a slow reader has not
+# taken yet into one, so the engine's cuts may be fewer than the prediction's, never others.)
+assert "".join(held_back) == "".join(predicted) and boundaries(held_back) <= boundaries(predicted)
+
+# %% [markdown]
+# The real code is a few lines of `OutputProcessor.process_outputs`. `window` is the text held back plus the new
+# piece; `find_stop_string` looks only where the new piece could have completed a stop string, since anything
+# earlier was searched in an earlier step; `cut` is where what is sent ends, and `max_holdback` is the
+# number of characters held back:
+
+# %%
+import inspect
+
+from minivllm.engine.output_processor import OutputProcessor, RequestState
+
+print(inspect.getsource(RequestState.max_holdback.fget))
+lines = inspect.getsource(OutputProcessor.process_outputs).splitlines()
+start = next(i for i, line in enumerate(lines) if "window = st.pending" in line)
+print("\n".join(lines[start - 1:start + 9]))
 
 # %% [markdown]
 # ## 2. Many clients, one step at a time

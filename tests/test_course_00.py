@@ -1,0 +1,28 @@
+"""Lesson 00's exercise check (lessons/checks/c00_tour.py) passes the solution, rejects the rest."""
+
+from tests.course_helpers import empty, passes, rejects
+
+NAME = "00.blocks_held"
+
+
+def every_token(num_prompt_tokens, num_output_tokens, block_size):
+    """Counts the newest token as if it had KV already (it gets it only in the next step)."""
+    return -(-(num_prompt_tokens + num_output_tokens) // block_size)
+
+
+def full_blocks_only(num_prompt_tokens, num_output_tokens, block_size):
+    """Rounds down: forgets the partly filled last block."""
+    return (num_prompt_tokens + num_output_tokens - 1) // block_size
+
+
+def test_the_solution_passes():
+    passes(NAME)
+
+
+def test_an_empty_answer_is_told_to_write_code():
+    rejects(empty, NAME, "not written yet")
+
+
+def test_plausible_wrong_answers_are_rejected_with_the_case():
+    rejects(every_token, NAME, r"a 16-token prompt after its first step .*expected 1, got 2")
+    rejects(full_blocks_only, NAME, r"a 5-token prompt after its first step .*expected 1, got 0")

@@ -1,0 +1,65 @@
+"""Lesson 06's exercise check (lessons/checks/c06_serving.py) passes the solution, rejects the rest."""
+
+from tests.course_helpers import empty, passes, rejects
+
+NAME = "06.stream_deltas"
+
+
+def no_holdback(pieces, stop):
+    """Sends every piece at once, cutting only the piece that completes a stop string."""
+    deltas, text = [], ""
+    for piece in pieces:
+        sent, text = len(text), text + piece
+        hits = [text.find(s) for s in stop if s in text]
+        if hits:
+            deltas.append(text[sent:min(hits)])
+            return deltas
+        deltas.append(piece)
+    return deltas
+
+
+def searches_the_new_piece_only(pieces, stop):
+    """Holds back the right amount, but looks for stop strings in the new piece alone."""
+    hold = max((len(s) for s in stop), default=1) - 1
+    deltas, pending = [], ""
+    for i, piece in enumerate(pieces):
+        hits = [piece.find(s) for s in stop if s in piece]
+        if hits:
+            deltas.append(pending + piece[:min(hits)])
+            return deltas
+        window = pending + piece
+        cut = len(window) if i == len(pieces) - 1 else max(len(window) - hold, 0)
+        deltas.append(window[:cut])
+        pending = window[cut:]
+    return deltas
+
+
+def holds_back_a_whole_stop_string(pieces, stop):
+    """Holds back len(longest stop) characters, one more than can still start a stop string."""
+    hold = max((len(s) for s in stop), default=0)
+    deltas, pending = [], ""
+    for i, piece in enumerate(pieces):
+        window = pending + piece
+        hits = [window.find(s) for s in stop if s in window]
+        if hits:
+            deltas.append(window[:min(hits)])
+            return deltas
+        cut = len(window) if i == len(pieces) - 1 else max(len(window) - hold, 0)
+        deltas.append(window[:cut])
+        pending = window[cut:]
+    return deltas
+
+
+def test_the_solution_passes():
+    passes(NAME)
+
+
+def test_an_empty_answer_is_told_to_write_code():
+    rejects(empty, NAME, "not written yet")
+
+
+def test_plausible_wrong_answers_are_rejected_with_the_case():
+    rejects(no_holdback, NAME, r"stop=\['END'\], which never comes.*expected \['a', 'bc', 'd', 'efg'\], got "
+                               r"\['abc', 'de', 'f', 'g'\]")
+    rejects(searches_the_new_piece_only, NAME, r"a stop string split across two pieces")
+    rejects(holds_back_a_whole_stop_string, NAME, r"stop=\['END'\], which never comes.*expected \['a', 'bc'")
