@@ -111,7 +111,7 @@ def test_lists_the_served_model(client, server):
 
 
 def test_completion_is_the_engines_greedy_continuation(client, hf_model, hf_tokenizer):
-    from conftest import hf_greedy
+    from tests.oracle import hf_greedy
 
     out = client.completions.create(model=MODEL, prompt="The capital of France is", max_tokens=8, temperature=0,
                                     extra_body={"ignore_eos": True})

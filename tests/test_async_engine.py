@@ -66,7 +66,7 @@ def drained(ae: AsyncLLMEngine) -> bool:
 
 
 def test_generate_streams_the_greedy_tokens_one_delta_at_a_time(async_engine, hf_model):
-    from conftest import hf_greedy
+    from tests.oracle import hf_greedy
 
     prompt = "The capital of France is"
 

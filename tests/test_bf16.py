@@ -20,7 +20,7 @@ import pytest
 import torch
 
 from minivllm import LLM, SamplingParams
-from tests.conftest import PROMPTS
+from tests.oracle import PROMPTS
 
 NUM_TOKENS = 32
 

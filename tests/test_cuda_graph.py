@@ -10,7 +10,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from tests.conftest import PROMPTS, hf_greedy
+from tests.oracle import PROMPTS, hf_greedy
 from minivllm import LLM, SamplingParams
 from minivllm.worker.cuda_graph import DecodeGraphs, capture_sizes
 

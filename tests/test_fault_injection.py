@@ -56,7 +56,7 @@ from minivllm import LLM, SamplingParams
 from minivllm.core.kv_cache_manager import KVCacheManager
 from minivllm.core.request import RequestStatus
 from minivllm.worker.executor import InFlightBatch
-from tests.conftest import PROMPTS as SHARED_PROMPTS
+from tests.oracle import PROMPTS as SHARED_PROMPTS
 from tests.test_kv_cache_properties import Spy, check_rolled_back, core_state, live_blocks
 
 MAX_TOKENS = 8

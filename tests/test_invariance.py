@@ -11,7 +11,7 @@ import random
 import pytest
 
 from minivllm import LLM, SamplingParams
-from tests.conftest import PROMPTS
+from tests.oracle import PROMPTS
 
 SYSTEM = ("You are a careful assistant. Answer in one short sentence, cite no sources, and never use lists. "
           "If you do not know, say so. ") * 3

@@ -25,7 +25,7 @@ if not torch.cuda.is_available():
 triton = pytest.importorskip("triton")
 
 from minivllm.model._kernels import kernels  # noqa: E402
-from tests.conftest import PROMPTS  # noqa: E402
+from tests.oracle import PROMPTS  # noqa: E402
 
 INTERPRET = os.environ.get("TRITON_INTERPRET") == "1"
 DEVICE = "cpu" if INTERPRET else "cuda"

@@ -24,7 +24,7 @@ if not torch.cuda.is_available():
 
 from minivllm import LLM, SamplingParams  # noqa: E402
 from minivllm.model._kernels import kernels  # noqa: E402
-from tests.conftest import PROMPTS  # noqa: E402
+from tests.oracle import PROMPTS  # noqa: E402
 
 ref = kernels.reference
 FP8 = torch.float8_e4m3fn

@@ -8,7 +8,7 @@ import pytest
 import torch
 
 from minivllm import LLM, SamplingParams
-from tests.conftest import hf_greedy
+from tests.oracle import hf_greedy
 
 TINY = dict(vocab_size=320, hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
             num_key_value_heads=2, head_dim=16, max_position_embeddings=256, rms_norm_eps=1e-6,

@@ -32,7 +32,7 @@ def engine(small):
 
 
 def test_greedy_samples_all_equal_hf_greedy(small, engine, hf_model):
-    from conftest import hf_greedy
+    from tests.oracle import hf_greedy
 
     out = small.generate(PROMPT, SamplingParams(temperature=0, n=3, max_tokens=10, ignore_eos=True),
                          use_tqdm=False)[0]

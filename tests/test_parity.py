@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 
 from minivllm import SamplingParams
-from tests.conftest import PROMPTS, hf_greedy
+from tests.oracle import PROMPTS, hf_greedy
 
 NUM_TOKENS = 32
 

@@ -14,7 +14,7 @@ import pytest
 
 from minivllm import LLM, SamplingParams
 from minivllm.worker.distributed import pp_layer_partition
-from tests.conftest import PROMPTS
+from tests.oracle import PROMPTS
 from tests.test_tensor_parallel import wait_gone
 
 

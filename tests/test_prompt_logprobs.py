@@ -12,7 +12,7 @@ from minivllm import LLM, SamplingParams
 from minivllm.core.sampling_params import RequestOutputKind
 from minivllm.outputs import Logprob
 
-from conftest import PROMPTS
+from tests.oracle import PROMPTS
 
 LONG = PROMPTS[5]            # about 40 tokens: several blocks, several chunks
 

@@ -9,7 +9,7 @@ from minivllm import LLM, SamplingParams
 from minivllm.config import EngineConfig
 from minivllm.model import quantization as quant
 from minivllm.model.layers import ColumnParallelLinear, ParallelLMHead, RowParallelLinear, TPGroup
-from tests.conftest import PROMPTS
+from tests.oracle import PROMPTS
 
 
 def linear_with(weight: torch.Tensor) -> ColumnParallelLinear:

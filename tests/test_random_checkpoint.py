@@ -12,7 +12,7 @@ import torch
 
 from minivllm import LLM, SamplingParams
 from minivllm.model.random_checkpoint import SHAPES, write_random_checkpoint
-from tests.conftest import hf_greedy
+from tests.oracle import hf_greedy
 
 PROMPTS = [[5, 17, 42, 7, 99, 3, 250, 31, 64, 8, 12, 200, 150, 4, 77, 19, 21], [9, 8, 7]]
 

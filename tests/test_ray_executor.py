@@ -17,7 +17,7 @@ import pytest
 ray = pytest.importorskip("ray")
 
 from minivllm import LLM, SamplingParams  # noqa: E402
-from tests.conftest import PROMPTS  # noqa: E402
+from tests.oracle import PROMPTS  # noqa: E402
 from tests.test_tensor_parallel import alive, wait_gone  # noqa: E402
 
 # Prefix caching, chunked prefill and preemption at once (a budget of 32 tokens, a pool of 14 blocks).

@@ -19,7 +19,7 @@ from minivllm.core.request import Request
 from minivllm.spec_decode.ngram_proposer import NgramProposer
 from minivllm.worker.rejection_sampler import RejectionSampler
 from minivllm.worker.sampler import Sampler
-from tests.conftest import PROMPTS, hf_greedy
+from tests.oracle import PROMPTS, hf_greedy
 
 NGRAM = {"method": "ngram", "num_speculative_tokens": 4, "prompt_lookup_min": 2, "prompt_lookup_max": 4}
 TEXT = ("The quick brown fox jumps over the lazy dog. A journey of a thousand miles begins with a single step. "

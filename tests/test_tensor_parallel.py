@@ -22,7 +22,7 @@ import torch
 from minivllm import LLM, SamplingParams
 from minivllm.model.layers import TPGroup
 from minivllm.model.llama import ModelConfig
-from tests.conftest import PROMPTS
+from tests.oracle import PROMPTS
 from tests.test_model_loading import write_tiny_checkpoint
 
 REPO = Path(__file__).resolve().parents[1]
