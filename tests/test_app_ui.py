@@ -62,6 +62,9 @@ SHARED = ("You are a careful assistant. Read the question, think about what it r
           "example if it helps, and never make anything up. Here is the question: ")
 
 
+traces_queues: dict = {}        # the engine's queues at the `both` step (EngineQueues)
+
+
 @pytest.fixture(scope="module")
 def traces(llm):
     """Two requests sharing a prefix of several blocks, stepped until both run; then run to the end."""
@@ -74,6 +77,7 @@ def traces(llm):
         engine.add_request(SHARED + "why is <grass> green?", params, request_id="<grass>")
         engine.step()
         both, pool_both = recorded[-1], engine.kv_cache_manager.block_pool.snapshot()
+        traces_queues["both"] = engine.get_queues()
         while engine.has_unfinished_requests():
             engine.step()
     return both, pool_both, list(recorded), engine
@@ -129,10 +133,9 @@ def test_block_tables_and_queues_list_every_request(traces):
              for rid, rest in rows}
     assert chips == {r.request_id: list(r.block_table) for r in both.requests}
     assert "<grass>" not in table and "&lt;grass&gt;" in table               # ids are escaped
-    queues = render_queues(both)
+    queues = render_queues(traces_queues["both"])
     assert "running (2)" in queues and "waiting (0)" in queues
-    waiting_trace = recorded[0]                                               # step 1: only "sky" had arrived
-    assert "running (1)" in render_queues(waiting_trace)
+    assert re.findall(r'data-request="([^"]+)" data-status="running"', queues) == ["sky", "&lt;grass&gt;"]
 
 
 def test_tokens_per_step_chart_stacks_prefill_on_decode(traces):
@@ -167,13 +170,13 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
-@pytest.fixture
-def app_process(tmp_path):
+def start_app(tmp_path, *args: str):
+    """`python app.py ARGS` on a free port; yields (url, process) once /health answers, then stops it cleanly."""
     port = free_port()
     env = dict(os.environ, GRADIO_ANALYTICS_ENABLED="False", OMP_NUM_THREADS="1")
     log = open(tmp_path / "app.log", "w")
-    proc = subprocess.Popen([sys.executable, "app.py", "--port", str(port), "--num-kv-blocks", "128",
-                             "--threads", "1"], cwd=REPO, env=env, stdout=log, stderr=subprocess.STDOUT)
+    proc = subprocess.Popen([sys.executable, "app.py", "--port", str(port), "--threads", "1", *args], cwd=REPO,
+                            env=env, stdout=log, stderr=subprocess.STDOUT)
     url = f"http://127.0.0.1:{port}"
     deadline = time.time() + 120
     while True:
@@ -196,6 +199,11 @@ def app_process(tmp_path):
     text = (tmp_path / "app.log").read_text()
     assert code in (0, -signal.SIGTERM) and "engine shut down" in text, text
     assert "Traceback" not in text, text
+
+
+@pytest.fixture
+def app_process(tmp_path):
+    yield from start_app(tmp_path, "--num-kv-blocks", "128")
 
 
 def test_the_dashboard_streams_a_chat_and_the_block_grid_changes(app_process, tmp_path):
@@ -257,5 +265,93 @@ def test_the_dashboard_streams_a_chat_and_the_block_grid_changes(app_process, tm
             shot = tmp_path / "dashboard.png"
             page.screenshot(path=str(shot), full_page=True)
             assert shot.stat().st_size > 20_000
+        finally:
+            browser.close()
+
+
+SCREENSHOT_DIR = os.environ.get("MINIVLLM_SCREENSHOTS")      # where CI keeps the screenshots (a test artifact)
+LESSON_SCREENSHOT = REPO / "lessons" / "images" / "dashboard_demo.png"
+
+
+def keep_screenshot(page, tmp_path, name: str) -> Path:
+    """A full-page screenshot in tmp_path, copied to $MINIVLLM_SCREENSHOTS when it is set."""
+    shot = tmp_path / name
+    page.screenshot(path=str(shot), full_page=True)
+    if SCREENSHOT_DIR:
+        Path(SCREENSHOT_DIR).mkdir(parents=True, exist_ok=True)
+        shutil.copy(shot, Path(SCREENSHOT_DIR) / name)
+    return shot
+
+
+@pytest.fixture
+def small_pool_app(tmp_path):
+    """24 blocks of 16 tokens: the demo traffic fills it, so requests queue and a running one is preempted."""
+    yield from start_app(tmp_path, "--num-kv-blocks", "24", "--max-num-seqs", "8")
+
+
+def test_the_dashboard_shows_the_queue_a_preempted_chat_and_the_history(small_pool_app, tmp_path):
+    """Issue 19's browser checks: waiting requests listed while paused, shared blocks drawn as shared, the chat
+    told it was preempted (it asked for priority 5, so it is the victim), the timelines, plots, step log and
+    histograms populated after the demo traffic, the buttons enabled only when they do something, and no
+    "Use via API" link."""
+    if not shutil.which(CHROMIUM):
+        pytest.fail(f"{CHROMIUM} is missing: install Debian's chromium (apt-get install -y chromium).")
+    from playwright.sync_api import sync_playwright
+
+    url, _ = small_pool_app
+    with sync_playwright() as pw:
+        browser = pw.chromium.launch(executable_path=CHROMIUM, args=CHROMIUM_ARGS)
+        try:
+            page = browser.new_page(viewport={"width": 1400, "height": 1100})
+            page.goto(url + "/")
+            page.wait_for_selector("#mv-stats .mv-idle", timeout=60_000)          # a newcomer is told what to do
+            assert page.get_by_text("Use via API").count() == 0
+            assert page.locator("button#mv-resume").is_disabled()   # not paused yet
+            assert page.locator("button#mv-step").is_disabled()
+
+            # The chat asks for priority 5 (lower runs first): it runs while the engine is idle, then waits on
+            # the pause with 24 demo requests queued behind it.
+            priority = page.locator("#mv-priority input[type=number]")
+            priority.fill("5")
+            priority.press("Enter")
+            box = page.locator("#mv-msg textarea")
+            box.fill("Tell me a long story about a lighthouse keeper and her cat.")
+            box.press("Enter")
+            page.wait_for_selector('#mv-chat-status [data-state="running"]', timeout=60_000)
+            page.locator("button#mv-pause").click()
+            page.wait_for_selector('#mv-stats [data-paused="1"]', timeout=30_000)
+            assert page.locator("button#mv-pause").is_disabled() and not page.locator("button#mv-resume").is_disabled()
+            page.locator("button#mv-demo").click()
+            page.wait_for_selector('#mv-queues [data-waiting="24"]', timeout=60_000)
+            waiting = page.locator('#mv-queues [data-queue="waiting"] [data-status="waiting"]')
+            assert waiting.count() == 24
+            assert page.locator('#mv-queues [data-queue="running"] [data-request="chat-1"]').count() == 1
+            assert not page.locator("button#mv-step").is_disabled()                # paused, with work to step
+            keep_screenshot(page, tmp_path, "dashboard_paused_queue.png")
+
+            # One step, then run: the pool runs out, and the chat (priority 5, the worst) is the victim.
+            page.locator("button#mv-step").click()
+            page.wait_for_function("() => Number(document.querySelector('#mv-queues .mv-queues')"
+                                   ".dataset.waiting) < 24", timeout=60_000)
+            page.locator("button#mv-resume").click()
+            page.wait_for_selector('#mv-chat-status [data-state="preempted"]', timeout=180_000)
+            status = page.locator("#mv-chat-status").inner_text()
+            assert "preempted at step" in status and "lowest-priority" in status, status
+            assert page.locator('#mv-queues [data-status="preempted"]').count() >= 1
+            page.wait_for_selector('#mv-grid [data-state="shared"]', timeout=60_000)  # the shared system prompt
+            keep_screenshot(page, tmp_path, "dashboard_preempted.png")
+
+            # Afterwards: the history views are populated.
+            page.wait_for_selector('#mv-chat-status [data-state="finished"]', timeout=300_000)
+            assert "preempted at step(s)" in page.locator("#mv-chat-status").inner_text()
+            page.wait_for_selector('#mv-hists svg[data-hist="TTFT"]', timeout=30_000)
+            assert page.locator('#mv-timelines rect[data-phase="decode"]').count() > 0
+            assert page.locator('#mv-timelines rect[data-phase="preempted"]').count() > 0
+            assert page.locator("#mv-plots polyline").count() == 4                  # tokens/s, KV, running, waiting
+            assert int(page.locator("#mv-steplog pre").get_attribute("data-lines")) > 0
+            shot = keep_screenshot(page, tmp_path, "dashboard_demo.png")
+            if os.environ.get("MINIVLLM_UPDATE_LESSON_SCREENSHOT") == "1":    # the serving lesson shows this one
+                LESSON_SCREENSHOT.parent.mkdir(exist_ok=True)
+                shutil.copy(shot, LESSON_SCREENSHOT)
         finally:
             browser.close()

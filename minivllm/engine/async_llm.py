@@ -78,6 +78,7 @@ class AsyncLLMEngine:
         self._shutdown_engine = True
         # Snapshot state, written by the engine thread under _lock.
         self._stats = engine.get_stats()
+        self._queues = engine.get_queues()              # taken with _stats, at the same moment: they agree
         self._traces: collections.deque[StepTrace] = collections.deque(maxlen=trace_history)
         self._events: collections.deque[str] = collections.deque(maxlen=event_history)
         self._finished: collections.Counter[str] = collections.Counter()
@@ -210,7 +211,7 @@ class AsyncLLMEngine:
                 pool = None                       # shut down, or a very long step: draw without it
         with self._lock:
             return EngineSnapshot(
-                stats=self._stats, trace=self._traces[-1] if self._traces else None,
+                stats=self._stats, queues=self._queues, trace=self._traces[-1] if self._traces else None,
                 recent_traces=tuple(self._traces), events=tuple(self._events), paused=self._paused,
                 loop_alive=self._thread.is_alive(), num_requests=len(self._tracked),
                 finished=dict(self._finished), recent_finished=tuple(self._recent_finished),
@@ -275,15 +276,23 @@ class AsyncLLMEngine:
             while wait and not self._commands and not self._stopping:
                 self._wakeup.wait()
             commands, self._commands = list(self._commands), collections.deque()
+        done = []
         for cmd in commands:
             if not cmd.future.set_running_or_notify_cancel():   # the caller gave up waiting before it ran
                 continue
             try:
-                cmd.future.set_result(cmd.fn())
+                done.append((cmd.future, cmd.fn(), None))
             except Exception as e:                   # e.g. ValueError for a bad request: the caller's business
-                cmd.future.set_exception(e)
+                done.append((cmd.future, None, e))
         if commands:
-            self._publish_stats()                    # an add or an abort changes the queues and free blocks
+            # An add or an abort changes the queues and free blocks: publish before anyone hears it is done, so
+            # a snapshot taken after `await add_request(...)` lists the request.
+            self._publish_stats()
+        for future, result, error in done:
+            if error is None:
+                future.set_result(result)
+            else:
+                future.set_exception(error)
 
     def _step(self) -> None:
         if self._steps_allowed:
@@ -306,19 +315,24 @@ class AsyncLLMEngine:
                 logger.exception("KV cache integrity check failed after a failed step")
             self._publish_stats()
             return
+        self._publish_stats()                        # before any reader hears of the step
         now = time.time()
+        ended = False
         for out in outputs:
             try:
-                self._deliver(out, now)
+                ended |= self._deliver(out, now)
             except Exception as e:               # only this request fails; the others get their outputs
                 logger.exception("delivering the output of %r failed", out.request_id)
                 self._fail(out.request_id, f"delivering its output failed: {type(e).__name__}: {e}")
-        self._publish_stats()
+                ended = True
+        if ended:
+            self._publish_stats()                    # requests nobody reads were aborted: their blocks are free
 
-    def _deliver(self, out: RequestOutput, now: float) -> None:
+    def _deliver(self, out: RequestOutput, now: float) -> bool:
+        """Hand one output to its stream. True if that aborted the request (its reader's loop is gone)."""
         tracked = self._tracked.get(out.request_id)
         if tracked is None:                          # added behind our back (engine used directly): not ours
-            return
+            return False
         self._observe_latency(tracked, out, now)
         if out.finished:
             del self._tracked[out.request_id]
@@ -328,6 +342,8 @@ class AsyncLLMEngine:
         except RuntimeError:                         # the consumer's event loop is closed: nobody will read
             if not out.finished:
                 self._abort(out.request_id, "its event loop is gone")
+                return True
+        return False
 
     def _observe_latency(self, tracked: _Tracked, out: RequestOutput, now: float) -> None:
         m = out.metrics
@@ -391,6 +407,7 @@ class AsyncLLMEngine:
             self._events.append(f"after step {step}: {line}")
 
     def _publish_stats(self) -> None:
-        stats = self.engine.get_stats()
+        """After every step and every batch of commands: the counts and the queues, taken together."""
+        stats, queues = self.engine.get_stats(), self.engine.get_queues()
         with self._lock:
-            self._stats = stats
+            self._stats, self._queues = stats, queues

@@ -43,6 +43,30 @@ logger = logging.getLogger(__name__)
 PromptType = str | dict | list
 
 
+@dataclass(frozen=True)
+class QueuedRequest:
+    """One live request as the queues hold it: what the dashboard's queue panel lists."""
+    request_id: str
+    status: str                      # running | waiting | preempted | swapped (RequestStatus.value)
+    priority: int                    # lower runs first
+    num_prompt_tokens: int
+    num_output_tokens: int
+    num_preemptions: int
+    parent_id: str | None = None     # n > 1: the id the caller knows; None when it is this request's own
+
+
+@dataclass(frozen=True)
+class EngineQueues:
+    """The scheduler's two queues at one moment, in their order. One definition everywhere (the dashboard, the
+    stats, /metrics): `waiting` is the waiting queue, which holds new requests and the preempted and swapped ones
+    (their `status` says which); `running` holds blocks and is scheduled every step."""
+    running: tuple[QueuedRequest, ...]
+    waiting: tuple[QueuedRequest, ...]
+
+    def with_status(self, status: str) -> tuple[QueuedRequest, ...]:
+        return tuple(q for q in self.running + self.waiting if q.status == status)
+
+
 @dataclass
 class EngineStats:
     num_running: int
@@ -372,6 +396,14 @@ class LLMEngine:
             num_spec_drafts=self.scheduler.num_drafts, num_spec_draft_tokens=self.scheduler.num_draft_tokens,
             num_spec_accepted_tokens=self.scheduler.num_accepted_tokens,
             num_spec_accepted_tokens_per_pos=tuple(self.scheduler.num_accepted_tokens_per_pos))
+
+    def get_queues(self) -> EngineQueues:
+        """The running and waiting queues, copied (O(live requests)); taken with get_stats, they agree."""
+        def entry(r: Request) -> QueuedRequest:
+            parent = self.output_processor.external_id(r.request_id)
+            return QueuedRequest(r.request_id, r.status.value, r.priority, r.num_prompt_tokens, r.num_output_tokens,
+                                 r.num_preemptions, parent if parent != r.request_id else None)
+        return EngineQueues(tuple(map(entry, self.scheduler.running)), tuple(map(entry, self.scheduler.waiting)))
 
     def reset_prefix_cache(self) -> None:
         """Forget every cached-free block (vLLM's `reset_prefix_cache`). Between steps only."""

@@ -10,7 +10,7 @@ from dataclasses import dataclass, field
 
 from minivllm.core.block_pool import PoolSnapshot
 from minivllm.core.trace import StepTrace
-from minivllm.engine.llm_engine import EngineStats
+from minivllm.engine.llm_engine import EngineQueues, EngineStats
 
 # Histogram bucket upper bounds in seconds (a subset of vLLM's), wide enough for a CPU and a GPU.
 TTFT_BUCKETS = (0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 0.75, 1.0, 2.5, 5.0, 10.0, 20.0, 40.0, 80.0)
@@ -44,6 +44,7 @@ class Histogram:
 class EngineSnapshot:
     """What the dashboard and /metrics read: a consistent copy, taken under the lock, never live state."""
     stats: EngineStats
+    queues: EngineQueues                      # the queues at the moment `stats` was taken (the same counts)
     trace: StepTrace | None                   # the latest step (None before the first one)
     recent_traces: tuple[StepTrace, ...]      # the last `trace_history` steps, oldest first
     events: tuple[str, ...]                   # log lines, oldest first: the engine's step events and ours

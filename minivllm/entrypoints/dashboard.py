@@ -5,15 +5,19 @@ Owns: the page layout, the chat / burst / pause handlers, and the render functio
 call them without a browser. The page reads the engine only through `AsyncLLMEngine.snapshot()` and sends
 work only through `generate()` and the pause controls: a browser can never block or corrupt a step.
 
-Panels (refreshed by a gr.Timer):
-    the physical block grid   one cell per KV block, colored by the request holding it; a number is a ref
-                              count > 1 (a prefix shared by several requests); hatched = cached-but-free
+Panels (refreshed by a gr.Timer, every one from a single EngineSnapshot):
+    the physical block grid   one cell per KV block (a group of blocks in a large pool), by state and owner:
+                              block_grid.py
     block tables              each live request's logical -> physical block mapping
-    queues                    waiting / running / preempted (and swapped) request ids
+    queues                    running, and the waiting queue with its preempted and swapped requests marked
+                              (EngineQueues: the same definition the stats and /metrics count)
     stats                     KV usage, prefix-cache hit rate, preemptions, step and token counts
     tokens per step           the last steps' prefill and decode tokens, stacked
     event log                 admissions, finishes, preemptions, prefix hits, evictions, aborts
     parallelism               TP and PP sizes, and under PP which batch each pipeline stage holds
+    the chat's status         queued / running / preempted and why / finished, for this page's own request
+    steps, timelines, plots   dashboard_history.py: a summary line per step, each request's life, live plots,
+                              TTFT / ITL histograms
 """
 
 from __future__ import annotations
@@ -26,10 +30,17 @@ import zlib
 from collections import Counter
 
 from minivllm.engine.async_llm import AsyncLLMEngine
+from minivllm.engine.llm_engine import EngineQueues, QueuedRequest
 from minivllm.engine.stats import EngineSnapshot
 from minivllm.core.block_pool import PoolSnapshot
 from minivllm.core.sampling_params import RequestOutputKind, SamplingParams
 from minivllm.core.trace import StepTrace
+from minivllm.entrypoints.dashboard_history import (
+    render_histogram,
+    render_plots,
+    render_step_log,
+    render_timelines,
+)
 
 REFRESH_SECONDS = 0.5
 STEPS_SHOWN = 60            # bars in the tokens-per-step chart
@@ -64,6 +75,11 @@ DASHBOARD_CSS = """
           display: inline-block; vertical-align: middle; }
 .mv-bar > div { height: 100%; background: #59a14f; }
 .mv-log { font: 11px/1.35 monospace; max-height: 260px; overflow-y: auto; white-space: pre-wrap; margin: 0; }
+.mv-steplog { max-height: 180px; white-space: pre; }
+.mv-plots { display: flex; flex-wrap: wrap; gap: 8px; }
+.mv-idle { background: #fff7e0; border: 1px solid #f0d58c; border-radius: 4px; padding: 4px 8px; }
+.mv-chat-status { font: 12px monospace; margin: 2px 0; }
+.mv-chat-status[data-state="preempted"], .mv-chat-status[data-state="swapped"] { color: #b3261e; }
 """
 
 
@@ -146,19 +162,54 @@ def render_block_tables(trace: StepTrace | None) -> str:
     return f'<table class="mv-table">{head}{"".join(rows)}</table>'
 
 
-def render_queues(trace: StepTrace | None) -> str:
-    """Waiting, running and preempted/swapped request ids after the step, in queue order."""
-    groups: dict[str, list[str]] = {"waiting": [], "running": [], "preempted / swapped": []}
-    for r in trace.requests if trace else ():
-        if r.status == "waiting":
-            groups["waiting"].append(r.request_id)
-        elif r.status == "running":
-            groups["running"].append(r.request_id)
-        elif r.status in ("preempted", "swapped"):
-            groups["preempted / swapped"].append(f"{r.request_id} ({r.status})")
-    cols = "".join(f"<div><b>{name} ({len(ids)})</b><br>{'<br>'.join(html.escape(i) for i in ids) or '-'}</div>"
-                   for name, ids in groups.items())
-    return f'<div class="mv-queues" data-step="{trace.step if trace else 0}">{cols}</div>'
+def render_queues(queues: EngineQueues) -> str:
+    """The scheduler's queues as the engine holds them now (EngineQueues: one definition of each): running,
+    and the waiting queue in its order, where preempted and swapped requests are marked as such."""
+    def item(q: QueuedRequest) -> str:
+        notes = [q.status] if q.status in ("preempted", "swapped") else []
+        if q.num_preemptions and q.status not in ("preempted", "swapped"):
+            notes.append(f"preempted x{q.num_preemptions}")
+        if q.priority:
+            notes.append(f"priority {q.priority}")
+        note = f" ({', '.join(notes)})" if notes else ""
+        return (f'<span data-request="{html.escape(q.request_id)}" data-status="{q.status}">'
+                f"{html.escape(q.request_id)}{note}</span>")
+
+    groups = {"running": queues.running, "waiting": queues.waiting}
+    cols = "".join(f'<div data-queue="{name}"><b>{name} ({len(qs)})</b><br>'
+                   f"{'<br>'.join(item(q) for q in qs) or '-'}</div>" for name, qs in groups.items())
+    return (f'<div class="mv-queues" data-running="{len(queues.running)}" data-waiting="{len(queues.waiting)}" '
+            f'data-preempted="{len(queues.with_status("preempted"))}" '
+            f'data-swapped="{len(queues.with_status("swapped"))}">{cols}</div>')
+
+
+def request_status(request_id: str, snap: EngineSnapshot) -> tuple[str, str]:
+    """Where request `request_id` (the caller's id; an n > 1 parent's samples count as it) is now, and why:
+    (state, sentence). state: queued | running | preempted | swapped | finished | unknown."""
+    mine = [q for q in snap.queues.running + snap.queues.waiting if request_id in (q.request_id, q.parent_id)]
+    ids = {request_id} | {r.request_id for t in snap.recent_traces for r in t.requests if r.parent_id == request_id}
+    preempted_at = [t.step for t in snap.recent_traces if ids & set(t.preempted)]
+    why = ("the KV pool had no free block for the running requests' next tokens, and the scheduler preempts the "
+           "lowest-priority, latest-arrived running request first (give this chat a lower priority number to "
+           "protect it)")
+    if mine:
+        q = mine[0]
+        if q.status == "running":
+            again = f", after {q.num_preemptions} preemption(s)" if q.num_preemptions else ""
+            return "running", f"running: {q.num_output_tokens} tokens generated{again}"
+        if q.status in ("preempted", "swapped"):
+            where = (f" at step {preempted_at[-1]}" if preempted_at else "")
+            how = ("its KV was dropped and is recomputed when it resumes" if q.status == "preempted"
+                   else "its KV was copied to the CPU pool and comes back when blocks free up")
+            return q.status, f"{q.status}{where}: {why}; {how}"
+        position = next(i for i, w in enumerate(snap.queues.waiting) if w is q)
+        return "queued", (f"queued: position {position + 1} of {len(snap.queues.waiting)} in the waiting queue "
+                          f"(priority {q.priority})")
+    reason = next((r for rid, r in reversed(snap.recent_finished) if rid == request_id), None)
+    if reason is not None:
+        note = f", preempted at step(s) {', '.join(map(str, preempted_at))} on the way" if preempted_at else ""
+        return "finished", f"finished ({reason}){note}"
+    return "unknown", "not known to the engine (not sent yet, or finished long ago)"
 
 
 def render_stats(snap: EngineSnapshot) -> str:
@@ -170,15 +221,22 @@ def render_stats(snap: EngineSnapshot) -> str:
     rate = f"{tokens / busy:.0f} tokens/s while stepping (last {len(recent)} steps)" if busy > 0 else "-"
     state = "PAUSED" if snap.paused else ("running" if snap.loop_alive else "STOPPED")
     finished = ", ".join(f"{k} {v}" for k, v in sorted(snap.finished.items())) or "-"
+    q = snap.queues
+    idle = ("" if s.num_steps or snap.num_requests else
+            '<p class="mv-idle"><b>Idle.</b> Ask something in the chat, or press <b>Load demo traffic</b>: 24 '
+            "requests that share a system prompt, so the prefix cache hits, the pool fills and the scheduler has "
+            "to queue (and maybe preempt). Then <b>Pause</b> and <b>Single step</b> to watch one step at a "
+            "time.</p>")
     return (
-        f'<div class="mv-stats" data-paused="{int(snap.paused)}" data-in-flight="{snap.num_requests}">'
+        f'<div class="mv-stats" data-paused="{int(snap.paused)}" data-in-flight="{snap.num_requests}">{idle}'
         f"engine: <b>{state}</b>, step {s.num_steps}, requests in flight {snap.num_requests}<br>"
         f'KV usage <span class="mv-bar"><div style="width:{100 * s.kv_usage:.1f}%"></div></span> '
         f"{100 * s.kv_usage:.1f}% ({s.num_kv_blocks - s.num_free_blocks} / {s.num_kv_blocks} blocks held)<br>"
         f"prefix-cache hit rate {100 * s.prefix_cache_hit_rate:.1f}% ({s.prefix_cache_hits} of "
         f"{s.prefix_cache_queries} prompt tokens)<br>"
-        f"running {s.num_running}, waiting {s.num_waiting}, swapped {s.num_swapped}, "
-        f"preemptions {s.num_preemptions}<br>"
+        f"running {len(q.running)}, waiting {len(q.waiting)} (of which preempted "
+        f"{len(q.with_status('preempted'))}, swapped {len(q.with_status('swapped'))}); "
+        f"preemptions so far {s.num_preemptions}<br>"
         f"generated {s.num_generated_tokens} tokens, prefilled {s.num_prompt_tokens_computed}; {rate}<br>"
         + (f"speculative decoding: {s.num_spec_accepted_tokens} of {s.num_spec_draft_tokens} drafts accepted "
            f"({100 * s.spec_acceptance_rate:.1f}%), {s.spec_mean_acceptance_length:.2f} tokens per verification<br>"
@@ -248,7 +306,7 @@ def render_panels(snap: EngineSnapshot, tp: int = 1, pp: int = 1, max_batches: i
                   ) -> tuple[str, str, str, str, str, str, str]:
     """Everything the timer refreshes, in the page's order: grid, stats, queues, tables, chart, log, parallelism."""
     return (render_block_grid(snap.trace, snap.stats.num_kv_blocks, snap.pool), render_stats(snap),
-            render_queues(snap.trace), render_block_tables(snap.trace),
+            render_queues(snap.queues), render_block_tables(snap.trace),
             render_tokens_per_step(snap.recent_traces), render_event_log(snap.events),
             render_parallelism(snap.trace, tp, pp, max_batches))
 
@@ -265,6 +323,19 @@ def message_text(content) -> str:
 
 
 # ---------------------------------------------------------------------- the page
+DEMO_REQUESTS, DEMO_MAX_TOKENS = 24, 64
+STATUS_ICONS = {"queued": "⏳", "running": "▶", "preempted": "⚠", "swapped": "⚠", "finished": "✔", "unknown": "·"}
+
+
+def render_chat_status(request_id: str | None, snap: EngineSnapshot) -> str:
+    """The chat's own request: queued, running, preempted (and why) or finished."""
+    if not request_id:
+        return '<p class="mv-chat-status" data-state="none">no chat request yet</p>'
+    state, sentence = request_status(request_id, snap)
+    return (f'<p class="mv-chat-status" data-state="{state}" data-request="{html.escape(request_id)}">'
+            f"{STATUS_ICONS[state]} <b>{html.escape(request_id)}</b>: {html.escape(sentence)}</p>")
+
+
 def build_dashboard(async_engine: AsyncLLMEngine, title: str = "minivllm"):
     """The Gradio Blocks page. Mount it with `mount_dashboard` (or `demo.launch(css=DASHBOARD_CSS)`)."""
     import gradio as gr
@@ -273,28 +344,29 @@ def build_dashboard(async_engine: AsyncLLMEngine, title: str = "minivllm"):
     snap0 = async_engine.snapshot()
     cfg = async_engine.engine.config
 
-    async def chat(message: str, history: list, max_tokens: int, temperature: float):
-        """Stream one assistant answer into the chat, a token at a time."""
+    async def chat(message: str, history: list, max_tokens: int, temperature: float, priority: float):
+        """Stream one assistant answer into the chat, a token at a time. Yields (textbox, history, request id)."""
         history = history or []
         if not message.strip():
-            yield "", history
+            yield "", history, gr.skip()
             return
+        request_id = f"chat-{next(ids)}"
         messages = [{"role": m["role"], "content": message_text(m["content"])} for m in history]
         messages.append({"role": "user", "content": message})
         history = [*history, {"role": "user", "content": message}, {"role": "assistant", "content": ""}]
-        yield "", history
+        yield "", history, request_id
         answer = ""
         try:
             params = SamplingParams(temperature=float(temperature), max_tokens=int(max_tokens),
                                     output_kind=RequestOutputKind.DELTA)
             async for out in async_engine.generate(async_engine.chat_prompt(messages), params,
-                                                   request_id=f"chat-{next(ids)}"):
+                                                   request_id=request_id, priority=int(priority)):
                 answer += out.outputs[0].text
                 history[-1] = {"role": "assistant", "content": answer}
-                yield "", history
+                yield "", history, request_id
         except Exception as e:      # a bad setting or a failed step: show it in the chat, keep the page alive
             history[-1] = {"role": "assistant", "content": f"{answer}\n\n[error: {e}]"}
-            yield "", history
+            yield "", history, request_id
 
     async def burst(n: int, max_tokens: int):
         """Send n requests at once (one shared system prompt, different questions) and wait for all."""
@@ -317,38 +389,53 @@ def build_dashboard(async_engine: AsyncLLMEngine, title: str = "minivllm"):
         return (f"burst {batch}: {n} requests finished in {time.perf_counter() - start:.1f} s ("
                 + ", ".join(f"{k} {v}" for k, v in sorted(reasons.items())) + ")")
 
+    async def demo_traffic():
+        return await burst(DEMO_REQUESTS, DEMO_MAX_TOKENS)
+
     parallel = (cfg.tensor_parallel_size, cfg.pipeline_parallel_size, async_engine.engine.max_concurrent_batches)
 
-    def refresh():
-        return render_panels(async_engine.snapshot(with_pool=True), *parallel)
+    def refresh(chat_id: str | None):
+        snap = async_engine.snapshot(with_pool=True)
+        has_work = snap.num_requests > 0
+        controls = (gr.Button(interactive=not snap.paused),                  # pause: only while running
+                    gr.Button(interactive=snap.paused and has_work),         # single step: paused, with work
+                    gr.Button(interactive=snap.paused))                      # resume: only while paused
+        return (*render_panels(snap, *parallel), render_chat_status(chat_id, snap),
+                render_step_log(snap.recent_traces), render_timelines(snap.recent_traces),
+                render_plots(snap.recent_traces),
+                render_histogram("TTFT", snap.ttft) + render_histogram("ITL", snap.itl), *controls)
 
     with gr.Blocks(title=title) as demo:
         gr.Markdown(f"## minivllm: live engine\nmodel `{async_engine.engine.model_path.name}` on "
                     f"`{async_engine.engine.device}`, {snap0.stats.num_kv_blocks} KV blocks of {cfg.block_size} "
-                    f"tokens. The OpenAI API is served beside this page under `/v1`.")
+                    f"tokens. The OpenAI API is served beside this page under `/v1` (e.g. the `openai` client "
+                    f"with `base_url=http://<this host>/v1`).")
+        chat_id = gr.State(None)
         with gr.Row():
             with gr.Column(scale=2):
                 chatbot = gr.Chatbot(label="chat", height=330, elem_id="mv-chatbot")
+                chat_status = gr.HTML(elem_id="mv-chat-status")
                 msg = gr.Textbox(placeholder="Ask something, press Enter", show_label=False, elem_id="mv-msg")
                 with gr.Row():
                     max_tokens = gr.Slider(1, 512, value=96, step=1, label="max_tokens")
                     temperature = gr.Slider(0.0, 1.5, value=0.0, step=0.05, label="temperature (0 = greedy)")
+                    priority = gr.Slider(-10, 10, value=0, step=1, elem_id="mv-priority",
+                                         label="priority (lower runs first, and is preempted last)")
                 with gr.Row():
                     burst_n = gr.Slider(1, 64, value=16, step=1, label="burst: requests")
                     burst_btn = gr.Button("Burst N requests", elem_id="mv-burst")
+                    demo_btn = gr.Button("Load demo traffic", elem_id="mv-demo", variant="primary")
                 burst_out = gr.Markdown()
                 with gr.Row():
                     pause_btn = gr.Button("Pause", elem_id="mv-pause")
-                    step_btn = gr.Button("Single step", elem_id="mv-step")
-                    resume_btn = gr.Button("Resume", elem_id="mv-resume")
+                    step_btn = gr.Button("Single step", elem_id="mv-step", interactive=False)
+                    resume_btn = gr.Button("Resume", elem_id="mv-resume", interactive=False)
             with gr.Column(scale=3):
                 stats = gr.HTML(elem_id="mv-stats")
                 parallelism = gr.HTML(elem_id="mv-parallel")
-                gr.Markdown("**Physical KV blocks**: colored by the request holding them; a number is a ref "
-                            "count (a prefix shared by several requests); hatched = cached-free (kept for prefix "
-                            "hits, evicted when needed); outlined = allocated in the last step.")
+                gr.Markdown("**Physical KV blocks** (the legend below the grid says what each mark means)")
                 grid = gr.HTML(elem_id="mv-grid")
-                gr.Markdown("**Queues** after the last step")
+                gr.Markdown("**Queues**, as the engine holds them now")
                 queues = gr.HTML(elem_id="mv-queues")
         with gr.Row():
             with gr.Column():
@@ -357,27 +444,41 @@ def build_dashboard(async_engine: AsyncLLMEngine, title: str = "minivllm"):
             with gr.Column():
                 gr.Markdown("**Event log**, newest first")
                 log = gr.HTML(elem_id="mv-log")
+        gr.Markdown("**Steps**, newest first: one line per step")
+        step_log = gr.HTML(elem_id="mv-steplog")
+        with gr.Row():
+            with gr.Column():
+                gr.Markdown("**Request timelines**: the last requests, one cell per step")
+                timelines = gr.HTML(elem_id="mv-timelines")
+            with gr.Column():
+                gr.Markdown("**Over time**, and the latency histograms")
+                plots = gr.HTML(elem_id="mv-plots")
+                hists = gr.HTML(elem_id="mv-hists")
         gr.Markdown("**Block tables**: each request's logical blocks, in order, and the physical block of each")
         tables = gr.HTML(elem_id="mv-tables")
-        panels = [grid, stats, queues, tables, chart, log, parallelism]
+        outputs = [grid, stats, queues, tables, chart, log, parallelism, chat_status, step_log, timelines, plots,
+                   hists, pause_btn, step_btn, resume_btn]
 
         # concurrency_limit=None: Gradio would otherwise run one chat at a time, and batching never shows.
-        msg.submit(chat, [msg, chatbot, max_tokens, temperature], [msg, chatbot], concurrency_limit=None,
-                   api_visibility="private")
+        msg.submit(chat, [msg, chatbot, max_tokens, temperature, priority], [msg, chatbot, chat_id],
+                   concurrency_limit=None, api_visibility="private")
         burst_btn.click(burst, [burst_n, max_tokens], burst_out, concurrency_limit=None, api_visibility="private")
+        demo_btn.click(demo_traffic, None, burst_out, concurrency_limit=None, api_visibility="private")
         for button, action in ((pause_btn, async_engine.pause), (step_btn, async_engine.step_once),
                                (resume_btn, async_engine.resume)):
             button.click(lambda action=action: action(), None, None, queue=False, api_visibility="private")
         timer = gr.Timer(REFRESH_SECONDS)
-        timer.tick(refresh, None, panels, show_progress="hidden", api_visibility="private")
-        demo.load(refresh, None, panels, api_visibility="private")
+        timer.tick(refresh, chat_id, outputs, show_progress="hidden", api_visibility="private")
+        demo.load(refresh, chat_id, outputs, api_visibility="private")
     return demo
 
 
 def mount_dashboard(app, async_engine: AsyncLLMEngine, path: str = "/", api_key: str | None = None):
     """Mount the dashboard on a FastAPI app (after its own routes, which keep priority). With an API key the
-    page asks for a login: any user name, the API key as password."""
+    page asks for a login: any user name, the API key as password. Gradio's own "Use via API" footer link is
+    left out: every event of the page is private, and the OpenAI API under /v1 is the documented route."""
     import gradio as gr
 
     auth = (lambda _user, password: password == api_key) if api_key else None
-    return gr.mount_gradio_app(app, build_dashboard(async_engine), path=path, css=DASHBOARD_CSS, auth=auth)
+    return gr.mount_gradio_app(app, build_dashboard(async_engine), path=path, css=DASHBOARD_CSS, auth=auth,
+                               footer_links=["gradio", "settings"])

@@ -1,0 +1,183 @@
+"""The dashboard's truth and history (issue 19), without a browser: its panels read one snapshot of a live
+AsyncLLMEngine, list the waiting queue while the engine is paused, tell a preempted chat why, and draw each
+step, each request's life and the latency histograms from the real engine's traces. The browser half is in
+tests/test_app_ui.py."""
+
+from __future__ import annotations
+
+import asyncio
+import re
+import time
+
+import pytest
+import torch
+
+from minivllm import SamplingParams
+from minivllm.config import EngineConfig
+from minivllm.core.sampling_params import RequestOutputKind
+from minivllm.engine.async_llm import AsyncLLMEngine
+from minivllm.engine.llm_engine import LLMEngine
+from minivllm.entrypoints.dashboard import render_chat_status, render_queues, render_stats, request_status
+from minivllm.entrypoints.dashboard_history import (
+    PHASE_COLORS,
+    render_histogram,
+    render_plots,
+    render_step_log,
+    render_timelines,
+    request_phases,
+    step_summary,
+)
+
+BLOCK, BLOCKS = 4, 12          # 48 token slots: two 20-token prompts that generate 16 tokens each cannot both fit
+
+
+@pytest.fixture(scope="module")
+def engine(model_dir):
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    engine = LLMEngine(EngineConfig(model=str(model_dir), device="cpu", dtype="float32", num_kv_blocks=BLOCKS,
+                                    block_size=BLOCK))
+    yield engine
+    engine.shutdown()
+    torch.set_num_threads(threads)
+
+
+@pytest.fixture
+def async_engine(engine):
+    ae = AsyncLLMEngine(engine)
+    yield ae
+    ae.shutdown(shutdown_engine=False)
+    assert not engine.has_unfinished_requests()
+    engine.check_integrity()
+
+
+def wait_until(predicate, timeout: float = 60.0) -> None:
+    deadline = time.time() + timeout
+    while not predicate():
+        assert time.time() < deadline, "timed out"
+        time.sleep(0.02)
+
+
+def params(n: int) -> SamplingParams:
+    return SamplingParams(temperature=0, max_tokens=n, ignore_eos=True, output_kind=RequestOutputKind.FINAL_ONLY)
+
+
+def test_paused_engine_lists_its_waiting_requests_in_queue_order(async_engine):
+    """The queues panel and the stats come from one snapshot, with one definition of waiting."""
+    async_engine.pause()
+
+    async def main():
+        streams = [await async_engine.add_request("Count: one, two,", params(3), request_id=rid, priority=prio)
+                   for rid, prio in (("first", 0), ("second", 0), ("urgent", -1))]
+        snap = async_engine.snapshot()
+        assert snap.paused and snap.stats.num_steps == 0
+        assert [q.request_id for q in snap.queues.waiting] == ["urgent", "first", "second"]   # priority, then age
+        assert snap.stats.num_waiting == len(snap.queues.waiting) == 3 and not snap.queues.running
+        panel = render_queues(snap.queues)
+        listed = re.findall(r'data-request="([^"]+)" data-status="waiting"', panel)
+        assert listed == ["urgent", "first", "second"] and 'data-waiting="3"' in panel
+        assert "waiting 3 (of which preempted 0, swapped 0)" in render_stats(snap)
+        assert "urgent (priority -1)" in panel
+        assert request_status("second", snap) == ("queued", "queued: position 3 of 3 in the waiting queue "
+                                                  "(priority 0)")
+        async_engine.resume()
+        for s in streams:
+            async with s:
+                async for _ in s:
+                    pass
+
+    asyncio.run(main())
+    wait_until(lambda: async_engine.snapshot().num_requests == 0)
+    snap = async_engine.snapshot()
+    assert not snap.queues.waiting and not snap.queues.running and snap.stats.num_waiting == 0
+
+
+def test_a_preempted_chat_is_told_it_was_preempted_and_why(async_engine):
+    """Two requests outgrow the 12-block pool: the lower-priority one (the chat) is preempted, and its status
+    says so, with the reason, while it waits; when it finishes, the status remembers the preemption."""
+    prompt = "Write the numbers from one to twenty in words, separated by commas:"
+    async_engine.pause()
+
+    async def main():
+        other = await async_engine.add_request(prompt, params(16), request_id="other", priority=0)
+        chat = await async_engine.add_request(prompt + " ", params(16), request_id="chat-1", priority=1)
+        seen = None
+        for _ in range(40):                     # one step at a time until the pool runs out
+            before = async_engine.snapshot().stats.num_steps
+            async_engine.step_once()
+            wait_until(lambda: async_engine.snapshot().stats.num_steps > before)
+            snap = async_engine.snapshot()
+            state, sentence = request_status("chat-1", snap)
+            if state == "preempted":
+                seen = (snap, sentence)
+                break
+        assert seen is not None, "chat-1 was never preempted"
+        snap, sentence = seen
+        assert "chat-1" in [q.request_id for q in snap.queues.with_status("preempted")]
+        assert "lowest-priority" in sentence and "recomputed" in sentence
+        html_status = render_chat_status("chat-1", snap)
+        assert 'data-state="preempted"' in html_status and "preempted at step" in html_status
+        assert 'data-status="preempted"' in render_queues(snap.queues)
+        async_engine.resume()
+        outs = []
+        for s in (other, chat):
+            async with s:
+                async for out in s:
+                    outs.append(out)
+        return outs
+
+    outs = asyncio.run(main())
+    assert all(o.outputs[0].finish_reason == "length" for o in outs)
+    wait_until(lambda: async_engine.snapshot().num_requests == 0)
+    state, sentence = request_status("chat-1", async_engine.snapshot())
+    assert state == "finished" and sentence.startswith("finished (length), preempted at step(s)")
+    assert request_status("never-sent", async_engine.snapshot())[0] == "unknown"
+
+
+def test_history_views_draw_the_real_steps(async_engine):
+    async def main():
+        await asyncio.gather(*(collect(async_engine, f"h{i}", 4 + 2 * i) for i in range(3)))
+
+    asyncio.run(main())
+    wait_until(lambda: async_engine.snapshot().num_requests == 0)
+    snap = async_engine.snapshot()
+    traces = [t for t in snap.recent_traces if any(r.request_id.startswith("h") for r in t.requests)]
+    assert traces
+
+    line = step_summary(traces[0])
+    t0 = traces[0]
+    assert line.startswith(f"step {t0.step} | running {t0.num_running}, waiting {t0.num_waiting} | "
+                           f"{t0.num_prefill_tokens + t0.num_decode_tokens} tokens ({t0.num_prefill_tokens} "
+                           f"prefill + {t0.num_decode_tokens} decode) | KV {100 * t0.kv_usage:.1f}%")
+    log = render_step_log(traces)
+    assert log.index(f"step {traces[-1].step} |") < log.index(f"step {traces[0].step} |")      # newest first
+
+    phases = request_phases(traces)
+    for i in range(3):
+        seen = [p for _, p in phases[f"h{i}"]]
+        assert seen[0] in ("waiting", "prefill") and "prefill" in seen
+        # the first token comes with the prefill; the step that computes the last one shows it finished
+        assert seen.count("decode") + seen.count("finished") == 4 + 2 * i - 1
+        assert seen[-1] == "finished" and set(seen) <= set(PHASE_COLORS)
+    svg = render_timelines(traces)
+    cells = re.findall(r'data-request="(h\d)" data-step="(\d+)" data-phase="(\w+)"', svg)
+    assert {(rid, int(step), p) for rid, step, p in cells} == {
+        (rid, step, p) for rid, seen in phases.items() if rid.startswith("h") for step, p in seen}
+
+    plots = render_plots(traces)
+    assert [m for m in re.findall(r'data-plot="(\w+)"', plots)] == ["throughput", "kv", "queues"]
+    for points in re.findall(r'points="([^"]+)"', plots):
+        assert len(points.split()) == len(traces)
+
+    hist = render_histogram("TTFT", snap.ttft)              # FINAL_ONLY outputs: one TTFT per request, no ITL
+    counts = [int(c) for c in re.findall(r'data-count="(\d+)"><title>', hist)]
+    assert sum(counts) == snap.ttft.count >= 3 and len(counts) == len(snap.ttft.buckets) + 1
+    assert "no observations yet" in render_histogram("TTFT", type(snap.ttft)(snap.ttft.buckets))
+
+
+async def collect(ae: AsyncLLMEngine, request_id: str, n: int):
+    stream = await ae.add_request("The alphabet starts with", params(n), request_id=request_id)
+    async with stream:
+        async for out in stream:
+            pass
+    return out
