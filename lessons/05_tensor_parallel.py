@@ -34,7 +34,8 @@
 #
 # The lesson goes from a matrix to the engine:
 #
-# 1. split a linear layer by columns and by rows in plain PyTorch, and pair them the Megatron way,
+# 1. split a linear layer by columns and by rows in plain PyTorch, and pair them the Megatron way; then write
+#    the split yourself, as minivllm's layers cut their weights (the exercise),
 # 2. run minivllm's parallel layers on 3 real gloo ranks and check the all-reduce against one process,
 # 3. see which heads, MLP features and vocabulary rows each rank of SmolLM2-135M holds, and its KV cache,
 # 4. run the engine with `tensor_parallel_size=3`: the same greedy tokens as one rank,
@@ -49,8 +50,10 @@ import warnings
 
 warnings.filterwarnings("ignore", message="IProgress not found")   # tqdm's notice when ipywidgets is absent
 
+import inspect
 import multiprocessing as mp
 import pickle
+import textwrap
 import time
 from contextlib import contextmanager
 
@@ -62,6 +65,7 @@ from matplotlib.lines import Line2D
 from matplotlib.patches import Patch, Rectangle
 
 from minivllm import LLM, SamplingParams
+from minivllm.model import layers
 from minivllm.model.default_model import default_model_dir
 from minivllm.worker.distributed import (check_tp_size, destroy_distributed, get_open_port, init_distributed,
                                          pp_layer_partition)
@@ -196,6 +200,90 @@ print(f"silu of the sum vs sum of silus: they differ by up to {gap:.2f}")
 # %%
 assert len(mlp_partials) == TP and all(p.shape == mlp.shape for p in mlp_partials)
 assert gap > 0.01                                        # silu does not distribute over a sum
+
+# %% [markdown]
+# ### Exercise: a tensor-parallel linear layer
+#
+# Write the split once, for any TP size. `tp_linear(x, weight, tp_size, kind)` plays all `tp_size` ranks of one
+# linear layer in a loop, `kind` being `"column"` or `"row"`, and returns `(shards, y)`:
+#
+# - `shards[r]`: rank r's block of `weight` (out_features, in_features). Cut it as minivllm does: `tp_size` equal,
+#   contiguous blocks, rank r taking the r-th (column parallel: a block of rows of `weight`, the output
+#   features; row parallel: a block of its columns, the input features).
+# - `y`: (num_tokens, out_features), each rank's result combined the way the real layer combines them, which
+#   must equal `F.linear(x, weight)`. In the row split, rank r also gets only its slice of `x`.
+# - A `tp_size` that does not divide the dimension being split: raise `ValueError` (below: why).
+#
+# The check compares your shards with minivllm's own cut (`_shard` in `model/layers.py`) and `y` with the
+# dense layer, for TP 1 to 4; then it cuts layer 0 of SmolLM2-135M for 3 ranks with your function and
+# compares every shard with what minivllm's layers load on each rank, q/k/v heads included.
+
+# %%
+from course import check, exercise
+
+
+@exercise("05.tp_linear")
+def tp_linear(x, weight, tp_size, kind):
+    """y = F.linear(x, weight) computed by tp_size simulated ranks. x: (num_tokens, in_features);
+    weight: (out_features, in_features); kind: "column" or "row". Returns (shards, y)."""
+    # your code here
+    raise NotImplementedError
+
+
+check(tp_linear)
+
+# %% [markdown]
+# Your function on this section's `x` (4, 6) and `W` (9, 6), three ranks:
+
+# %%
+for kind in ("column", "row"):
+    shards, y_tp = tp_linear(x, W, TP, kind)
+    print(f"{kind:>6} parallel: shards {[tuple(s.shape) for s in shards]} -> y {tuple(y_tp.shape)}")
+    torch.testing.assert_close(y_tp, y)
+    torch.testing.assert_close(shards[1], W[3:6] if kind == "column" else W[:, 2:4])
+
+# %% [markdown]
+# ### The real code: one cut, in each layer's `weight_loader`
+#
+# In minivllm no process sees all ranks: each layer knows its own rank (`TPGroup`) and, when the loader hands
+# it a full checkpoint tensor, keeps its block. All of them cut with one helper:
+
+# %%
+print(inspect.getsource(layers._shard))
+for cls in (ColumnParallelLinear, RowParallelLinear, QKVParallelLinear):
+    print(f"# {cls.__name__}.weight_loader")
+    print(textwrap.dedent(inspect.getsource(cls.weight_loader)))
+
+# %% [markdown]
+# Column parallel cuts dim 0, row parallel dim 1: your two kinds. (The row layer's `param.dim() == 2` test is
+# for a bias, which is not split: every rank adds the whole bias once, after the all-reduce.) `QKVParallelLinear`
+# is a column-parallel layer over three checkpoint tensors: it cuts q, k and v each with `_shard` and stacks this
+# rank's pieces, `[its q rows | its k rows | its v rows]`. Contiguous blocks of head_dim rows are whole heads,
+# and with grouped-query attention rank r's query heads are the ones that read rank r's KV head (section 3 shows
+# it on the real model). `MergedColumnParallelLinear` (gate and up) does the same with two tensors.
+#
+# `_shard` takes `size // tp` rows per rank and assumes they divide. If they did not, the last rows would be on
+# no rank, silently:
+
+# %%
+uneven = [layers._shard(torch.arange(10), 0, r, 3).tolist() for r in range(3)]
+print("10 rows on 3 ranks:", uneven, "  rows on no rank:", sorted(set(range(10)) - {i for u in uneven for i in u}))
+assert uneven == [[0, 1, 2], [3, 4, 5], [6, 7, 8]]
+
+# %% [markdown]
+# So the engine checks the sizes before it loads anything: `check_tp_size` (`worker/distributed.py`, section 3)
+# refuses a TP size that does not divide the heads, the MLP width or the vocabulary, and your `tp_linear`
+# refuses the same way.
+#
+# > **How vLLM v1 does it differently.** The same Megatron cut, in `vllm/model_executor/layers/linear.py`: each
+# > layer's `weight_loader` narrows the checkpoint tensor to `tp_rank * shard_size` onward, and the sizes per
+# > rank come from `divide()` (`vllm/distributed/utils.py`), which insists that they divide. The layers have
+# > more options: `ColumnParallelLinear(gather_output=True)` all-gathers its output, `RowParallelLinear` can cut
+# > its own input (`input_is_parallel=False`) or leave the all-reduce to its caller (`reduce_results=False`), and
+# > a row-parallel bias is added on rank 0 only, before the all-reduce. `QKVParallelLinear` also accepts a TP
+# > size larger than the number of KV heads: each KV head is then *replicated* on `tp_size / num_kv_heads` ranks
+# > (`num_kv_head_replicas`), where minivllm refuses. Quantized checkpoints load through `weight_loader_v2` and the
+# > parameter classes of `vllm/model_executor/parameter.py`, which also know how packed int4 weights are cut.
 
 # %% [markdown]
 # ## 2. Real ranks: an all-reduce across three processes
