@@ -61,6 +61,7 @@ def test_a_dtype_the_cpu_cannot_pack_keeps_f_linear(monkeypatch):
     try:
         assert not cpu_gemm.packable(torch.bfloat16)
         layer = ColumnParallelLinear(16, 8, False, TPGroup()).to(torch.bfloat16)
+        layer.weight.data.normal_()                 # torch.empty: whatever was in memory, NaN included
         assert cpu_gemm.prepack_linear_weights(layer) == 0 and layer.packed_weight is None
         x = torch.randn(3, 16, dtype=torch.bfloat16)
         torch.testing.assert_close(layer(x), F.linear(x, layer.weight))
