@@ -26,15 +26,20 @@ import asyncio
 import html
 import itertools
 import time
-import zlib
 from collections import Counter
 
 from minivllm.engine.async_llm import AsyncLLMEngine
 from minivllm.engine.llm_engine import EngineQueues, QueuedRequest
 from minivllm.engine.stats import EngineSnapshot
-from minivllm.core.block_pool import PoolSnapshot
 from minivllm.core.sampling_params import RequestOutputKind, SamplingParams
 from minivllm.core.trace import StepTrace
+from minivllm.entrypoints.block_grid import (  # noqa: F401  (block_owners, request_color: re-exported)
+    GRID_CSS,
+    RequestPalette,
+    block_owners,
+    render_block_grid,
+    request_color,
+)
 from minivllm.entrypoints.dashboard_history import (
     render_histogram,
     render_plots,
@@ -84,70 +89,14 @@ DASHBOARD_CSS = """
 
 
 # ---------------------------------------------------------------------- pure render functions
-def request_color(request_id: str) -> str:
-    """A stable color per request id (the same in every refresh and every run): a hue from its CRC32."""
-    hue = zlib.crc32(request_id.encode()) % 360
-    return f"hsl({hue}, 62%, 45%)"
-
-
-def block_owners(trace: StepTrace) -> dict[int, list[str]]:
-    """Physical block -> the requests whose block tables hold it (more than one: a shared prefix)."""
-    owners: dict[int, list[str]] = {}
-    for r in trace.requests:
-        for block_id in r.block_table:
-            owners.setdefault(block_id, []).append(r.request_id)
-    return owners
-
-
-def render_block_grid(trace: StepTrace | None, num_blocks: int, pool: PoolSnapshot | None = None) -> str:
-    """One cell per physical KV block: colored by owner, a ref count > 1 written in it, hatched if
-    cached-but-free (ref count 0, KV kept for prefix hits), outlined if allocated in the latest step.
-    `pool` (BlockPool.snapshot()) gives every block's ref count; without it only the step's own blocks are known."""
-    if trace is None:
-        cells = "".join(f'<div class="mv-blk" data-state="free" data-block="{b}" title="block {b}: free"></div>'
-                        for b in range(num_blocks))
-        return (f'<div class="mv-grid" data-step="0">{cells}</div>'
-                f'<p style="font:12px monospace">{num_blocks} blocks, all free (no step yet)</p>')
-    owners = block_owners(trace)
-    if pool is not None:
-        refs, cached = pool.ref_counts, pool.cached_free
-    else:
-        refs = [len(owners.get(b, ())) for b in range(trace.num_kv_blocks)]
-        cached = set(trace.cached_free_blocks)
-    new = set(trace.blocks_allocated)
-    cells, counts = [], Counter()
-    for b in range(trace.num_kv_blocks):
-        ref = refs[b] if b < len(refs) else 0
-        holders = owners.get(b, [])
-        if ref > 0:
-            state = "shared" if ref > 1 else "used"
-            style = f' style="background:{request_color(holders[0])}"' if holders else ' style="background:#888"'
-            title = f"block {b}: ref {ref}, " + ", ".join(holders or ["?"])
-            label = str(ref) if ref > 1 else ""
-        elif b in cached:
-            state, style, title, label = "cached", "", f"block {b}: cached-free (prefix cache, ref 0)", ""
-        else:
-            state, style, title, label = "free", "", f"block {b}: free", ""
-        counts[state] += 1
-        extra = " mv-new" if b in new else ""
-        cells.append(f'<div class="mv-blk{extra}" data-state="{state}" data-block="{b}"{style} '
-                     f'title="{html.escape(title)}">{label}</div>')
-    legend = "".join(f'<span style="background:{request_color(r.request_id)}">{html.escape(r.request_id)}</span>'
-                     for r in trace.requests if r.block_table)
-    summary = (f'{counts["used"] + counts["shared"]} in use ({counts["shared"]} shared), {counts["cached"]} '
-               f'cached-free, {counts["free"]} free of {trace.num_kv_blocks} (after step {trace.step})')
-    return (f'<div class="mv-grid" data-step="{trace.step}">{"".join(cells)}</div>'
-            f'<p style="font:12px monospace;margin:4px 0">{summary}</p><div class="mv-legend">{legend}</div>')
-
-
-def render_block_tables(trace: StepTrace | None) -> str:
+def render_block_tables(trace: StepTrace | None, color=request_color) -> str:
     """Each request of the step: status, what it ran, token counts, how it samples (n > 1 parent, logprobs, its
     grammar's state), and its block table as colored chips."""
     if trace is None or not trace.requests:
         return '<p class="mv-stats">no requests</p>'
     rows = []
     for r in trace.requests:
-        chips = "".join(f'<span class="mv-chip" style="background:{request_color(r.request_id)}">{b}</span>'
+        chips = "".join(f'<span class="mv-chip" style="background:{color(r.request_id)}">{b}</span>'
                         for b in r.block_table) or "-"
         ran = f"{r.kind} {r.num_scheduled_tokens}" if r.kind else ""
         if r.num_draft_tokens:                    # speculative decoding: drafts verified, and how many were kept
@@ -271,7 +220,7 @@ def render_tokens_per_step(traces: tuple[StepTrace, ...] | list[StepTrace], widt
             f'xmlns="http://www.w3.org/2000/svg">{"".join(rects)}{caption}</svg>')
 
 
-def render_parallelism(trace: StepTrace | None, tp: int, pp: int, max_batches: int) -> str:
+def render_parallelism(trace: StepTrace | None, tp: int, pp: int, max_batches: int, color=request_color) -> str:
     """TP x PP and the ranks; under pipeline parallelism, which batch each stage holds as the engine last saw it,
     while it waited for the oldest batch: the last stage holds the oldest, each earlier stage the next newer one
     (stage pp - 1 - j holds batch j of the batches in flight, oldest first); a stage with no batch is idle (the
@@ -288,7 +237,7 @@ def render_parallelism(trace: StepTrace | None, tp: int, pp: int, max_batches: i
         if j < len(pipe):
             batch, rids = pipe[j]
             cell = (f'<span data-stage="{stage}" data-batch="{batch}">batch {batch}</span> '
-                    + " ".join(f'<span class="mv-chip" style="background:{request_color(r)}">{html.escape(r)}</span>'
+                    + " ".join(f'<span class="mv-chip" style="background:{color(r)}">{html.escape(r)}</span>'
                                for r in rids[:12]) + (" ..." if len(rids) > 12 else ""))
         else:
             cell = f'<span data-stage="{stage}" data-batch="">idle</span>'
@@ -302,13 +251,16 @@ def render_event_log(events: tuple[str, ...] | list[str], limit: int = EVENTS_SH
     return f'<pre class="mv-log">{html.escape(chr(10).join(lines)) or "no events yet"}</pre>'
 
 
-def render_panels(snap: EngineSnapshot, tp: int = 1, pp: int = 1, max_batches: int = 1
+def render_panels(snap: EngineSnapshot, tp: int = 1, pp: int = 1, max_batches: int = 1,
+                  palette: RequestPalette | None = None, window: tuple[int, int] | None = None
                   ) -> tuple[str, str, str, str, str, str, str]:
-    """Everything the timer refreshes, in the page's order: grid, stats, queues, tables, chart, log, parallelism."""
-    return (render_block_grid(snap.trace, snap.stats.num_kv_blocks, snap.pool), render_stats(snap),
-            render_queues(snap.queues), render_block_tables(snap.trace),
+    """Everything the timer refreshes, in the page's order: grid, stats, queues, tables, chart, log, parallelism.
+    The grid goes first: it updates `palette` with the live requests, whose colours the tables then use."""
+    grid = render_block_grid(snap.trace, snap.stats.num_kv_blocks, snap.pool, palette=palette, window=window)
+    color = palette.color if palette is not None else request_color
+    return (grid, render_stats(snap), render_queues(snap.queues), render_block_tables(snap.trace, color),
             render_tokens_per_step(snap.recent_traces), render_event_log(snap.events),
-            render_parallelism(snap.trace, tp, pp, max_batches))
+            render_parallelism(snap.trace, tp, pp, max_batches, color))
 
 
 def message_text(content) -> str:
@@ -324,7 +276,8 @@ def message_text(content) -> str:
 
 # ---------------------------------------------------------------------- the page
 DEMO_REQUESTS, DEMO_MAX_TOKENS = 24, 64
-STATUS_ICONS = {"queued": "⏳", "running": "▶", "preempted": "⚠", "swapped": "⚠", "finished": "✔", "unknown": "·"}
+STATUS_ICONS = {"queued": "⏳", "running": "▶", "preempted": "⚠", "swapped": "⚠", "finished": "✔",
+                "unknown": "·"}
 
 
 def render_chat_status(request_id: str | None, snap: EngineSnapshot) -> str:
@@ -393,14 +346,18 @@ def build_dashboard(async_engine: AsyncLLMEngine, title: str = "minivllm"):
         return await burst(DEMO_REQUESTS, DEMO_MAX_TOKENS)
 
     parallel = (cfg.tensor_parallel_size, cfg.pipeline_parallel_size, async_engine.engine.max_concurrent_batches)
+    palette = RequestPalette()          # one per page, shared by its sessions: a request keeps its colour
 
-    def refresh(chat_id: str | None):
+    def refresh(chat_id: str | None, zoom_from: float | None, zoom_to: float | None):
         snap = async_engine.snapshot(with_pool=True)
+        n = snap.stats.num_kv_blocks
+        lo, hi = int(zoom_from or 0), int(zoom_to or 0)
+        window = (max(lo, 0), min(hi, n)) if 0 <= lo < hi else None     # 0..0: the whole pool
         has_work = snap.num_requests > 0
         controls = (gr.Button(interactive=not snap.paused),                  # pause: only while running
                     gr.Button(interactive=snap.paused and has_work),         # single step: paused, with work
                     gr.Button(interactive=snap.paused))                      # resume: only while paused
-        return (*render_panels(snap, *parallel), render_chat_status(chat_id, snap),
+        return (*render_panels(snap, *parallel, palette=palette, window=window), render_chat_status(chat_id, snap),
                 render_step_log(snap.recent_traces), render_timelines(snap.recent_traces),
                 render_plots(snap.recent_traces),
                 render_histogram("TTFT", snap.ttft) + render_histogram("ITL", snap.itl), *controls)
@@ -435,6 +392,10 @@ def build_dashboard(async_engine: AsyncLLMEngine, title: str = "minivllm"):
                 parallelism = gr.HTML(elem_id="mv-parallel")
                 gr.Markdown("**Physical KV blocks** (the legend below the grid says what each mark means)")
                 grid = gr.HTML(elem_id="mv-grid")
+                with gr.Row():
+                    zoom_from = gr.Number(0, precision=0, minimum=0, label="zoom: from block", elem_id="mv-zoom-from")
+                    zoom_to = gr.Number(0, precision=0, minimum=0, label="to block (0: the whole pool)",
+                                        elem_id="mv-zoom-to")
                 gr.Markdown("**Queues**, as the engine holds them now")
                 queues = gr.HTML(elem_id="mv-queues")
         with gr.Row():
@@ -468,8 +429,8 @@ def build_dashboard(async_engine: AsyncLLMEngine, title: str = "minivllm"):
                                (resume_btn, async_engine.resume)):
             button.click(lambda action=action: action(), None, None, queue=False, api_visibility="private")
         timer = gr.Timer(REFRESH_SECONDS)
-        timer.tick(refresh, chat_id, outputs, show_progress="hidden", api_visibility="private")
-        demo.load(refresh, chat_id, outputs, api_visibility="private")
+        timer.tick(refresh, [chat_id, zoom_from, zoom_to], outputs, show_progress="hidden", api_visibility="private")
+        demo.load(refresh, [chat_id, zoom_from, zoom_to], outputs, api_visibility="private")
     return demo
 
 
@@ -480,5 +441,5 @@ def mount_dashboard(app, async_engine: AsyncLLMEngine, path: str = "/", api_key:
     import gradio as gr
 
     auth = (lambda _user, password: password == api_key) if api_key else None
-    return gr.mount_gradio_app(app, build_dashboard(async_engine), path=path, css=DASHBOARD_CSS, auth=auth,
-                               footer_links=["gradio", "settings"])
+    return gr.mount_gradio_app(app, build_dashboard(async_engine), path=path, css=DASHBOARD_CSS + GRID_CSS,
+                               auth=auth, footer_links=["gradio", "settings"])
