@@ -64,7 +64,9 @@ from minivllm import SamplingParams
 from minivllm.core.sampling_params import RequestOutputKind
 from minivllm.engine.async_llm import AsyncLLMEngine
 from minivllm.entrypoints.api_server import build_api_server, run_server_in_thread
-from minivllm.entrypoints.dashboard import DASHBOARD_CSS, render_block_grid, render_queues
+from minivllm.entrypoints.block_grid import GRID_CSS, RequestPalette, render_block_grid
+from minivllm.entrypoints.dashboard import DASHBOARD_CSS, render_queues
+from minivllm.entrypoints.dashboard_history import render_step_log, render_timelines
 
 torch.manual_seed(0)
 torch.set_num_threads(1)   # one thread: faster on a busy 2-core CPU, and the same float sums everywhere
@@ -256,15 +258,22 @@ print("prefix hits on blocks:", trace.prefix_hit_blocks)
 # %% [markdown]
 # All three prompts ran as one prefill batch. They share the system prompt, so the second and third found its
 # full blocks in the prefix cache *within the same step* (lesson 01). The dashboard draws the pool as a grid:
-# one cell per block, colored by the request holding it, with the ref count written in shared blocks. A
-# trace lists only the blocks its step touched, so for the whole pool the dashboard asks for
-# `snapshot(with_pool=True)`, which adds the block pool's ref counts, copied on the engine thread between two
-# steps. The same render function, in the notebook:
+# one cell per block, in the colour of the request holding it; a block several requests share is hatched in
+# their colours, with the ref count written in it. A trace lists only the blocks its step touched, so for the
+# whole pool the dashboard asks for `snapshot(with_pool=True)`, which adds the block pool's ref counts, copied on
+# the engine thread between two steps. The snapshot also holds the queues (`snap.queues`), taken at the same
+# moment as the counts, so the panels never disagree with each other. The same render functions, in the
+# notebook:
 
 # %%
-pool = async_engine.snapshot(with_pool=True).pool
-display(HTML(f"<style>{DASHBOARD_CSS}</style>" + render_block_grid(trace, trace.num_kv_blocks, pool)
-             + render_queues(trace)))
+snap = async_engine.snapshot(with_pool=True)
+palette = RequestPalette()                       # the page keeps one: a request keeps its colour while it lives
+display(HTML(f"<style>{DASHBOARD_CSS}{GRID_CSS}</style>"
+             + render_block_grid(snap.trace, snap.stats.num_kv_blocks, snap.pool, palette=palette)
+             + render_queues(snap.queues)))
+shared = {b: n for b, n in enumerate(snap.pool.ref_counts) if n > 1}
+print("blocks held by more than one request (block: ref count):", shared)
+assert shared and all(n == len(streams) for n in shared.values())      # the system prompt's blocks, held by all
 
 # %% [markdown]
 # Two more single steps: every request decodes one token per step.
@@ -295,6 +304,7 @@ async_engine.resume()
 answers = dict(zip(streams, await asyncio.gather(*(read(s) for s in streams.values()))))
 for rid, (text, reason) in answers.items():
     print(f"{rid:5} {reason:6} {text!r}")
+section2_steps = async_engine.snapshot().recent_traces          # kept for the dashboard's views in section 5
 
 # %% [markdown]
 # ## 3. A client that hangs up
@@ -449,9 +459,21 @@ for line in metrics.splitlines():
 #
 # `python app.py` serves this API and, at `/`, the Gradio dashboard: a chat that streams tokens, a "burst N
 # requests" button, and panels refreshed twice a second from `async_engine.snapshot()`: the block grid above,
-# each request's block table, the queues, KV usage and prefix-cache hit rate, tokens per step, and the event
-# log, with Pause / Single step / Resume buttons that call the methods used in section 2. The panels are the
-# pure functions of `minivllm/entrypoints/dashboard.py`, so you can render any snapshot yourself, as we did.
+# each request's block table, the queues, KV usage and prefix-cache hit rate, tokens per step, the event log,
+# a summary line per step and each request's timeline, with Pause / Single step / Resume buttons that call the
+# methods used in section 2. The panels are pure functions (`minivllm/entrypoints/dashboard.py`,
+# `block_grid.py`, `dashboard_history.py`), so you can render any snapshot yourself. Section 2's steps, as the
+# dashboard's step log and timelines draw them:
+
+# %%
+display(HTML(render_step_log(section2_steps, limit=8) + render_timelines(section2_steps, limit=8)))
+
+# %% [markdown]
+# And the page itself, as the browser test (`tests/test_app_ui.py`) photographs it during "Load demo traffic" on
+# a 24-block pool: 24 requests behind one system prompt (its blocks hatched: shared), a queue, and the chat, sent
+# with priority 5, told that it was preempted and why.
+#
+# ![the dashboard during the demo traffic](images/dashboard_preempted.png)
 #
 # ```bash
 # python app.py --num-kv-blocks 256           # then open http://127.0.0.1:8000/

@@ -270,7 +270,7 @@ def test_the_dashboard_streams_a_chat_and_the_block_grid_changes(app_process, tm
 
 
 SCREENSHOT_DIR = os.environ.get("MINIVLLM_SCREENSHOTS")      # where CI keeps the screenshots (a test artifact)
-LESSON_SCREENSHOT = REPO / "lessons" / "images" / "dashboard_demo.png"
+LESSON_SCREENSHOT = REPO / "lessons" / "images" / "dashboard_preempted.png"
 
 
 def keep_screenshot(page, tmp_path, name: str) -> Path:
@@ -339,7 +339,10 @@ def test_the_dashboard_shows_the_queue_a_preempted_chat_and_the_history(small_po
             assert "preempted at step" in status and "lowest-priority" in status, status
             assert page.locator('#mv-queues [data-status="preempted"]').count() >= 1
             page.wait_for_selector('#mv-grid [data-state="shared"]', timeout=60_000)  # the shared system prompt
-            keep_screenshot(page, tmp_path, "dashboard_preempted.png")
+            shot = keep_screenshot(page, tmp_path, "dashboard_preempted.png")
+            if os.environ.get("MINIVLLM_UPDATE_LESSON_SCREENSHOT") == "1":    # the serving lesson shows this one
+                LESSON_SCREENSHOT.parent.mkdir(exist_ok=True)
+                shutil.copy(shot, LESSON_SCREENSHOT)
 
             # Afterwards: the history views are populated.
             page.wait_for_selector('#mv-chat-status [data-state="finished"]', timeout=300_000)
@@ -349,9 +352,6 @@ def test_the_dashboard_shows_the_queue_a_preempted_chat_and_the_history(small_po
             assert page.locator('#mv-timelines rect[data-phase="preempted"]').count() > 0
             assert page.locator("#mv-plots polyline").count() == 4                  # tokens/s, KV, running, waiting
             assert int(page.locator("#mv-steplog pre").get_attribute("data-lines")) > 0
-            shot = keep_screenshot(page, tmp_path, "dashboard_demo.png")
-            if os.environ.get("MINIVLLM_UPDATE_LESSON_SCREENSHOT") == "1":    # the serving lesson shows this one
-                LESSON_SCREENSHOT.parent.mkdir(exist_ok=True)
-                shutil.copy(shot, LESSON_SCREENSHOT)
+            keep_screenshot(page, tmp_path, "dashboard_demo.png")
         finally:
             browser.close()

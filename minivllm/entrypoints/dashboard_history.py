@@ -75,12 +75,17 @@ def request_phases(traces: Sequence[StepTrace]) -> dict[str, list[tuple[int, str
 
 
 def render_timelines(traces: Sequence[StepTrace], limit: int = TIMELINE_REQUESTS, width: int = 640) -> str:
-    """The last `limit` requests to appear, one row each; a cell per step, coloured by what it did there."""
+    """The `limit` most recently active requests, in arrival order, one row each; a cell per step, coloured by
+    what the request did there."""
     traces = list(traces)
     if not traces:
         return '<p class="mv-stats">no steps yet</p>'
     phases = request_phases(traces)
-    rows = list(phases.items())[-limit:]
+    # The `limit` requests that ran (prefill, decode) most recently; those that only ever waited come last.
+    def last_active(item: tuple[str, list[tuple[int, str]]]) -> int:
+        return max((step for step, p in item[1] if p != "waiting"), default=-1)
+    chosen = set(r for r, _ in sorted(phases.items(), key=last_active, reverse=True)[:limit])
+    rows = [(r, seen) for r, seen in phases.items() if r in chosen]
     first, last = traces[0].step, traces[-1].step
     label_w, row_h = 130, 14
     cell = (width - label_w) / max(last - first + 1, 1)
@@ -110,11 +115,11 @@ def _line_chart(name: str, xs: list[int], series: dict[str, tuple[list[float], s
                 width: int, height: int) -> str:
     """A small SVG line chart: one polyline per series (values >= 0), the y axis from 0 to the largest value."""
     top = max((max(v) for v, _ in series.values() if v), default=0.0) or 1.0
-    plot_h = height - 28
     span = max(xs[-1] - xs[0], 1)
+    plot_h = height - 34                     # the title above (to y 12), the steps caption below (from height - 14)
     lines = []
     for label, (values, color) in series.items():
-        pts = " ".join(f"{width * (x - xs[0]) / span:.1f},{12 + plot_h * (1 - v / top):.1f}"
+        pts = " ".join(f"{width * (x - xs[0]) / span:.1f},{16 + plot_h * (1 - v / top):.1f}"
                        for x, v in zip(xs, values))
         lines.append(f'<polyline points="{pts}" fill="none" stroke="{color}" stroke-width="1.5" '
                      f'data-series="{html.escape(label)}"/>')
@@ -128,7 +133,7 @@ def _line_chart(name: str, xs: list[int], series: dict[str, tuple[list[float], s
             f'</svg>')
 
 
-def render_plots(traces: Sequence[StepTrace], width: int = 300, height: int = 110) -> str:
+def render_plots(traces: Sequence[StepTrace], width: int = 280, height: int = 110) -> str:
     """Throughput (tokens/s of each step), KV usage (%) and queue lengths over the recent steps."""
     traces = list(traces)
     if len(traces) < 2:
