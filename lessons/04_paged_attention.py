@@ -26,8 +26,11 @@
 # 3. **online softmax**: walk K/V tile by tile keeping only a running (max, sum, acc), never the whole row,
 # 4. **split-KV** (flash-decoding): cut the context into slices, do step 3 on each, merge the partials,
 # 5. **GQA**: one KV head serves a group of query heads,
-# 6. the real kernels, `paged_decode_attention` and `paged_prefill_attention` from `kernels/triton_ops.py`,
-#    running on the CPU under Triton's interpreter against `kernels/reference.py`,
+#    then **your exercise**: paged attention for one sequence, steps 2 and 5 together, checked against dense
+#    attention and inside the real engine,
+# 6. the real kernels, `paged_decode_attention` and `paged_prefill_attention` from `kernels/triton_ops.py`:
+#    their source read line by line beside the PyTorch version, then run on the CPU under Triton's interpreter
+#    against `kernels/reference.py`,
 # 7. the whole engine with `attention_backend="triton"`: the same greedy tokens as the PyTorch backend.
 #
 # Read it next to `minivllm/model/attention.py` (which backend runs) and `kernels/` (what they run).
@@ -41,6 +44,7 @@ import os
 
 os.environ["TRITON_INTERPRET"] = "1"   # before anything imports triton
 
+import inspect
 import math
 import warnings
 
@@ -147,9 +151,14 @@ plt.show()
 
 # %% [markdown]
 # The naive paged attention undoes the scattering: `reference.gather_kv` indexes the cache with the block
-# table, flattens the blocks and cuts at `seq_len`. That gives back `K` and `V` exactly, and then step 1
-# applies. `reference.paged_decode_attention` does this for a whole batch at once (padding to the longest
-# sequence and masking the tail).
+# table, flattens the blocks and cuts at `seq_len`:
+
+# %%
+print(inspect.getsource(ref.gather_kv))
+
+# %% [markdown]
+# That gives back `K` and `V` exactly, and then step 1 applies. `reference.paged_decode_attention` does this
+# for a whole batch at once (padding to the longest sequence and masking the tail).
 
 # %%
 K_g = ref.gather_kv(key_cache, block_table, n)[:, 0]      # (n, d), head 0
@@ -321,7 +330,171 @@ print("repeat_interleave == enable_gqa == per-head loop:",
 # group, not once per query head, and the scores are one `tl.dot` of `(group, d) x (d, BLOCK_N)`.
 
 # %% [markdown]
-# ## 6. The real kernels, on the CPU interpreter
+# ## Exercise: paged attention for one sequence
+#
+# Put steps 2 and 5 together. Write the attention of **one** decode query over its sequence's paged K/V:
+#
+# ```
+# paged_attention_one(q, key_cache, value_cache, block_table, seq_len, scale) -> (num_heads, head_dim)
+#     q                        (num_heads, head_dim)        the new token's query, one row per head
+#     key_cache, value_cache   (num_blocks, block_size, num_kv_heads, head_dim)   the whole pool
+#     block_table              (>= ceil(seq_len / block_size),) int32 tensor: logical block i -> physical block
+#     seq_len                  int: the sequence's tokens, all attended to (no causal mask at decode)
+#     scale                    float: 1 / sqrt(head_dim)
+# ```
+#
+# - token `t` is in `cache[block_table[t // block_size], t % block_size]`; the block table may be longer than
+#   the sequence needs (the engine pads each row with 0s up to the batch's widest), and the last block may be
+#   only partly the sequence's: its other slots hold stale values that must get no weight;
+# - GQA: query head `h` reads KV head `h // (num_heads // num_kv_heads)`;
+# - only read the cache; compute in fp32.
+#
+# `check` compares your function with `F.scaled_dot_product_attention` over the same K/V kept in a contiguous
+# tensor (a single block, a partial last block, a scrambled block table, GQA, random cases), then runs the real
+# engine: at every step and layer your function reads the engine's own KV cache and must give its reference
+# backend's answer, and the engine then generates with your answer in place of its own.
+
+# %%
+from course import check, exercise
+
+
+@exercise("04.paged_attention_one")
+def paged_attention_one(q, key_cache, value_cache, block_table, seq_len, scale):
+    # q (num_heads, head_dim); caches (num_blocks, block_size, num_kv_heads, head_dim) -> (num_heads, head_dim)
+    # your code here
+    raise NotImplementedError
+
+
+check(paged_attention_one)
+
+# %% [markdown]
+# Your function on step 2's pool (one head, the 10-token sequence in 3 random blocks) gives step 1's answer:
+
+# %%
+o_mine = paged_attention_one(q[None], key_cache, value_cache, block_table, n, scale)[0]     # (1, d) -> (d,)
+print("paged_attention_one on step 2's pool matches step 1:", torch.allclose(o_mine, o, atol=1e-6))
+
+# %% [markdown]
+# The real one, `reference.paged_decode_attention`, is the same computation for a whole batch of sequences at
+# once. It gathers every sequence's blocks up to the longest (`index_select` into one reused buffer), keeps the
+# stale tail of each row out with an additive `-inf` mask instead of cutting at `seq_len`, and does GQA without
+# copying K/V per query head: the `group` query heads of a KV head become `group` query rows against it.
+
+# %%
+print(inspect.getsource(ref.paged_decode_attention))
+
+# %% [markdown]
+# ## 6. The real kernels
+#
+# ### Reading the decode kernel
+#
+# `paged_decode_attention` in `kernels/triton_ops.py` is a small wrapper: it checks shapes, picks tile sizes and
+# `num_splits`, and launches `_paged_decode_kernel` on a grid of (sequences, KV heads, splits) programs. Each
+# program computes what your `paged_attention_one` computes, for the query heads of one KV head (or one slice
+# of the context). Here is the kernel as Triton runs it (a `@triton.jit` function keeps the plain Python
+# function in `.fn`), with numbered lines:
+
+# %%
+def numbered(jitted):
+    """The kernel's source, lines numbered from 1 (the `@triton.jit` line)."""
+    for i, line in enumerate(inspect.getsource(jitted.fn).splitlines(), 1):
+        print(f"{i:3} {line}")
+
+
+def explain(jitted, notes):
+    """For each (markers, note): the kernel lines that contain the markers, with their numbers, then the note."""
+    lines = inspect.getsource(jitted.fn).splitlines()
+    for k, (markers, note) in enumerate(notes, 1):
+        found = []
+        for marker in markers:
+            hits = [i for i, line in enumerate(lines, 1) if marker in line]
+            assert hits, f"{jitted.fn.__name__} has no line with {marker!r}: the kernel changed, update the notes"
+            found.append(hits[0])
+        print(f"{k:2}. {note}")
+        for i in found:
+            print(f"    {i:3} | {lines[i - 1].strip()}")
+
+
+numbered(kernels.triton_ops._paged_decode_kernel)
+
+# %% [markdown]
+# Line by line against the PyTorch version (`reference.paged_decode_attention` and your function). The line
+# numbers are found in the source above by searching for each line's text, so they follow the kernel:
+
+# %%
+explain(kernels.triton_ops._paged_decode_kernel, [
+    (["seq = tl.program_id(0)", "kv_head = tl.program_id(1)", "split = tl.program_id(2)"],
+     "which work this program does: one (sequence, KV head, slice). PyTorch has no such loop: the reference\n"
+     "    batches every sequence and head into one scaled_dot_product_attention call."),
+    (["seq_len = tl.load(seq_lens_ptr + seq)", "start = split * tokens_per_split",
+      "end = tl.minimum(start + tokens_per_split, seq_len)"],
+     "the tokens [start, end) this program reads; with one split, all of 0 .. seq_len - 1 (your [:seq_len])."),
+    (["head = kv_head * group_size + g", "q = tl.load(q_ptr"],
+     "GQA: the query heads h with h // group_size == kv_head, loaded as one (group, head_dim) tile\n"
+     "    (your repeat_interleave; the reference's query.view(num_seqs, num_kv_heads, group, head_dim))."),
+    (["m_i = tl.full(", "l_i = tl.zeros(", "acc = tl.zeros("],
+     "the online softmax state of step 3, one per query head: running max, running sum, unnormalised output."),
+    (["for tile_start in range(start, end, BLOCK_N):", "t_mask = tok < end"],
+     "walk the tokens BLOCK_N at a time; t_mask is False past the end (the tail of the last tile)."),
+    (["block = tl.load(block_table + tok // BLOCK_SIZE"],
+     "THE BLOCK-TABLE LOOKUP: block_table[t // block_size] for each token t of the tile."),
+    (["kv_off = (block[:, None] * stride_c_block", "+ kv_head * stride_c_head"],
+     "the address of cache[block, t % block_size, kv_head, :]: gather_kv as pointer arithmetic, nothing copied."),
+    (["k = tl.load(key_cache_ptr + kv_off", "v = tl.load(value_cache_ptr + kv_off"],
+     "load the K and V tiles straight from the pool; the mask keeps slots past seq_len unread."),
+    (["s = tl.dot(q, tl.trans(k)", 's = tl.where(t_mask[None, :], s, float("-inf"))'],
+     "scores q . k * scale (times log2(e), so exp2 below is exp); past the end -inf: weight 0, the reference's\n"
+     "    additive -inf mask."),
+    (["m_new = tl.maximum(m_i", "alpha = tl.exp2(m_i - m_new)", "p = tl.exp2(s - m_new[:, None])",
+      "l_i = l_i * alpha + tl.sum(p, axis=1)", "acc = acc * alpha[:, None] + tl.dot("],
+     "THE ONLINE SOFTMAX, step 3's loop line for line: rescale the old sums by alpha, add this tile."),
+    (["if NUM_SPLITS == 1:", "out = acc * (v_scale / tl.where(l_i == 0.0"],
+     "one split: o = acc / l, softmax's division done once at the end (v_scale is 1 unless the cache is fp8)."),
+    (["tl.store(part_m_ptr + row, m_i", "tl.store(part_l_ptr + row, l_i", "tl.store(part_acc_ptr"],
+     "SPLIT-KV: with several slices, store this slice's partial (m, l, acc), step 4's partial(), for the merge."),
+])
+
+# %% [markdown]
+# ### The merge kernel
+#
+# With `num_splits > 1` a second kernel, one program per (sequence, query head), combines the slices' partials:
+
+# %%
+numbered(kernels.triton_ops._merge_splits_kernel)
+
+# %%
+explain(kernels.triton_ops._merge_splits_kernel, [
+    (["m = tl.load(part_m_ptr", "l = tl.load(part_l_ptr", "acc = tl.load(part_acc_ptr"],
+     "every slice's partial (m_s, l_s, acc_s) of this (sequence, query head)."),
+    (["m_max = tl.max(m, axis=0)"], "M = max_s m_s."),
+    (['w = tl.where(m == float("-inf"), 0.0, tl.exp2(m - m_max))'],
+     "the weights e^(m_s - M) (exp2: m is in log2 units); an empty slice, past a short sequence's end, gets 0."),
+    (["l_total = tl.sum(w * l, axis=0)", "out = tl.sum(w[:, None] * acc, axis=0)"],
+     "o = sum_s w_s acc_s / sum_s w_s l_s: step 4's merge."),
+])
+
+# %% [markdown]
+# ### The prefill kernel: what differs
+#
+# `_paged_prefill_kernel` has the same loop (the block-table lookup, the loads and the online softmax are the
+# decode kernel's lines). What changes is who a program serves and which keys each query row may see:
+
+# %%
+explain(kernels.triton_ops._paged_prefill_kernel, [
+    (["tile = tl.program_id(0)", "head = tl.program_id(1)", "seq = tl.program_id(2)"],
+     "one program per (tile of BLOCK_M query rows, query head, sequence): many rows instead of a group of heads."),
+    (["kv_head = head // group_size"], "GQA, as in your function."),
+    (["context = seq_len - q_len", "pos = context + r"],
+     "the new rows are the sequence's last q_len positions; earlier ones are cached context (prefix hits, chunks)."),
+    (["kv_end = tl.minimum(seq_len, context + (tile + 1) * BLOCK_M)"],
+     "the tile's last row sees keys up to here, so the loop stops there: the causal mask also saves reads."),
+    (["block = tl.load(block_table + tok // BLOCK_SIZE"], "the same block-table lookup as in decode."),
+    (["causal = t_mask[None, :] & (tok[None, :] <= pos[:, None])", "s = tl.where(causal, s, float(\"-inf\"))"],
+     "the causal mask: row at position pos sees keys 0 .. pos (the reference's mask in paged_prefill_attention)."),
+])
+
+# %% [markdown]
+# ### Running them under the interpreter
 #
 # Now the production kernels from `kernels/triton_ops.py` against the reference. A tiny batch in fp32
 # (bf16 is wrong in the interpreter; fp16 and fp32 are fine): 3 sequences of 1, 17 and 37 tokens, 4 query
@@ -371,16 +544,21 @@ out_s1 = triton_ops.paged_decode_attention(q_dec, kc, vc, block_tables, seq_lens
 out_s4 = triton_ops.paged_decode_attention(q_dec, kc, vc, block_tables, seq_lens, scale32, num_splits=4)
 err_s1 = (out_s1 - out_ref).abs().max().item()
 err_s4 = (out_s4 - out_ref).abs().max().item()
+mine_dec = torch.stack([paged_attention_one(q_dec[i], kc_ref, vc_ref, block_tables[i], L, scale32)
+                        for i, L in enumerate(seq_lens_list)])        # (3, H, D): your function, one sequence a call
+err_mine = (mine_dec - out_s1).abs().max().item()
 
 # %% [markdown]
 # The errors are a few units in the last place of fp32: the kernel adds in a different order (tile by
-# tile, or slice by slice) than PyTorch's attention. Their exact value can differ between machines, so this
+# tile, or slice by slice) than PyTorch's attention (the last line: your `paged_attention_one`, called once per
+# sequence on the same cache, against the kernel). Their exact value can differ between machines, so this
 # cell's output is not checked; the assert at the end checks the bound.
 
 # %%
 # NBVAL_IGNORE_OUTPUT
 print(f"decode, num_splits=1: max abs error {err_s1:.1e}")
 print(f"decode, num_splits=4: max abs error {err_s4:.1e}")
+print(f"your paged_attention_one vs the kernel (num_splits=1): max abs error {err_mine:.1e}")
 
 # %% [markdown]
 # **Prefill**: a flat batch of query rows, causally masked. To show that cached context needs nothing
@@ -538,6 +716,21 @@ for backend in ["torch", "triton"]:
 # %% [markdown]
 # Same tokens. Exact equality of greedy tokens is a strong check: a wrong block index or a broken mask would
 # change the logits far more than fp32 rounding does.
+
+# %% [markdown]
+# > **How vLLM v1 does it differently.** The same ideas, in more general kernels. On NVIDIA GPUs vLLM v1's default
+# > backend is FlashAttention (`vllm/v1/attention/backends/flash_attn.py`): one varlen call with a `block_table`
+# > argument serves prefills and decodes of the flat batch together, and its cache is one tensor
+# > `(2, num_blocks, block_size, num_kv_heads, head_size)`, written by the CUDA op `reshape_and_cache_flash`
+# > (`csrc/cache_kernels.cu`). Its Triton backend (`vllm/v1/attention/backends/triton_attn.py`) runs
+# > `kernel_unified_attention` (`vllm/v1/attention/ops/triton_unified_attention.py`; `vllm/attention/ops/` in
+# > older releases): also one launch for prefill and decode, each program finding its sequence by a binary search
+# > over the query offsets and holding a tile of (query positions x the GQA group) as its rows; its 3-D variant
+# > splits the context into segments and `reduce_segments` merges them, as `_merge_splits_kernel` does here.
+# > The inner loop is the one read above: the block-table lookup `tok // BLOCK_SIZE`, masked loads from the pool,
+# > online softmax. Around it vLLM adds sliding windows, ALiBi, soft-capping, attention sinks, and fp8 caches with
+# > per-tensor or per-(token, head) scales. minivllm keeps two kernels (decode and prefill) and a flash-decoding
+# > merge, small enough to read whole.
 #
 # ## Check yourself
 #
@@ -552,6 +745,7 @@ assert abs(history[-1][0] - s3.max().item()) < 1e-6                       # the 
 assert abs(history[-1][1] - torch.exp(s3 - s3.max()).sum().item()) < 1e-4
 assert torch.allclose(o_split, o_full, atol=1e-6)
 assert torch.allclose(o_gqa, o_loop, atol=1e-6)
+assert torch.allclose(o_mine, o, atol=1e-6) and err_mine < 1e-5                 # your paged_attention_one
 assert not out_s1.isnan().any() and not out_s4.isnan().any() and not pre_tri.isnan().any()
 assert err_s1 < 1e-5 and err_s4 < 1e-5 and err_pre < 1e-5
 assert err_fp8_kernel < 1e-5 and 1e-3 < err_fp8_format < 0.2     # exact over its own values; fp8 costs a little
