@@ -12,7 +12,6 @@ import socket
 import subprocess
 import sys
 import time
-from html.parser import HTMLParser
 from pathlib import Path
 
 import httpx
@@ -29,31 +28,12 @@ from minivllm.entrypoints.dashboard import (
     render_tokens_per_step,
     request_color,
 )
+from tests.html_elements import Elements
 
 REPO = Path(__file__).resolve().parent.parent
 CHROMIUM = "/usr/bin/chromium"
 CHROMIUM_ARGS = ["--no-sandbox", "--disable-gpu", "--disable-background-networking", "--disable-component-update",
                  "--disable-sync", "--no-first-run"]
-
-
-class Elements(HTMLParser):
-    """Every start tag as (tag, attributes, text directly inside it)."""
-
-    def __init__(self, markup: str):
-        super().__init__()
-        self.found: list[tuple[str, dict, str]] = []
-        self.feed(markup)
-
-    def handle_starttag(self, tag, attrs):
-        self.found.append((tag, dict(attrs), ""))
-
-    def handle_data(self, data):
-        if self.found:
-            tag, attrs, text = self.found[-1]
-            self.found[-1] = (tag, attrs, text + data)
-
-    def cells(self) -> dict[int, tuple[dict, str]]:
-        return {int(a["data-block"]): (a, text) for tag, a, text in self.found if "data-block" in a}
 
 
 # ---------------------------------------------------------------------- render functions, on real traces

@@ -7,7 +7,6 @@ import itertools
 import math
 import random
 import re
-from html.parser import HTMLParser
 
 import pytest
 import torch
@@ -23,26 +22,11 @@ from minivllm.entrypoints.block_grid import (
     Swatch,
     render_block_grid,
 )
+from tests.html_elements import Elements as BaseElements
 
 
-class Elements(HTMLParser):
-    """Every start tag as (tag, attributes, text directly inside it)."""
-
-    def __init__(self, markup: str):
-        super().__init__()
-        self.found: list[tuple[str, dict, str]] = []
-        self.feed(markup)
-
-    def handle_starttag(self, tag, attrs):
-        self.found.append((tag, dict(attrs), ""))
-
-    def handle_data(self, data):
-        if self.found:
-            tag, attrs, text = self.found[-1]
-            self.found[-1] = (tag, attrs, text + data)
-
-    def cells(self) -> dict[int, tuple[dict, str]]:
-        return {int(a["data-block"]): (a, text) for _, a, text in self.found if "data-block" in a}
+class Elements(BaseElements):
+    """The grid's group cells and legend too."""
 
     def groups(self) -> list[dict]:
         return [a for _, a, _ in self.found if "mv-group" in a.get("class", "")]
