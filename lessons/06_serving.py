@@ -58,6 +58,7 @@ import matplotlib.pyplot as plt
 import openai
 import torch
 from IPython.display import HTML, display
+from matplotlib.patches import Patch
 from matplotlib.ticker import MaxNLocator
 
 from minivllm import SamplingParams
@@ -66,7 +67,7 @@ from minivllm.engine.async_llm import AsyncLLMEngine
 from minivllm.entrypoints.api_server import build_api_server, run_server_in_thread
 from minivllm.entrypoints.block_grid import GRID_CSS, RequestPalette, render_block_grid
 from minivllm.entrypoints.dashboard import DASHBOARD_CSS, render_queues
-from minivllm.entrypoints.dashboard_history import render_step_log, render_timelines
+from minivllm.entrypoints.dashboard_history import PHASE_COLORS, render_step_log, render_timelines, request_phases
 
 torch.manual_seed(0)
 torch.set_num_threads(1)   # one thread: faster on a busy 2-core CPU, and the same float sums everywhere
@@ -426,17 +427,37 @@ print(len(texts), "answers; the first two:", texts[:2])
 
 # %%
 # NBVAL_IGNORE_OUTPUT
-fig, ax = plt.subplots(figsize=(9, 2.6))
-batch_sizes = [sum(1 for r in t.requests if r.kind) for t in traces]     # requests the step computed for
-ax.bar(range(1, len(traces) + 1), batch_sizes, color="tab:blue")
-ax.set_xlabel("engine step (while the 16 clients were connected)")
-ax.set_ylabel("requests in the batch")
-ax.xaxis.set_major_locator(MaxNLocator(integer=True))
-ax.yaxis.set_major_locator(MaxNLocator(integer=True))
-ax.set_title("Sixteen HTTP clients, one batch per step")
+phases = request_phases(traces)                 # request id -> [(step, what it did there)], dashboard_history.py
+steps = [t.step for t in traces]
+fig, (lanes, tokens) = plt.subplots(1, 2, figsize=(11, 3.6), gridspec_kw={"width_ratios": [3, 2]})
+for row, (rid, seen) in enumerate(phases.items()):
+    for step, phase in seen:
+        lanes.barh(row, 1, left=step - 0.5, color=PHASE_COLORS[phase], edgecolor="white", linewidth=0.5)
+lanes.set_yticks(range(len(phases)), [f"client {i}" for i in range(len(phases))], fontsize=7)
+lanes.invert_yaxis()
+lanes.set_xlabel("engine step")
+lanes.set_title("each client's request, step by step")
+lanes.legend(handles=[Patch(color=c, label=p) for p, c in PHASE_COLORS.items() if p != "running"],
+             fontsize=7, loc="upper center", bbox_to_anchor=(0.5, -0.2), ncol=6, frameon=False)
+prefill = [t.num_prefill_tokens for t in traces]
+decode = [t.num_decode_tokens for t in traces]
+tokens.bar(steps, decode, color=PHASE_COLORS["decode"], label="decode tokens")
+tokens.bar(steps, prefill, bottom=decode, color=PHASE_COLORS["prefill"], label="prefill tokens")
+tokens.set_xlabel("engine step")
+tokens.set_title("tokens computed per step")
+tokens.legend(fontsize=7)
+for ax in (lanes, tokens):
+    ax.xaxis.set_major_locator(MaxNLocator(integer=True))
+plt.tight_layout()
 plt.show()
+print("largest batch:", max(t.num_running for t in traces), "requests;", len(traces), "steps for 16 x 12 tokens")
+
+# %%
+assert len(phases) == 16 and all(seen[-1][1] == "finished" for seen in phases.values())
+assert max(sum(1 for r in t.requests if r.kind) for t in traces) > 1    # clients shared steps
 
 # %% [markdown]
+# The left panel is the dashboard's timeline view, drawn with matplotlib: a row per client, a cell per step.
 # The requests arrive a few milliseconds apart. If a step starts before the last of them is in, it runs the
 # early ones and the rest join at the next step; either way they are soon all in one batch, and they finish
 # together (unless one stops early, at EOS). That is the point of serving through one engine: sixteen clients
