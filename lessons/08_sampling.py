@@ -194,9 +194,47 @@ plot_dists(probs, [("temperature 0.5: sharper", by_temp[0.5]), ("temperature 1.5
 # - **top-p** (nucleus) keeps the smallest set of most likely tokens whose mass reaches `p`: a token stays if
 #   the mass of the tokens *before* it is below `p`, so the most likely token always stays.
 
+# %% [markdown]
+# ### Exercise: top-p
+#
+# Write `top_p_filter(logits, top_p)`: `logits` is a `(rows, vocab)` tensor, `top_p` a list with one value per
+# row. In each row keep the smallest set of most likely tokens whose probability reaches `top_p` and set every
+# other logit to `-inf`; leave the kept logits unchanged. Hints: sort each row in descending order
+# (`logits.sort(dim=-1, descending=True)` also gives you the order, to put the row back), take the softmax, and
+# compare the mass of the tokens *before* each token with `top_p`; `scatter_` puts a sorted row back in
+# vocabulary order.
+#
+# The check runs hand-made rows, then 30 random batches against Hugging Face transformers' `TopPLogitsWarper`
+# (an independent implementation), and finally the real engine: its sampler runs with your filter, and the
+# tokens it samples (temperature 1, fixed seeds) must be the ones it samples with its own.
+
+# %%
+from course import check, exercise
+
+
+@exercise("08.top_p_filter")
+def top_p_filter(logits, top_p):
+    # your code here
+    raise NotImplementedError
+
+
+check(top_p_filter)
+
+# %% [markdown]
+# minivllm's own version does top-k in the same pass (both need the sorted row):
+
 # %%
 # NBVAL_IGNORE_OUTPUT
 print(inspect.getsource(apply_top_k_top_p))
+
+# %% [markdown]
+# > **How vLLM v1 does it differently.** `vllm/v1/sample/ops/topk_topp_sampler.py` (`TopKTopPSampler`) keeps
+# > the same sort-and-mask path as its PyTorch fallback (it sorts ascending and drops the tail whose mass is at
+# > most `1 - p`, which keeps the same set), but on a GPU with FlashInfer installed it samples with FlashInfer's
+# > top-k / top-p kernels, which never sort the vocabulary: they draw by rejection against a pivot
+# > probability. When no request in the batch uses top-k or top-p it skips the filter altogether, as minivllm
+# > does. Its sampler (`vllm/v1/sample/sampler.py`) also works on the whole persistent batch at once, with the
+# > per-request parameters kept as GPU tensors between steps rather than rebuilt from Python lists.
 
 # %% [markdown]
 # **min-p** scales with the model's confidence: it drops every token less likely than `min_p` times the most
