@@ -196,9 +196,44 @@ print(f"H100, bf16: weights {bf16_bytes / 2**20:.0f} MiB take {bf16_bytes / H100
 # `prompt_lookup_max` down to `prompt_lookup_min`), finds their latest earlier occurrence in the prompt and
 # output, and proposes the k tokens that followed it:
 
+# %% [markdown]
+# ### Exercise: prompt lookup
+#
+# Write `ngram_propose(token_ids, k, min_n, max_n)`: up to `k` draft tokens to follow the list `token_ids`. For
+# `n` from `max_n` down to `min_n`, take the last `n` tokens (the suffix), find their **latest** earlier
+# occurrence (one that starts before the suffix itself; it may overlap it), and return the up-to-`k` tokens that
+# followed it. The first `n` that matches wins; no match at any `n` gives `[]`. Plain Python lists are enough.
+#
+# The check runs hand-made lists, then 300 random ones against minivllm's `NgramProposer`, and finally puts your
+# function in place of the proposer of a real engine with n-gram speculation: the greedy output must not change,
+# and the engine must verify and accept exactly the drafts it does with its own proposer.
+
+# %%
+from course import check, exercise
+
+
+@exercise("09.ngram_propose")
+def ngram_propose(token_ids, k, min_n, max_n):
+    # your code here
+    raise NotImplementedError
+
+
+check(ngram_propose)
+
+# %% [markdown]
+# minivllm's version does the same search with NumPy: every window of n tokens compared with the suffix at once.
+
 # %%
 # NBVAL_IGNORE_OUTPUT
 print(inspect.getsource(NgramProposer.propose))
+
+# %% [markdown]
+# > **How vLLM v1 does it differently.** `vllm/v1/spec_decode/ngram_proposer.py` does the lookup for the whole
+# > batch in compiled code: the search is a Numba-jitted function (a KMP-style scan that finds the longest
+# > matching n-gram between `prompt_lookup_min` and `prompt_lookup_max` in one pass instead of one pass per n),
+# > run over the requests in parallel threads, on token ids kept in the persistent batch's NumPy arrays. The
+# > verification (`vllm/v1/sample/rejection_sampler.py`) runs as Triton kernels on the GPU. minivllm keeps one
+# > request at a time in plain NumPy, which is fast enough for a CPU step that takes tens of milliseconds.
 
 # %% [markdown]
 # A small model copies well when asked to. We ask SmolLM2 to copy a passage; to see the proposer at work we
