@@ -61,9 +61,9 @@ warnings.filterwarnings("ignore", message="IProgress not found")   # tqdm's noti
 
 import matplotlib.pyplot as plt
 import torch
-from matplotlib.patches import Patch, Rectangle
 
 from minivllm import LLM, SamplingParams
+from plots import RequestColors, draw_held, draw_pool, pool_legend
 
 torch.set_num_threads(1)   # see below
 torch.manual_seed(0)
@@ -368,55 +368,36 @@ engine.check_integrity()                                # the core's own invaria
 # ### The picture
 #
 # The whole pool, one square per block. A block held by a request has that request's colour, filled in
-# proportion to how many of its 16 slots already hold KV; a shared block shows one band per holder and its
-# ref count (`×2`). Free blocks are grey: light grey ones are empty, darker grey ones still hold the KV of a
-# finished request's full block (the prefix cache: free to reuse, but worth keeping until the space is needed).
+# proportion to how many of its 16 slots already hold KV, and shows its ref count. A shared block (`ref 2`,
+# in bold) is hatched over its first holder's colour. Free blocks are grey: light grey ones are empty, darker
+# grey ones still hold the KV of a finished request's full block (the prefix cache: free to reuse, but worth
+# keeping until the space is needed).
 
 # %%
-COLORS = {"colors": "tab:blue", "haiku": "tab:orange", "story": "tab:green"}
+req_colors = RequestColors(["colors", "haiku", "story"])   # request id -> palette colour, in order of arrival
 
 
-def draw_pool(engine, title, cols=16):
+def draw_engine_pool(engine, title, cols=16):
+    """The engine's whole pool now: each running request's blocks in its colour, filled as far as KV is written."""
     kvm, bs = engine.kv_cache_manager, engine.kv_cache_manager.block_size
     snap = kvm.block_pool.snapshot()                    # the whole pool at this moment
-    owners = {}                                         # block id -> [(request, index in its block table)]
-    for r in engine.scheduler.running:
+    running = engine.scheduler.running
+    filled = {}                                         # block id -> share of its 16 slots that hold KV
+    for r in running:
         for i, b in enumerate(r.block_table):
-            owners.setdefault(b, []).append((r, i))
+            filled[b] = max(filled.get(b, 0), min(max(r.num_computed_tokens - i * bs, 0), bs) / bs)
     rows = -(-kvm.num_blocks // cols)
-    fig, ax = plt.subplots(figsize=(cols * 0.55, rows * 0.6 + 0.9))
-    for b in range(kvm.num_blocks):
-        x, y = b % cols, rows - 1 - b // cols
-        if b in owners:                                 # one horizontal band per holder
-            band = 0.92 / len(owners[b])
-            for k, (r, i) in enumerate(owners[b]):
-                filled = min(max(r.num_computed_tokens - i * bs, 0), bs) / bs   # share of slots with KV
-                color = COLORS.get(r.request_id, "tab:purple")
-                y0 = y + 0.92 - (k + 1) * band
-                ax.add_patch(Rectangle((x, y0), 0.92, band, color=color, alpha=0.3))
-                ax.add_patch(Rectangle((x, y0), 0.92 * filled, band, color=color))
-        else:
-            cached = b in snap.cached_free
-            ax.add_patch(Rectangle((x, y), 0.92, 0.92, color="#b0b0b0" if cached else "#e6e6e6"))
-        ref = snap.ref_counts[b]
-        ax.text(x + 0.46, y + 0.46, f"{b}" + (f" ×{ref}" if ref > 1 else ""), ha="center", va="center",
-                fontsize=7)
-    running = {r.request_id for r in engine.scheduler.running}
-    legend = [Patch(color=c, label=rid) for rid, c in COLORS.items() if rid in running]
-    legend += [Patch(color="#b0b0b0", label="free, prefix-cached"), Patch(color="#e6e6e6", label="free, empty")]
-    ax.legend(handles=legend, loc="upper center", bbox_to_anchor=(0.5, -0.02), ncol=len(legend), fontsize=8,
-              frameon=False)
-    ax.set_xlim(0, cols)
-    ax.set_ylim(0, rows)
-    ax.set_aspect("equal")
-    ax.axis("off")
-    ax.set_title(title)
+    fig, ax = plt.subplots(figsize=(cols * 0.55, rows * 0.6 + 1.1))
+    draw_pool(ax, kvm.num_blocks, {r.request_id: r.block_table for r in running}, snap.ref_counts,
+              snap.cached_free, req_colors, filled=filled, cols=cols, title=title)
+    legend = pool_legend({r.request_id: req_colors(r.request_id) for r in running})
+    ax.legend(handles=legend, loc="upper center", bbox_to_anchor=(0.5, -0.02), ncol=3, fontsize=8, frameon=False)
     plt.show()
 
 
 # %%
 # NBVAL_IGNORE_OUTPUT
-draw_pool(engine, "KV block pool after 6 steps")
+draw_engine_pool(engine, "KV block pool after 6 steps")
 
 # %% [markdown]
 # Things to notice:
@@ -455,13 +436,11 @@ for rid, out in finished.items():
 # NBVAL_IGNORE_OUTPUT
 steps = range(6, 6 + len(held))
 fig, ax = plt.subplots(figsize=(9, 2.8))
-ax.stackplot(steps, *[[h.get(rid, 0) for h in held] for rid in COLORS], labels=list(COLORS),
-             colors=list(COLORS.values()), alpha=0.8, step="post")
-ax.step(steps, in_use, where="post", color="black", lw=1.2, label="blocks in use (shared counted once)")
+draw_held(ax, steps, {rid: [h.get(rid, 0) for h in held] for rid in req_colors.assigned},
+          req_colors, "Blocks held per request, stacked")
 ax.set_xlabel("engine step")
-ax.set_ylabel("blocks")
+ax.step(steps, in_use, where="post", color="black", lw=1.2, label="blocks in use (shared counted once)")
 ax.legend(loc="upper left", bbox_to_anchor=(1.01, 1), fontsize=8, frameon=False)
-ax.set_title("Blocks held per request, stacked")
 plt.show()
 
 # %% [markdown]
@@ -484,7 +463,7 @@ print(f"prefix cache: {stats.prefix_cache_hits} of {stats.prefix_cache_queries} 
 
 # %%
 # NBVAL_IGNORE_OUTPUT
-draw_pool(engine, "KV block pool after the run")
+draw_engine_pool(engine, "KV block pool after the run")
 
 # %%
 assert engine.kv_cache_manager.num_free_blocks == engine.kv_cache_manager.num_blocks

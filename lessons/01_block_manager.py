@@ -53,13 +53,14 @@ import inspect
 
 import matplotlib.pyplot as plt
 import torch
-from matplotlib.patches import Patch, Rectangle
+from matplotlib.patches import Patch
 
 from minivllm import LLM, SamplingParams
 from minivllm.core.block_pool import ROOT_HASH, hash_block_tokens
 from minivllm.core.journal import StepJournal
 from minivllm.core.kv_cache_manager import KVCacheManager
 from minivllm.core.request import Request
+from plots import RequestColors, draw_pool, pool_legend
 
 torch.manual_seed(0)
 torch.set_num_threads(1)   # one thread: faster on a busy 2-core CPU, and the same float sums everywhere
@@ -140,57 +141,31 @@ print("free blocks:", kv.num_free_blocks)
 #
 # ### The picture
 #
-# A drawing function we will reuse: one cell per block, coloured by the request that holds it (one band per
-# holder when several do), with the ref count and the tokens whose KV it holds. Free blocks are grey: dark
+# A drawing function we will reuse (the grid itself is `draw_pool` in `lessons/plots.py`): one cell per
+# block, in the colour of the request that holds it, with its ref count and the tokens whose KV it holds. A
+# block held by several requests (ref > 1) is hatched over its first holder's colour. Free blocks are grey: dark
 # grey for cached-free (the tokens are still there and still findable), light grey for clean-free.
 
 # %%
-PALETTE = ["tab:blue", "tab:orange", "tab:green", "tab:red", "tab:purple", "tab:brown"]
-COLORS = {"A": "tab:blue", "B": "tab:orange", "D": "tab:green", "E": "tab:red"}   # one colour per request
+req_colors = RequestColors()                     # request id -> palette colour, in order of first appearance
 
 
-def draw_pool(num_blocks, tables, ref_counts, cached_free, title, tokens=None, labels=None, cols=12, size=1.0,
-              marked=(), marked_label=""):
-    """One cell per block. tables: {request_id: block table}; ref_counts: one per block; tokens: {block id:
-    token ids} (optional); labels: {request_id: legend text} (optional); marked: blocks to outline in red
-    (legend text marked_label). Small cells show the ref count only where it is > 0."""
-    colors = {rid: COLORS.get(rid, PALETTE[i % len(PALETTE)]) for i, rid in enumerate(tables)}
-    holders = {}
-    for rid, table in tables.items():
-        for b in table:
-            holders.setdefault(b, []).append(rid)
+def draw_tables(num_blocks, tables, ref_counts, cached_free, title, tokens=None, labels=None, cols=12, size=1.0,
+                marked=(), marked_label=""):
+    """The pool with these block tables on it. tables: {request_id: block table}; ref_counts: one per block;
+    tokens: {block id: token ids} (optional); labels: {request_id: legend text} (optional); marked: blocks to
+    outline in black dashes (legend text marked_label)."""
+    texts = {b: " ".join(map(str, t[:2])) + "\n" + " ".join(map(str, t[2:]))   # two tokens per line
+             for b, t in (tokens or {}).items() if t}
     rows = -(-num_blocks // cols)
-    fig, ax = plt.subplots(figsize=(cols * size, rows * size + 0.8))
-    for b in range(num_blocks):
-        x, y = b % cols, rows - 1 - b // cols
-        if b in holders:                                  # one horizontal band per holder
-            band = 0.92 / len(holders[b])
-            for k, rid in enumerate(holders[b]):
-                ax.add_patch(Rectangle((x, y + 0.92 - (k + 1) * band), 0.92, band, color=colors[rid], alpha=0.55))
-        else:
-            ax.add_patch(Rectangle((x, y), 0.92, 0.92, color="#a9a9a9" if b in cached_free else "#ececec"))
-        if b in marked:
-            ax.add_patch(Rectangle((x, y), 0.92, 0.92, fill=False, edgecolor="tab:red", lw=2.5, hatch="//"))
-        ax.text(x + 0.06, y + 0.84, f"{b}", ha="left", va="top", fontsize=8, fontweight="bold")
-        if size >= 0.9 or ref_counts[b] > 0:
-            ax.text(x + 0.86, y + 0.84 if size >= 0.9 else y + 0.12, f"ref {ref_counts[b]}", ha="right",
-                    va="top" if size >= 0.9 else "bottom", fontsize=7)
-        if tokens and tokens.get(b):
-            t = tokens[b]
-            ax.text(x + 0.46, y + 0.3, " ".join(map(str, t[:2])) + "\n" + " ".join(map(str, t[2:])),
-                    ha="center", va="center", fontsize=7, family="monospace")
+    fig, ax = plt.subplots(figsize=(cols * size, rows * size + 1.0))
+    draw_pool(ax, num_blocks, tables, ref_counts, cached_free, req_colors, texts=texts, marked=marked, cols=cols,
+              title=title)
     labels = labels or {}
-    legend = [Patch(color=c, alpha=0.55, label=labels.get(rid, f"held by {rid}")) for rid, c in colors.items()]
-    legend += [Patch(color="#a9a9a9", label="cached-free"), Patch(color="#ececec", label="clean-free")]
+    legend = pool_legend({labels.get(rid, f"held by {rid}"): req_colors(rid) for rid in tables})
     if marked:
-        legend.append(Patch(fill=False, edgecolor="tab:red", hatch="//", label=marked_label))
-    ax.legend(handles=legend, loc="upper center", bbox_to_anchor=(0.5, -0.01),
-              ncol=3 if labels or marked else len(legend), fontsize=8, frameon=False)
-    ax.set_xlim(0, cols)
-    ax.set_ylim(0, rows)
-    ax.set_aspect("equal")
-    ax.axis("off")
-    ax.set_title(title)
+        legend.append(Patch(fill=False, edgecolor="black", lw=2, ls="--", label=marked_label))
+    ax.legend(handles=legend, loc="upper center", bbox_to_anchor=(0.5, -0.01), ncol=3, fontsize=8, frameon=False)
     plt.show()
 
 
@@ -204,8 +179,9 @@ def block_tokens(kv, requests):
 
 
 def draw(kv, requests, title, **kwargs):
+    """The pool of a bare KVCacheManager with these requests' block tables, and the tokens each block holds."""
     snap = kv.block_pool.snapshot()          # the whole pool: a ref count per block, the cached-free set
-    draw_pool(kv.num_blocks, {r.request_id: r.block_table for r in requests}, snap.ref_counts, snap.cached_free,
+    draw_tables(kv.num_blocks, {r.request_id: r.block_table for r in requests}, snap.ref_counts, snap.cached_free,
               title, tokens=block_tokens(kv, requests), **kwargs)
 
 
@@ -691,12 +667,12 @@ print("ref counts of the hit blocks:", [t.block_ref_counts[b] for b in sorted(se
 # %%
 # NBVAL_IGNORE_OUTPUT
 questions = {out.request_id: out.prompt.split("user\n")[1].split("<|im_end|>")[0] for out in second}
-draw_pool(t.num_kv_blocks, {r.request_id: list(r.block_table) for r in t.requests if r.block_table},
-          snapshots[0].ref_counts, snapshots[0].cached_free,
-          f"Step {t.step}: four requests share 3 system-prompt blocks (ref 4)", labels=questions, cols=16, size=0.62)
+draw_tables(t.num_kv_blocks, {r.request_id: list(r.block_table) for r in t.requests if r.block_table},
+            snapshots[0].ref_counts, snapshots[0].cached_free,
+            f"Step {t.step}: four requests share 3 system-prompt blocks (ref 4)", labels=questions, cols=16, size=0.62)
 
 # %% [markdown]
-# The three shared blocks carry all four colours and `ref 4`, block 3 two. The dark grey blocks are
+# The three shared blocks are hatched and say `ref 4`, block 3 `ref 2`. The dark grey blocks are
 # cached-free leftovers of the first batch: the full blocks of its questions and answers. There is a single
 # copy of the system prompt in the whole pool: only the very first request computed it, and everyone since
 # has shared it.
@@ -789,9 +765,10 @@ def show(state):
 
 
 def draw_state(state, title, **kwargs):
+    """The pool as pool_state recorded it."""
     labels = {rid: "X" if rid == "X" else f"request {rid}: the prompt" for rid in state["tables"]}
-    draw_pool(len(state["ref_counts"]), state["tables"], state["ref_counts"], state["cached_free"], title,
-              labels=labels, cols=16, size=0.62, **kwargs)
+    draw_tables(len(state["ref_counts"]), state["tables"], state["ref_counts"], state["cached_free"], title,
+                labels=labels, cols=16, size=0.62, **kwargs)
 
 
 before = pool_state(small_engine)
@@ -852,11 +829,11 @@ draw_state(seen["state"], f"During: the two copies share blocks {seen['offered']
            marked=seen["offered"], marked_label="hashed at allocation by the old code")
 
 # %% [markdown]
-# Both copies of the prompt were admitted with X's decode: the first got four fresh blocks, the second shared
-# the first's three full ones (offered in this step) and got one of its own for its last token. Its
-# `num_computed_tokens` already says 12, and nothing is hashed but X's two blocks. The red blocks are the ones
-# the old code would have put in the hash map at that moment, with no KV in them. Then the forward failed, the
-# engine rolled the step back and re-raised, and `generate` aborted its two requests and passed the
+# Both copies of the prompt were admitted with X's decode: the first got four fresh blocks, the second shared the
+# first's three full ones (offered in this step) and got one of its own for its last token. Its
+# `num_computed_tokens` already says 12, and nothing is hashed but X's two blocks. The blocks outlined in dashes
+# are the ones the old code would have put in the hash map at that moment, with no KV in them. Then the forward
+# failed, the engine rolled the step back and re-raised, and `generate` aborted its two requests and passed the
 # `KeyboardInterrupt` on. After:
 
 # %%

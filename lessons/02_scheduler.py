@@ -62,10 +62,10 @@ warnings.filterwarnings("ignore", message="IProgress not found")   # tqdm's noti
 
 import matplotlib.pyplot as plt
 import torch
-from matplotlib.patches import Patch
 from matplotlib.ticker import MaxNLocator
 
 from minivllm import LLM, SamplingParams
+from plots import STATE_COLORS, draw_lanes, state_legend
 
 torch.manual_seed(0)
 torch.set_num_threads(1)   # one thread: faster on a busy 2-core CPU, and the same float sums everywhere
@@ -227,7 +227,7 @@ for t in traces:
 # Each bar is one step, split into prefill tokens and decode tokens; the dashed line is the budget.
 
 # %%
-PREFILL, DECODE, WAIT = "tab:orange", "tab:blue", "#e3e3e3"
+PREFILL, DECODE = STATE_COLORS["prefill"], STATE_COLORS["decode"]   # the same colours as the lanes below
 
 
 def draw_steps(ax, traces, budget=None, title=""):
@@ -274,28 +274,19 @@ assert sum(t.num_decode_tokens for t in traces) == sum(len(o.outputs[0].token_id
 # a decode, grey while it waits. The lane starts when the request arrives and stops when it finishes.
 
 # %%
-def draw_lanes(ax, traces, order=None, labels=None, title=""):
-    rows = order or list(dict.fromkeys(r.request_id for t in traces for r in t.requests))
-    labels = labels or {}
-    for t in traces:
-        for r in t.requests:
-            y = len(rows) - 1 - rows.index(r.request_id)
-            color = {"prefill": PREFILL, "decode": DECODE}.get(r.kind, WAIT)
-            ax.barh(y, 0.9, left=t.step - 0.45, height=0.7, color=color)
-            if r.kind == "prefill":
-                ax.text(t.step, y, str(r.num_scheduled_tokens), ha="center", va="center", fontsize=7)
-    ax.set_yticks(range(len(rows)), [labels.get(rid, rid) for rid in reversed(rows)])
-    ax.set_xlabel("engine step")
-    ax.xaxis.set_major_locator(MaxNLocator(integer=True))
-    ax.set_title(title)
-    ax.legend(handles=[Patch(color=PREFILL, label="prefill (chunk size)"), Patch(color=DECODE, label="decode"),
-                       Patch(color=WAIT, label="waiting")], loc="upper right", fontsize=8)
+def draw_who_ran(ax, traces, order=None, labels=None, title=""):
+    """Lanes (plots.draw_lanes): prefill with its chunk size, decode, or waiting, per request and step."""
+    draw_lanes(ax, traces, lambda r: r.kind if r.kind in ("prefill", "decode") else "waiting", rows=order,
+               labels=labels, text_of=lambda r: str(r.num_scheduled_tokens) if r.kind == "prefill" else None,
+               title=title)
+    ax.legend(handles=state_legend(["prefill", "decode", "waiting"], {"prefill": "prefill (chunk size)"}),
+              loc="upper right", fontsize=8)
 
 
 # %%
 # NBVAL_IGNORE_OUTPUT
 fig, ax = plt.subplots(figsize=(10, 2.6))
-draw_lanes(ax, traces, order=["short", "long", "medium", "late"], title="Which request ran what, step by step")
+draw_who_ran(ax, traces, order=["short", "long", "medium", "late"], title="Which request ran what, step by step")
 plt.show()
 
 # %% [markdown]
@@ -405,10 +396,10 @@ for t in prio_traces[:4]:
 # %%
 # NBVAL_IGNORE_OUTPUT
 fig, ax = plt.subplots(figsize=(10, 2.6))
-draw_lanes(ax, prio_traces, order=["urgent", "job-1", "job-2", "job-3"],
-           labels={"urgent": "urgent (priority 0)", "job-1": "job-1 (priority 1)", "job-2": "job-2 (priority 1)",
-                   "job-3": "job-3 (priority 1)"},
-           title="The priority-0 request is admitted first, although it arrived last")
+draw_who_ran(ax, prio_traces, order=["urgent", "job-1", "job-2", "job-3"],
+             labels={"urgent": "urgent (priority 0)", "job-1": "job-1 (priority 1)", "job-2": "job-2 (priority 1)",
+                     "job-3": "job-3 (priority 1)"},
+             title="The priority-0 request is admitted first, although it arrived last")
 plt.show()
 
 # %% [markdown]

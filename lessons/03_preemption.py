@@ -51,10 +51,9 @@ warnings.filterwarnings("ignore", message="IProgress not found")   # tqdm's noti
 
 import matplotlib.pyplot as plt
 import torch
-from matplotlib.patches import Patch
-from matplotlib.ticker import MaxNLocator
 
 from minivllm import LLM, SamplingParams
+from plots import STATE_COLORS, RequestColors, draw_held, draw_lanes, state_legend
 
 torch.manual_seed(0)
 torch.set_num_threads(1)   # one thread: faster on a busy 2-core CPU, and the same float sums everywhere
@@ -165,16 +164,14 @@ for rid in ("C", "D"):
 # mark preemptions. Bottom: one lane per request, coloured by what it did in that step.
 
 # %%
-REQUEST_COLORS = {"A": "tab:blue", "B": "tab:orange", "C": "tab:green", "D": "tab:red"}
-STATE_COLORS = {"prefill": "tab:orange", "recompute": "tab:brown", "decode": "tab:blue", "preempted": "tab:red",
-                "swapped": "tab:purple", "waiting": "#dddddd"}
+req_colors = RequestColors(PROMPTS)              # A, B, C, D: the first four palette colours
 
 
 def draw_blocks(ax, traces, title, num_blocks=NUM_BLOCKS):
+    """Blocks held per request after each step, the pool's size, blocks in the CPU pool, preemptions (red)."""
     steps = [t.step for t in traces]
     held = {rid: [len(t.by_id[rid].block_table) if rid in t.by_id else 0 for t in traces] for rid in PROMPTS}
-    ax.stackplot(steps, *held.values(), labels=list(held), colors=list(REQUEST_COLORS.values()), alpha=0.75,
-                 step="post")
+    draw_held(ax, steps, held, req_colors, title)
     ax.axhline(num_blocks, color="black", lw=1)
     cpu = []                                          # blocks in the CPU pool: swapped out so far - swapped in
     for t in traces:
@@ -185,33 +182,24 @@ def draw_blocks(ax, traces, title, num_blocks=NUM_BLOCKS):
         if t.preempted:
             ax.axvline(t.step, color="tab:red", lw=1, ls=":")
     ax.set_ylim(0, num_blocks + 3.5)                  # headroom for the legend
-    ax.set_ylabel("KV blocks")
-    ax.yaxis.set_major_locator(MaxNLocator(integer=True))
-    ax.set_title(title)
     ax.legend(loc="upper left", fontsize=7, ncol=5, frameon=False)
 
 
-def draw_lanes(ax, traces):
-    rows = list(PROMPTS)
-    for t in traces:
-        for r in t.requests:
-            state = what_ran(r) or ("waiting" if r.status == "waiting" else r.status)
-            if state in STATE_COLORS:
-                ax.barh(len(rows) - 1 - rows.index(r.request_id), 0.9, left=t.step - 0.45, height=0.7,
-                        color=STATE_COLORS[state])
-    ax.set_yticks(range(len(rows)), list(reversed(rows)))
-    ax.set_xlabel("engine step")
-    ax.xaxis.set_major_locator(MaxNLocator(integer=True))
+def state_in_step(r):
+    """What a request did in a step (a STATE_COLORS key), or None for no cell."""
+    state = what_ran(r) or ("waiting" if r.status == "waiting" else r.status)
+    return state if state in STATE_COLORS else None
 
 
 def draw_runs(runs):
+    """For each run {title: traces}: blocks held on top, one lane per request below."""
     fig, axes = plt.subplots(2, len(runs), figsize=(6 * len(runs), 4.6), sharex=True, squeeze=False,
                              gridspec_kw={"height_ratios": [1.4, 1]})
     for col, (title, traces) in enumerate(runs.items()):
         draw_blocks(axes[0, col], traces, title)
-        draw_lanes(axes[1, col], traces)
-    fig.legend(handles=[Patch(color=c, label=s) for s, c in STATE_COLORS.items()], loc="lower center",
-               ncol=len(STATE_COLORS), fontsize=8, frameon=False)
+        draw_lanes(axes[1, col], traces, state_in_step, rows=list(PROMPTS))
+    fig.legend(handles=state_legend(STATE_COLORS), loc="lower center", ncol=len(STATE_COLORS), fontsize=8,
+               frameon=False)
     plt.tight_layout(rect=(0, 0.06, 1, 1))
     plt.show()
 

@@ -48,12 +48,14 @@ warnings.filterwarnings("ignore", message="IProgress not found")   # tqdm's noti
 
 import matplotlib.pyplot as plt
 import torch
+from matplotlib.colors import ListedColormap, to_rgba
 from matplotlib.patches import Patch, Rectangle
 
 from minivllm import LLM, SamplingParams
 from minivllm.model._kernels import kernels
 from minivllm.model.attention import TorchAttentionBackend
 from minivllm.worker.model_runner import ModelRunner, model_input_tensors
+from plots import HALO, SHARED_HATCH, RequestColors
 
 torch.manual_seed(0)
 torch.set_num_threads(1)   # one thread: faster on a busy 2-core CPU, and the same float sums everywhere
@@ -263,20 +265,21 @@ for r, line in enumerate(mask_c.tolist()):
 # Left: the 16 rows of the flat batch, one colour per request, with each row's position and the slot it writes.
 # Middle: the KV pool's first 16 blocks of 4 slots (the other 16 are free); a request's blocks in its light
 # colour, the slots written in this step in its full colour. Right: C's mask, cached prefix and chunk.
+# (A block on two requests' tables would be hatched; these three prompts share none.)
 
 # %%
 # NBVAL_IGNORE_OUTPUT
-COLOURS = {"A": "tab:blue", "B": "tab:orange", "C": "tab:green"}
+req_colors = RequestColors(PROMPTS)                       # A, B, C: the first three palette colours
 fig, (ax_rows, ax_pool, ax_mask) = plt.subplots(1, 3, figsize=(16, 6.2), gridspec_kw={"width_ratios": [1, 1.2, 1.6]})
 
 n_rows = len(mi.input_ids)
 rid_of_row = {i: rid for rid, rows in rows_of.items() for i in rows}
 for i in range(n_rows):
     rid = rid_of_row[i]
-    ax_rows.add_patch(Rectangle((0, n_rows - 1 - i), 1, 1, color=COLOURS[rid], alpha=0.75))
+    ax_rows.add_patch(Rectangle((0, n_rows - 1 - i), 1, 1, color=req_colors(rid), alpha=0.75))
     sample = "  sample" if i in mi.sample_rows else ""
     ax_rows.text(0.03, n_rows - 0.5 - i, f"row {i:2d}  {rid}  pos {mi.positions[i]:2d}  slot {mi.slot_mapping[i]:3d}{sample}",
-                 va="center", family="monospace", fontsize=9)
+                 va="center", family="monospace", fontsize=9, path_effects=HALO)
 for boundary in meta.cu_seqlens_q.tolist()[1:-1]:
     ax_rows.axhline(n_rows - boundary, color="black", lw=2)
 ax_rows.set(xlim=(0, 1), ylim=(0, n_rows), xticks=[], yticks=[],
@@ -284,31 +287,38 @@ ax_rows.set(xlim=(0, 1), ylim=(0, n_rows), xticks=[], yticks=[],
 
 COLS, SHOWN = 4, 16                                        # blocks per row of the picture; blocks 16..31 are free
 written = {s: rid_of_row[i] for i, s in enumerate(mi.slot_mapping)}
-owner = {b: r["request_id"] for r in plan for b in r["block_table"]}
-assert max(owner) < SHOWN
+holders = {}                                               # block id -> request ids whose table lists it
+for r in plan:
+    for b in r["block_table"]:
+        holders.setdefault(b, []).append(r["request_id"])
+assert max(holders) < SHOWN
 for b in range(SHOWN):
     bx, by = (b % COLS) * (BS + 1), -(b // COLS) * 2
     for k in range(BS):
         slot = b * BS + k
         if slot in written:
-            face, alpha = COLOURS[written[slot]], 0.9
-        elif b in owner:
-            face, alpha = COLOURS[owner[b]], 0.25
+            face, alpha = req_colors(written[slot]), 0.9
+        elif b in holders:
+            face, alpha = req_colors(holders[b][0]), 0.25
         else:
             face, alpha = "white", 1.0
         ax_pool.add_patch(Rectangle((bx + k, by), 1, 1, facecolor=face, alpha=alpha, edgecolor="grey", lw=0.5))
-        ax_pool.text(bx + k + 0.5, by + 0.5, str(slot), ha="center", va="center", fontsize=7)
+        ax_pool.text(bx + k + 0.5, by + 0.5, str(slot), ha="center", va="center", fontsize=7, path_effects=HALO)
+    if len(holders.get(b, ())) > 1:                        # a shared block (ref > 1): hatched
+        ax_pool.add_patch(Rectangle((bx, by), BS, 1, fill=False, hatch=SHARED_HATCH, edgecolor="#333", lw=0))
     ax_pool.text(bx + BS / 2, by + 1.3, f"block {b}", ha="center", fontsize=8)
 ax_pool.set(xlim=(-0.5, COLS * (BS + 1) - 0.5), ylim=(-(SHOWN // COLS) * 2 + 1.5, 2), xticks=[], yticks=[],
             aspect="equal", title="KV pool, blocks 0..15 (slot numbers)\nlight: the request's blocks; dark: written now")
-ax_pool.legend(handles=[Patch(color=col, label=rid) for rid, col in COLOURS.items()], loc="upper center", ncol=3,
-               bbox_to_anchor=(0.5, 0.0))
+legend = [Patch(color=req_colors(rid), label=rid) for rid in PROMPTS]
+legend.append(Patch(facecolor="white", edgecolor="#333", hatch=SHARED_HATCH, label="shared (ref > 1)"))
+ax_pool.legend(handles=legend, loc="upper center", ncol=4, bbox_to_anchor=(0.5, 0.0))
 
 grid = torch.zeros(mask_c.shape)
 cached = mi.seq_lens[2] - len(c)
 grid[:, :cached] = mask_c[:, :cached].float() * 1.0
 grid[:, cached:] = mask_c[:, cached:].float() * 2.0
-ax_mask.imshow(grid, cmap=plt.matplotlib.colors.ListedColormap(["white", "#b7dfb7", "tab:green"]), vmin=0, vmax=2)
+c_light = to_rgba(req_colors("C"), 0.35)                  # C's colour, light: the cached prefix
+ax_mask.imshow(grid, cmap=ListedColormap(["white", c_light, req_colors("C")]), vmin=0, vmax=2)
 ax_mask.axvline(cached - 0.5, color="black", lw=1.5)
 ax_mask.set_xticks(range(0, mi.seq_lens[2], 2))
 ax_mask.set_yticks(range(len(c)), [f"row {c.start + r} (pos {mi.positions[c.start + r]})" for r in range(len(c))],

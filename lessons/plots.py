@@ -1,0 +1,147 @@
+"""The lessons' shared matplotlib pictures: request colours, the KV block-pool grid, per-step lanes, blocks held.
+
+Owns: how a request, a block state and a step state look in every lesson. It only draws what it is given
+(block tables, ref counts, traces); it never reads or changes an engine.
+
+Request colours come from the dashboard's palette (minivllm/entrypoints/block_grid.py), handed out in order of
+first appearance, so requests that arrive one after another get neighbouring entries, which are chosen to be
+far apart. A block in the grid is drawn as:
+
+    held       ref 1       its holder's colour
+    shared     ref > 1     its first holder's colour, hatched, its ref count in bold
+    cached     ref 0, KV kept in the prefix cache (cached-free): dark grey
+    free       ref 0, nothing worth keeping (clean-free): light grey
+"""
+
+from matplotlib.colors import to_rgb
+from matplotlib.patches import Patch, Rectangle
+from matplotlib.patheffects import withStroke
+from matplotlib.ticker import MaxNLocator
+
+from minivllm.entrypoints.block_grid import PALETTE
+
+CACHED_FREE, CLEAN_FREE = "#a9a9a9", "#ececec"     # greys far from every PALETTE entry
+SHARED_HATCH = "//"
+# What a request did in a step (lessons 02 and 03): one colour per state, separate from the request colours.
+STATE_COLORS = {"prefill": "tab:orange", "recompute": "tab:brown", "decode": "tab:blue", "preempted": "tab:red",
+                "swapped": "tab:purple", "waiting": "#dddddd"}
+HALO = [withStroke(linewidth=2.5, foreground="white")]   # keeps black text readable on any colour
+
+
+class RequestColors:
+    """One PALETTE colour per request id, given in order of first appearance and kept for the whole lesson.
+
+    colors = RequestColors(["A", "B"]); colors("A") -> PALETTE[0]; colors("C") -> PALETTE[2] (new, next entry).
+    """
+
+    def __init__(self, request_ids=()):
+        self.assigned = {}                           # request id -> colour, in order of first appearance
+        for rid in request_ids:
+            self(rid)
+
+    def __call__(self, request_id):
+        if request_id not in self.assigned:
+            self.assigned[request_id] = PALETTE[len(self.assigned) % len(PALETTE)]
+        return self.assigned[request_id]
+
+
+def contrast(color):
+    """White or near-black, whichever stands out more on `color` (by its luminance)."""
+    r, g, b = to_rgb(color)
+    return "white" if 0.299 * r + 0.587 * g + 0.114 * b < 0.55 else "#222"
+
+
+def pool_legend(held, cached=True, shared=True):
+    """Legend handles for a pool grid: held = {legend text: colour}, then shared, cached-free and clean-free."""
+    handles = [Patch(facecolor=c, label=text) for text, c in held.items()]
+    if shared:
+        handles.append(Patch(facecolor="#bbbbbb", edgecolor="#222", hatch=SHARED_HATCH,
+                             label="shared (ref > 1): hatched, first holder's colour"))
+    if cached:
+        handles.append(Patch(facecolor=CACHED_FREE, label="cached-free (prefix cache)"))
+    handles.append(Patch(facecolor=CLEAN_FREE, label="clean-free"))
+    return handles
+
+
+def draw_pool(ax, num_blocks, tables, ref_counts, cached_free, colors, *, texts=None, filled=None, marked=(),
+              cols=16, title=""):
+    """One square per block, block i at row i // cols, column i % cols.
+
+    tables: {request_id: block table}; ref_counts: one int per block; cached_free: the cached-free block ids;
+    colors: a RequestColors; texts: {block id: text} written in the middle of the cell (optional); filled:
+    {block id: share of its slots that hold KV, 0..1}, drawn as a full-colour part over a light cell (optional);
+    marked: blocks outlined in black dashes. The caller adds the legend (pool_legend).
+    """
+    holders = {}                                     # block id -> request ids holding it, in table order
+    for rid, table in tables.items():
+        for b in table:
+            holders.setdefault(b, []).append(rid)
+    rows = -(-num_blocks // cols)
+    for b in range(num_blocks):
+        x, y = b % cols, rows - 1 - b // cols
+        if b in holders:
+            color = colors(holders[b][0])            # a shared block: its first holder's colour
+            share = filled.get(b, 1.0) if filled else 1.0
+            ax.add_patch(Rectangle((x, y), 0.92, 0.92, facecolor=color, alpha=0.35 if share < 1 else 1.0, lw=0))
+            if 0 < share < 1:
+                ax.add_patch(Rectangle((x, y), 0.92 * share, 0.92, facecolor=color, lw=0))
+            if ref_counts[b] > 1:                   # hatch lines over the colour, light on dark, dark on light
+                ax.add_patch(Rectangle((x, y), 0.92, 0.92, fill=False, hatch=SHARED_HATCH, hatch_linewidth=1.5,
+                                       edgecolor=contrast(color), lw=0))
+                ax.add_patch(Rectangle((x, y), 0.92, 0.92, fill=False, edgecolor="#222", lw=1.2))
+        else:
+            ax.add_patch(Rectangle((x, y), 0.92, 0.92, facecolor=CACHED_FREE if b in cached_free else CLEAN_FREE,
+                                   lw=0))
+        if b in marked:
+            ax.add_patch(Rectangle((x + 0.04, y + 0.04), 0.84, 0.84, fill=False, edgecolor="black", lw=3, ls="--"))
+        ax.text(x + 0.06, y + 0.86, str(b), ha="left", va="top", fontsize=8, fontweight="bold", path_effects=HALO)
+        if ref_counts[b] > 0:
+            shared = ref_counts[b] > 1
+            ax.text(x + 0.86, y + 0.06, f"ref {ref_counts[b]}", ha="right", va="bottom",
+                    fontsize=7 if shared else 6, fontweight="bold" if shared else "normal", path_effects=HALO)
+        if texts and texts.get(b):
+            ax.text(x + 0.46, y + 0.48, texts[b], ha="center", va="center", fontsize=7, family="monospace",
+                    path_effects=HALO)
+    ax.set_xlim(0, cols)
+    ax.set_ylim(0, rows)
+    ax.set_aspect("equal")
+    ax.axis("off")
+    ax.set_title(title)
+
+
+def draw_lanes(ax, traces, state_of, *, rows=None, labels=None, text_of=None, title=""):
+    """One lane per request, one cell per step, coloured by STATE_COLORS[state_of(request trace)].
+
+    traces: StepTraces; state_of(r) -> a STATE_COLORS key, or None for no cell; rows: lane order, top first
+    (default: order of first appearance); labels: {request_id: lane label}; text_of(r) -> text in the cell.
+    """
+    rows = rows or list(dict.fromkeys(r.request_id for t in traces for r in t.requests))
+    labels = labels or {}
+    for t in traces:
+        for r in t.requests:
+            state = state_of(r)
+            if state is None:
+                continue
+            y = len(rows) - 1 - rows.index(r.request_id)
+            ax.barh(y, 0.9, left=t.step - 0.45, height=0.7, color=STATE_COLORS[state])
+            if text_of and text_of(r):
+                ax.text(t.step, y, text_of(r), ha="center", va="center", fontsize=7)
+    ax.set_yticks(range(len(rows)), [labels.get(rid, rid) for rid in reversed(rows)])
+    ax.set_xlabel("engine step")
+    ax.xaxis.set_major_locator(MaxNLocator(integer=True))
+    ax.set_title(title)
+
+
+def state_legend(states, labels=None):
+    """Legend handles for lanes: one patch per state in `states`, labelled labels[state] or the state's name."""
+    labels = labels or {}
+    return [Patch(color=STATE_COLORS[s], label=labels.get(s, s)) for s in states]
+
+
+def draw_held(ax, steps, held, colors, title=""):
+    """Blocks held per request after each step, stacked. held: {request_id: [blocks held, one per step]}."""
+    ax.stackplot(steps, *held.values(), labels=list(held), colors=[colors(rid) for rid in held], alpha=0.85,
+                 step="post")
+    ax.set_ylabel("KV blocks")
+    ax.yaxis.set_major_locator(MaxNLocator(integer=True))
+    ax.set_title(title)
