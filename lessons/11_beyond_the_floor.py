@@ -1,0 +1,291 @@
+# ---
+# jupyter:
+#   jupytext:
+#     formats: ipynb,py:percent
+#     text_representation:
+#       extension: .py
+#       format_name: percent
+#       format_version: '1.3'
+#       jupytext_version: 1.19.6
+#   kernelspec:
+#     display_name: Python 3 (ipykernel)
+#     language: python
+#     name: python3
+# ---
+
+# %% [markdown]
+# # Lesson 11: CUDA graphs, and what moved a CPU decode step
+#
+# Lesson 07 measured where a step's time goes and what the hardware allows: a decode step reads every weight,
+# so it costs at least the bytes it reads over the memory bandwidth, at any batch. This lesson takes the two
+# roads that lead on from there:
+#
+# 1. **CUDA graphs**, the GPU's answer to the other cost of a small model's step, launching hundreds of small
+#    kernels from Python (`minivllm/worker/cuda_graph.py`), rehearsed on a CPU: capture sizes, static buffers
+#    and padding rows. You write the padding yourself and run the engine's decode steps through it.
+# 2. **What moved a CPU decode step, and what did not**: ideas tried inside the engine, and the ones that
+#    stayed (oneDNN's prepacked layout, bf16, weight-only int8/int4: `minivllm/model/cpu_gemm.py`,
+#    `minivllm/model/quantization.py`), measured here on the model's own matmuls.
+#
+# As in lesson 07, every number is measured when the notebook runs; timings wobble on a busy machine.
+
+# %%
+import os
+
+os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
+
+import warnings
+
+warnings.filterwarnings("ignore", message="IProgress not found")   # tqdm's notice when ipywidgets is absent
+
+import time
+
+import torch
+import torch.nn.functional as F
+
+from minivllm import LLM, SamplingParams
+from minivllm.bench import roofline
+
+torch.manual_seed(0)
+torch.set_num_threads(1)     # one core's worth, as in lesson 07
+
+llm = LLM(num_kv_blocks=256, seed=0)
+engine = llm.llm_engine
+cfg = engine.model_config
+NUM_REQUESTS = 32
+ITEMSIZE = engine.model_runner.dtype.itemsize                            # 4: fp32
+bandwidth = roofline.measure_copy_bandwidth()                            # bytes/s, read + written
+weights = roofline.weight_bytes(cfg, ITEMSIZE)
+print(f"{cfg.num_hidden_layers} layers, weights {weights / 1e6:.0f} MB in {engine.model_runner.dtype}")
+
+
+def decode_memory_floor_ms(cfg, itemsize, batch, context, bandwidth):
+    """Lesson 07's exercise, from the engine's own roofline: the bytes one decode step of `batch` sequences of
+    `context` tokens must read (every weight, and each sequence's K and V), over the bandwidth, in ms."""
+    pairs = batch * context
+    return 1e3 * roofline.step_floor_s(cfg, itemsize, float("inf"), bandwidth, batch, pairs, batch, pairs)
+
+
+# %% [markdown]
+# ## 1. CUDA graphs, rehearsed on a CPU
+#
+# On a GPU a decode step of a small model is a few hundred small kernels, and launching them from Python
+# can take longer than running them. A **CUDA graph** records one step's launches once and replays them
+# with a single call (`minivllm/worker/cuda_graph.py`, on by default on CUDA; `enforce_eager=True` turns it
+# off, as in vLLM). A replay repeats the recorded kernels on the same memory with the same shapes, which
+# shapes the whole design:
+#
+# - one graph per **capture size** (vLLM's 1, 2, 4, 8, 16, 24, ...); a batch of 5 runs the graph of 8;
+# - the inputs live in **static buffers**; each step copies its inputs in, and the 3 rows of padding get slot
+#   -1 (the KV store skips them) and a context of 1 on block 0 (a harmless read); their outputs are dropped;
+# - the block table has a fixed width (`max_model_len / block_size`), and the attention kernel reads each
+#   sequence's length from device memory, so one graph serves every context length;
+# - prefill and mixed steps run eagerly.
+#
+# There is nothing to capture on a CPU, but everything else can be rehearsed: `capture=False` runs the same
+# padded, static-buffer path eagerly. Below, five requests that finish one after another make decode batches
+# of 5, 4, 3, 2 and 1, which run in the graphs of 8, 4, 4, 2 and 1, and the tokens must be the plain eager
+# path's. (The test suite holds the same path against Hugging Face; on a GPU it also captures for real and
+# compares with `enforce_eager=True`.)
+
+# %%
+from minivllm.worker.cuda_graph import DecodeGraphs, capture_sizes
+
+print("capture sizes for max_num_seqs=256:", capture_sizes(256))
+runner = engine.model_runner
+graph_prompts = [[100 + i] * (8 + 4 * i) for i in range(5)]                  # 5 prompts of 8-24 tokens
+graph_params = [SamplingParams(temperature=0, max_tokens=n, ignore_eos=True) for n in (4, 8, 12, 16, 20)]
+graph_requests = [{"prompt_token_ids": ids} for ids in graph_prompts]
+eager_tokens = [o.outputs[0].token_ids for o in llm.generate(graph_requests, graph_params, use_tqdm=False)]
+graphs = DecodeGraphs(runner.forward, max_num_seqs=16, max_model_len=engine.max_model_len,
+                      block_size=runner.block_size, device=runner.device, capture=False)
+runner.graphs = graphs                          # what allocate_kv_cache does on CUDA, with capture=True
+try:
+    graph_tokens = [o.outputs[0].token_ids for o in llm.generate(graph_requests, graph_params, use_tqdm=False)]
+finally:
+    runner.graphs = None
+print(f"same tokens as the eager path: {graph_tokens == eager_tokens}")
+print(f"decode steps through the static buffers: {graphs.stats.replays}, padding rows run: "
+      f"{graphs.stats.padded_rows}, steps run eagerly (prefill): {graphs.stats.eager_steps}")
+
+# %% [markdown]
+# On a GPU, `python -m minivllm.bench` prints a `CUDA graphs:` line (how many decode steps were replayed);
+# run it once more with `--enforce-eager` to see what the graphs are worth.
+
+# %% [markdown]
+# > **How vLLM v1 does it differently.** vLLM captures graphs for a list of batch sizes too
+# > (`cudagraph_capture_sizes` in its compilation config) and pads a batch up to the next one, but by default it
+# > captures *piecewise*: the model is compiled with `torch.compile`, split at the attention calls, and the pieces
+# > between them are graphed while attention runs eagerly, so one set of graphs also serves prefill and mixed
+# > batches; full graphs that include attention are an option for backends that support them
+# > (`cudagraph_mode`). minivllm graphs whole decode steps only, the simplest case to read.
+
+# %% [markdown]
+# ### Exercise: pad a decode batch to its graph
+#
+# The heart of the replay path is `DecodeGraphs._fill`: a batch of n decodes goes to the graph of the smallest
+# capture size that holds it, and rows n.. are padding. Write `pad_decode_batch(input_ids, positions,
+# slot_mapping, seq_lens, block_tables, sizes)` on plain lists: return `(size, input_ids, positions,
+# slot_mapping, seq_lens, block_tables)` with the padding rows as the list above says (token 0, position 0,
+# slot -1, a context of 1, a table of block 0) and every table padded with block 0 to the widest one.
+#
+# The check runs hand-made batches, 100 random ones against the static buffers `DecodeGraphs` fills, and then the
+# engine: its decode steps go through the static-buffer path with your padding, and the greedy tokens must be
+# the eager path's.
+
+# %%
+from course import check, exercise
+
+
+@exercise("11.pad_decode_batch")
+def pad_decode_batch(input_ids, positions, slot_mapping, seq_lens, block_tables, sizes):
+    # your code here
+    raise NotImplementedError
+
+
+check(pad_decode_batch)
+
+# %%
+# NBVAL_IGNORE_OUTPUT
+import inspect
+
+print(inspect.getsource(DecodeGraphs._fill))
+
+# %% [markdown]
+# ## 2. What did not help on these 2-core CPUs (and why)
+#
+# Each idea below was tried inside the engine, timed against the unchanged engine in alternating runs, and
+# left out of minivllm; the dated numbers are in the README's "Measured" section, not repeated here, since this
+# lesson shows only what it measures itself. (The machine's noise is large: runs of the same command differ by
+# up to 20%.)
+#
+# - **A C++ decode-attention kernel** that walks the block table itself (no gather copy, no padding). Alone,
+#   on a cache that fits in L3, it beat the reference; inside the engine the whole benchmark did not get
+#   faster. The KV of a decode step comes from DRAM either way: the gather's copy lands in cache and SDPA
+#   reads it from there, so removing the copy saves little.
+# - **A small-batch matmul kernel** that reads each weight row once for all rows of the batch: faster than
+#   MKL at about 8 rows, much slower at 32; at one row MKL already runs at the memory floor.
+# - **MKL's packed weights** (`torch.ops.mkl._mkl_linear`): within the machine's noise, at 3x the weight
+#   memory. (oneDNN's prepacked linear, tried later inside the engine, did help: next section.)
+# - **Fused RMSNorm** (`F.rms_norm`): bit-identical here, but slower at 32 rows.
+# - **Smaller token budgets** (prefill chunks riding along with the decodes' weight reads): no clear change.
+#
+# One thing found on the way did help: in a mixed step, the sequences with one new token now take the batched
+# decode path together instead of going one at a time through the prefill loop.
+#
+# The reason for the rest is the one lesson 07 measured: a decode step reads every weight and the KV of its
+# batch from memory, so it costs at least the floor computed below at any batch, and the 256-row matmul rate
+# is out of reach at 1-32 rows.
+
+# %%
+# NBVAL_IGNORE_OUTPUT
+floor_1 = decode_memory_floor_ms(cfg, ITEMSIZE, 1, 300, bandwidth)
+floor_32 = decode_memory_floor_ms(cfg, ITEMSIZE, NUM_REQUESTS, 300, bandwidth)
+print(f"weights {weights / 1e6:.0f} MB at {bandwidth / 1e9:.1f} GB/s: a decode step costs at least {floor_1:.1f} ms "
+      f"at batch 1 and {floor_32:.1f} ms at batch {NUM_REQUESTS} (300 tokens of context each), however it is coded")
+
+# %% [markdown]
+# ## 3. What did help later: oneDNN's layout, bf16, and 4-bit weights
+#
+# Tried again inside the engine, one idea did move a decode step a lot: **prepacking each linear weight once
+# for oneDNN** (`minivllm/model/cpu_gemm.py`, what vLLM's CPU backend does too). oneDNN rewrites the (out, in)
+# matrix into the tiles its kernel streams through, once at load, instead of the matmul library adapting a
+# plain layout on every call; on CPUs with AVX-512 BF16 it also packs bf16 (two products per lane with
+# `vdpbf16ps`), while an AVX2-only CPU refuses bf16 packing and keeps `F.linear` (the table below says which
+# this machine is). **Weight-only int8 and int4** (`minivllm/model/quantization.py`) read 4-8x fewer bytes than
+# fp32, which wins where a step only reads weights (one row), and loses at 32 rows, where PyTorch's packed-int
+# kernels spend their time dequantizing. The cell measures all of them on the model's own matmuls (30 layers'
+# four linear layers and the LM head), at 1 and 32 rows, here and now:
+
+# %%
+# NBVAL_IGNORE_OUTPUT
+
+from minivllm.model import cpu_gemm, quantization
+from minivllm.model.layers import ColumnParallelLinear, TPGroup
+
+shapes = [((cfg.num_attention_heads + 2 * cfg.num_key_value_heads) * cfg.head_dim, cfg.hidden_size),
+          (cfg.hidden_size, cfg.num_attention_heads * cfg.head_dim),
+          (2 * cfg.intermediate_size, cfg.hidden_size), (cfg.hidden_size, cfg.intermediate_size)]
+g = torch.Generator().manual_seed(0)
+layers = []
+for out_f, in_f in shapes:
+    layer = ColumnParallelLinear(in_f, out_f, False, TPGroup())
+    layer.weight.data = torch.randn(out_f, in_f, generator=g) / in_f ** 0.5
+    layers.append(layer)
+
+
+def step_time(fn, rows, dtype=torch.float32, reps=3):
+    """One decode step's linear layers (each shape 30 times), median of `reps`, in ms."""
+    xs = [torch.randn(rows, l.weight.shape[1] if l.weight.numel() else l.in_features).to(dtype) for l in layers]
+    times = []
+    for _ in range(reps):
+        t0 = time.perf_counter()
+        for _ in range(cfg.num_hidden_layers):
+            for l, x in zip(layers, xs):
+                fn(l, x)
+        times.append(time.perf_counter() - t0)
+    return sorted(times)[reps // 2] * 1e3
+
+
+results = {}
+for rows in (1, 32):
+    results[("F.linear fp32", rows)] = step_time(lambda l, x: F.linear(x, l.weight), rows)
+    packed = [cpu_gemm.prepack(l.weight) for l in layers]
+    lookup = dict(zip(map(id, layers), packed))
+    results[("oneDNN fp32", rows)] = step_time(lambda l, x: cpu_gemm.gemm(x, l.weight, None, lookup[id(l)]), rows)
+    packed16 = {id(l): cpu_gemm.prepack(l.weight.bfloat16()) for l in layers}
+    w16 = {id(l): l.weight.bfloat16() for l in layers}
+    results[("oneDNN bf16", rows)] = step_time(lambda l, x: cpu_gemm.gemm(x, w16[id(l)], None, packed16[id(l)]), rows,
+                                               torch.bfloat16)
+for name, method in (("int8", quantization.Int8WeightOnlyMethod()), ("int4", quantization.Int4WeightOnlyMethod())):
+    qlayers = []
+    for l in layers:
+        q = ColumnParallelLinear(l.weight.shape[1], l.weight.shape[0], False, TPGroup())
+        q.weight.data = l.weight.clone()
+        method.process_weights_after_loading(q)
+        q.in_features = l.weight.shape[1]
+        qlayers.append(q)
+    saved, layers = layers, qlayers
+    for rows in (1, 32):
+        results[(name, rows)] = step_time(lambda l, x: method.apply(l, x, None), rows)
+    layers = saved
+
+print("oneDNN packs bf16 on this CPU:", cpu_gemm.packable(torch.bfloat16))
+print(f"{'matmuls of one decode step':28} {'1 row':>9} {'32 rows':>9}")
+for name in dict.fromkeys(k[0] for k in results):
+    print(f"{name:28} {results[(name, 1)]:7.1f} ms {results[(name, 32)]:7.1f} ms")
+
+# %% [markdown]
+# Same answers, different layout: the packed matmul equals `F.linear` to fp32 rounding (a different order
+# of additions), which is why greedy outputs still match Hugging Face token for token with it on.
+
+# %%
+x = torch.randn(32, layers[0].weight.shape[1])
+assert torch.allclose(cpu_gemm.gemm(x, layers[0].weight, None, cpu_gemm.prepack(layers[0].weight)),
+                      F.linear(x, layers[0].weight), rtol=1e-5, atol=1e-5)
+print("packed == F.linear (to fp32 rounding)")
+
+# %% [markdown]
+# ## Check yourself
+
+# %%
+def self_check():
+    # 1. the CUDA graphs' static path: same tokens, and it ran (with padding)
+    assert graph_tokens == eager_tokens and graphs.stats.replays > 0 and graphs.stats.padded_rows > 0
+    assert capture_sizes(12) == [1, 2, 4, 8, 12]
+    # 2. the floor: a decode step reads at least every weight
+    assert decode_memory_floor_ms(cfg, ITEMSIZE, 1, 300, bandwidth) >= 1e3 * weights / bandwidth
+    # 3. the packed matmul is F.linear to fp32 rounding, and every method was timed at 1 and 32 rows
+    assert all(results[(name, rows)] > 0 for name in dict.fromkeys(k[0] for k in results) for rows in (1, 32))
+    assert engine.kv_cache_manager.num_free_blocks == engine.kv_cache_manager.num_blocks
+    return "all checks passed"
+
+
+self_check()
+
+# %% [markdown]
+# ## Where next
+#
+# On a GPU, `python -m minivllm.bench` prints how many decode steps were replayed from CUDA graphs; run it again
+# with `--enforce-eager` to see what they are worth. On a CPU, `python -m minivllm.bench --dtype bfloat16` and
+# `--quantization int8` show the last section's matmuls inside whole runs.

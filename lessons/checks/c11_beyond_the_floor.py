@@ -1,0 +1,102 @@
+"""Lesson 11's checks: `pad_decode_batch` on hand-made batches with known answers, against the static buffers
+minivllm's DecodeGraphs fills for the same batch, and inside the engine: its decode steps run through the
+static-buffer path with your padding, and the tokens must be the eager path's."""
+
+import random
+
+import torch
+
+from course import ExerciseFailed, expect_equal
+
+_ENGINE = {}
+SIZES = [1, 2, 4, 8, 16]
+
+
+def _case(fn, batch, sizes, expected, what):
+    actual = fn(*[list(map(list, x)) if x and isinstance(x[0], list) else list(x) for x in batch], list(sizes))
+    if not (isinstance(actual, tuple) and len(actual) == 6):
+        raise ExerciseFailed(f"{what}: expected a tuple (size, input_ids, positions, slot_mapping, seq_lens, "
+                             f"block_tables), got {type(actual).__name__}")
+    names = ("size", "input_ids", "positions", "slot_mapping", "seq_lens", "block_tables")
+    for name, a, e in zip(names, actual, expected):
+        expect_equal(a if name == "size" else [list(r) if isinstance(r, (list, tuple)) else int(r) for r in a],
+                     e, f"{what}: {name}")
+
+
+def _static(batch, max_num_seqs=16, max_model_len=64, block_size=4):
+    """What minivllm's DecodeGraphs puts in its static buffers for this batch: (size, the five padded lists)."""
+    from minivllm.worker.cuda_graph import DecodeGraphs
+    g = DecodeGraphs(None, max_num_seqs, max_model_len, block_size, torch.device("cpu"), capture=False)
+    n = len(batch[0])
+    size = next(s for s in g.sizes if s >= n)
+    g._fill(*batch, size)
+    width = max(len(t) for t in batch[4])
+    return (size, g.input_ids[:size].tolist(), g.positions[:size].tolist(), g.slot_mapping[:size].tolist(),
+            g.seq_lens[:size].tolist(), g.block_tables[:size, :width].tolist())
+
+
+def _engine():
+    if not _ENGINE:
+        from minivllm import LLM, SamplingParams
+        llm = LLM(device="cpu", dtype="float32", num_kv_blocks=64, seed=0)
+        prompts = [{"prompt_token_ids": [100 + i] * (8 + 4 * i)} for i in range(5)]
+        params = [SamplingParams(temperature=0, max_tokens=n, ignore_eos=True) for n in (4, 8, 12, 16, 20)]
+        _ENGINE.update(llm=llm, prompts=prompts, params=params,
+                       eager=[o.outputs[0].token_ids for o in llm.generate(prompts, params, use_tqdm=False)])
+    return _ENGINE
+
+
+def check_pad_decode_batch(fn):
+    one = ([5], [9], [37], [10], [[2, 7, 9]])
+    _case(fn, one, SIZES, (1, [5], [9], [37], [10], [[2, 7, 9]]), "a batch of 1: no padding")
+    three = ([5, 6, 7], [9, 4, 2], [37, 17, 10], [10, 5, 3], [[2, 7, 9], [4, 3], [8]])
+    _case(fn, three, SIZES, (4, [5, 6, 7, 0], [9, 4, 2, 0], [37, 17, 10, -1], [10, 5, 3, 1],
+                             [[2, 7, 9], [4, 3, 0], [8, 0, 0], [0, 0, 0]]),
+          "a batch of 3 runs the graph of 4")
+    _case(fn, three, [1, 2, 3, 8], (3, [5, 6, 7], [9, 4, 2], [37, 17, 10], [10, 5, 3],
+                                    [[2, 7, 9], [4, 3, 0], [8, 0, 0]]),
+          "a batch of 3 when 3 is a capture size: no padding rows, tables still padded to one width")
+    yield "the smallest capture size that holds the batch; padding rows: token 0, position 0, slot -1, context 1"
+    rng = random.Random(0)
+    for i in range(100):
+        n = rng.randrange(1, 17)
+        tables = [rng.sample(range(1, 60), rng.randrange(1, 6)) for _ in range(n)]
+        seq_lens = [rng.randrange(4 * len(t) - 3, 4 * len(t) + 1) for t in tables]
+        batch = ([rng.randrange(1, 50000) for _ in range(n)], [s - 1 for s in seq_lens],
+                 [t[(s - 1) // 4] * 4 + (s - 1) % 4 for t, s in zip(tables, seq_lens)], seq_lens, tables)
+        _case(fn, batch, SIZES, _static(batch), f"random batch {i} of {n}: as DecodeGraphs' static buffers")
+    yield "100 random decode batches pad exactly as minivllm's DecodeGraphs fills its static buffers"
+
+    from minivllm.worker.cuda_graph import DecodeGraphs
+    e = _engine()
+    llm = e["llm"]
+    runner = llm.llm_engine.model_runner
+    graphs = DecodeGraphs(runner.forward, max_num_seqs=16, max_model_len=llm.llm_engine.max_model_len,
+                          block_size=runner.block_size, device=runner.device, capture=False)
+    sizes_seen = []
+
+    def fill(input_ids, positions, slot_mapping, seq_lens, block_tables, size):   # the engine's copy, your padding
+        got = fn(list(input_ids), list(positions), list(slot_mapping), list(seq_lens),
+                 [list(t) for t in block_tables], list(graphs.sizes))
+        expect_equal(got[0], size, f"an engine decode step of {len(input_ids)} requests: the capture size")
+        sizes_seen.append(size)
+        _, ids, pos, slots, lens, tables = got
+        graphs.input_ids[:size].copy_(torch.tensor(ids))
+        graphs.positions[:size].copy_(torch.tensor(pos))
+        graphs.slot_mapping[:size].copy_(torch.tensor(slots))
+        graphs.seq_lens[:size].copy_(torch.tensor(lens, dtype=torch.int32))
+        width = len(tables[0])
+        graphs.block_tables[:size, :width].copy_(torch.tensor(tables, dtype=torch.int32))
+        graphs.block_tables[:size, width:].zero_()
+
+    graphs._fill = fill
+    runner.graphs = graphs
+    try:
+        tokens = [o.outputs[0].token_ids for o in llm.generate(e["prompts"], e["params"], use_tqdm=False)]
+    finally:
+        runner.graphs = None
+    if not sizes_seen:
+        raise ExerciseFailed("no decode step went through the static buffers (a bug of the check, not yours)")
+    expect_equal(tokens, e["eager"], "the greedy tokens of 5 requests decoded through your padded batches")
+    yield (f"inside the engine: {len(sizes_seen)} decode steps through graphs of sizes {sorted(set(sizes_seen))}, "
+           f"{graphs.stats.padded_rows} padding rows, the eager path's tokens")

@@ -1,0 +1,15 @@
+"""Lesson 11's solution: a decode batch padded to the CUDA graph that will run it."""
+
+
+def pad_decode_batch(input_ids, positions, slot_mapping, seq_lens, block_tables, sizes):
+    """The smallest capture size in `sizes` (ascending) that holds the batch, and the batch padded to it: padding
+    rows get token 0 at position 0, slot -1 (the KV store skips it), a context of 1 and a block table of block 0;
+    every table row is padded with block 0 to the widest table. Returns (size, input_ids, positions,
+    slot_mapping, seq_lens, block_tables)."""
+    n = len(input_ids)
+    size = next(s for s in sizes if s >= n)
+    pad = size - n
+    width = max(len(t) for t in block_tables)
+    tables = [list(t) + [0] * (width - len(t)) for t in block_tables] + [[0] * width for _ in range(pad)]
+    return (size, list(input_ids) + [0] * pad, list(positions) + [0] * pad, list(slot_mapping) + [-1] * pad,
+            list(seq_lens) + [1] * pad, tables)

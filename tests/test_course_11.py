@@ -1,0 +1,46 @@
+"""Lesson 11's exercise check (lessons/checks/c11_beyond_the_floor.py) passes the solution, rejects the rest."""
+
+from tests.course_helpers import empty, passes, rejects
+
+NAME = "11.pad_decode_batch"
+
+
+def _pad(input_ids, positions, slot_mapping, seq_lens, block_tables, size, slot_pad=-1, len_pad=1):
+    pad = size - len(input_ids)
+    width = max(len(t) for t in block_tables)
+    tables = [list(t) + [0] * (width - len(t)) for t in block_tables] + [[0] * width for _ in range(pad)]
+    return (size, input_ids + [0] * pad, positions + [0] * pad, slot_mapping + [slot_pad] * pad,
+            seq_lens + [len_pad] * pad, tables)
+
+
+def largest_size(input_ids, positions, slot_mapping, seq_lens, block_tables, sizes):
+    """Always pads to the largest graph: right results, but every step pays for the biggest batch."""
+    return _pad(input_ids, positions, slot_mapping, seq_lens, block_tables, sizes[-1])
+
+
+def pads_slot_zero(input_ids, positions, slot_mapping, seq_lens, block_tables, sizes):
+    """Pads the slots with 0: the padding rows would overwrite the K/V in slot 0 of block 0."""
+    size = next(s for s in sizes if s >= len(input_ids))
+    return _pad(input_ids, positions, slot_mapping, seq_lens, block_tables, size, slot_pad=0)
+
+
+def pads_context_zero(input_ids, positions, slot_mapping, seq_lens, block_tables, sizes):
+    """Pads the contexts with 0: a softmax over no keys (0/0) in the padding rows."""
+    size = next(s for s in sizes if s >= len(input_ids))
+    return _pad(input_ids, positions, slot_mapping, seq_lens, block_tables, size, len_pad=0)
+
+
+def test_the_solution_passes():
+    passes(NAME)
+
+
+def test_an_empty_answer_is_told_to_write_code():
+    rejects(empty, NAME, "not written yet")
+
+
+def test_plausible_wrong_answers_are_rejected_with_the_case():
+    rejects(largest_size, NAME, r"a batch of 1: no padding: size: expected 1, got 16")
+    rejects(pads_slot_zero, NAME, r"a batch of 3 runs the graph of 4: slot_mapping: expected \[37, 17, 10, -1\], "
+                                  r"got \[37, 17, 10, 0\]")
+    rejects(pads_context_zero, NAME, r"a batch of 3 runs the graph of 4: seq_lens: expected \[10, 5, 3, 1\], "
+                                     r"got \[10, 5, 3, 0\]")
