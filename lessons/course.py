@@ -88,6 +88,21 @@ def check(fn: Callable, name: str | None = None) -> None:
     print(f"all checks of {name} passed")
 
 
+def release_cached() -> None:
+    """Forget what the checks keep between runs (the small engines and weights in their module-level `_ENGINE`,
+    `_REAL` dicts and `functools.cache` functions), so the memory can be reused. A notebook never needs this; the
+    test suite calls it after each lesson's checks, since one process runs them all (about 1 GB each)."""
+    import sys
+    for module_name, module in list(sys.modules.items()):
+        if not module_name.startswith("checks.c") or module is None:
+            continue
+        for attr, value in vars(module).items():
+            if attr.startswith("_") and attr.isupper() and isinstance(value, dict):
+                value.clear()
+            elif callable(getattr(value, "cache_clear", None)) and getattr(value, "__module__", None) == module_name:
+                value.cache_clear()
+
+
 def expect_equal(actual, expected, what: str) -> None:
     """The checks' one comparison: raises ExerciseFailed saying what was compared, what came and what was due."""
     if actual != expected:
