@@ -11,6 +11,10 @@ same in-process for tests.
 
 from __future__ import annotations
 
+if __name__ == "__main__":              # before torch is imported: re-start with tcmalloc + Intel OpenMP
+    from minivllm.platforms.cpu import reexec_with_cpu_runtime     # when installed (minivllm/platforms/cpu.py)
+    reexec_with_cpu_runtime()
+
 import argparse
 import contextlib
 import logging

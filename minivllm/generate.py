@@ -1,5 +1,9 @@
 """`python -m minivllm.generate`: vLLM's offline CLI entry point; the code is in entrypoints/generate.py."""
 
+if __name__ == "__main__":
+    from minivllm.platforms.cpu import reexec_with_cpu_runtime
+    reexec_with_cpu_runtime()           # tcmalloc + Intel OpenMP when installed (platforms/cpu.py)
+
 from minivllm.entrypoints.generate import main
 
 if __name__ == "__main__":

@@ -1,5 +1,9 @@
 """`python -m minivllm.bench [offline|prefix|kernels|serve]`: see bench/cli.py."""
 
-from minivllm.bench.cli import main
+from minivllm.platforms.cpu import reexec_with_cpu_runtime
+
+reexec_with_cpu_runtime()               # tcmalloc + Intel OpenMP when installed (platforms/cpu.py)
+
+from minivllm.bench.cli import main  # noqa: E402
 
 raise SystemExit(main())

@@ -18,6 +18,7 @@ from dataclasses import asdict
 
 from minivllm.bench.hf import bench_hf, hf_generate_batch, load_hf_model
 from minivllm.bench.roofline import StepWork, measure_hardware, print_hardware, step_work
+from minivllm.platforms.cpu import describe_runtime
 from minivllm.bench.workload import (TOKEN_ID_LOW, LatencyResult, ThroughputResult, Workload, greedy_params,
                                      percentile)
 from minivllm.config import EngineConfig
@@ -87,11 +88,14 @@ def print_report(workload: Workload, mv: ThroughputResult, latency: LatencyResul
 
 
 def host_info() -> dict:
-    """How busy the machine was: on a shared 2-core box a neighbour's job stalls a 2-thread torch run."""
+    """How busy the machine was (on a shared 2-core box a neighbour's job stalls a 2-thread torch run), and
+    which allocator and OpenMP this process runs with (platforms/cpu.py: worth about 15% on a CPU)."""
     import torch
 
+    from minivllm.platforms.cpu import loaded_runtime
+
     return {"cpu_count": os.cpu_count(), "torch_threads": torch.get_num_threads(),
-            "loadavg_1min": os.getloadavg()[0]}
+            "loadavg_1min": os.getloadavg()[0], "runtime": loaded_runtime()}
 
 
 def throughput_json(r: ThroughputResult) -> dict:
@@ -142,6 +146,7 @@ def main_offline(args: argparse.Namespace, config: EngineConfig) -> int:
     print_hardware(hw, mv, hf)
     print(f"load average (1 min): {host_start['loadavg_1min']:.2f} at start, {host_end['loadavg_1min']:.2f} "
           f"at end, on {host_start['cpu_count']} CPUs, {host_start['torch_threads']} torch threads")
+    print(f"CPU runtime:          {describe_runtime()}")
     if args.json:
         report = {
             "mode": args.mode,

@@ -19,6 +19,7 @@ from dataclasses import asdict
 
 from minivllm.config import EngineConfig, add_engine_args
 from minivllm.core.sampling_params import RequestOutputKind, SamplingParams
+from minivllm.platforms.cpu import describe_runtime
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -98,7 +99,7 @@ def main(argv: list[str] | None = None) -> int:
     n_in, n_out = sum(c[0] for c in counts), sum(c[1] for c in counts)
     if is_rank0:
         print(f"\n[minivllm] {len(counts)} request(s), {n_in} prompt + {n_out} output tokens in {elapsed:.2f} s "
-              f"({n_out / elapsed:.1f} output tokens/s)", file=sys.stderr)
+              f"({n_out / elapsed:.1f} output tokens/s; {describe_runtime()})", file=sys.stderr)
     return 0
 
 
@@ -125,4 +126,6 @@ def _stream(llm, prompts: list[str], params: SamplingParams) -> list[tuple[int, 
 
 
 if __name__ == "__main__":
+    from minivllm.platforms.cpu import reexec_with_cpu_runtime
+    reexec_with_cpu_runtime()
     sys.exit(main())
