@@ -11,7 +11,7 @@ same in-process for tests.
 
 from __future__ import annotations
 
-if __name__ == "__main__":              # before torch is imported: re-start with tcmalloc + Intel OpenMP
+if __name__ == "__main__":              # before torch is imported: re-start with tcmalloc preloaded
     from minivllm.platforms.cpu import reexec_with_cpu_runtime     # when installed (minivllm/platforms/cpu.py)
     reexec_with_cpu_runtime()
 
@@ -26,6 +26,7 @@ import uvicorn
 from minivllm.entrypoints.api_server import build_api_server
 from minivllm.engine.async_llm import AsyncLLMEngine
 from minivllm.config import EngineConfig, add_engine_args
+from minivllm.platforms.cpu import describe_runtime
 
 logger = logging.getLogger("minivllm.app")
 
@@ -84,7 +85,8 @@ def main(argv: list[str] | None = None) -> int:
 
     logging.basicConfig(level=logging.INFO, format="%(levelname)s %(name)s: %(message)s", force=True)
     print(f"minivllm: serving {async_engine.engine.model_path.name} on http://{args.host}:{args.port}/ "
-          f"({'' if args.no_dashboard else 'dashboard at /, '}OpenAI API at /v1, metrics at /metrics)",
+          f"({'' if args.no_dashboard else 'dashboard at /, '}OpenAI API at /v1, metrics at /metrics; "
+          f"{describe_runtime()})",
           file=sys.stderr, flush=True)
     config = uvicorn.Config(app, host=args.host, port=args.port, log_level="warning", timeout_graceful_shutdown=3)
     try:

@@ -26,8 +26,8 @@
 # 2. **What moved a CPU decode step, and what did not**: ideas tried inside the engine, and the ones that
 #    stayed (oneDNN's prepacked layout, bf16, weight-only int8/int4: `minivllm/model/cpu_gemm.py`,
 #    `minivllm/model/quantization.py`), measured here on the model's own matmuls.
-# 3. **Below the engine**: the memory allocator and OpenMP runtime every op goes through (tcmalloc, Intel's
-#    OpenMP: `minivllm/platforms/cpu.py`), and why a fresh 60 MB output costs more than its math.
+# 3. **Below the engine**: the memory allocator every op goes through (tcmalloc: `minivllm/platforms/cpu.py`),
+#    and why a fresh 60 MB output costs more than its math.
 #
 # As in lesson 07, every number is measured when the notebook runs; timings wobble on a busy machine.
 
@@ -268,18 +268,16 @@ assert torch.allclose(cpu_gemm.gemm(x, layers[0].weight, None, cpu_gemm.prepack(
 print("packed == F.linear (to fp32 rounding)")
 
 # %% [markdown]
-# ## 4. Below the engine: the memory allocator and OpenMP
+# ## 4. Below the engine: the memory allocator
 #
-# Some time is spent under PyTorch, in two libraries every op uses. Each op allocates its output: in a
+# Some time is spent under PyTorch, in a library every op uses. Each op allocates its output: in a
 # 5,000-token prefill step those are 10-60 MB each. glibc's `malloc` serves a block that big with a fresh
 # `mmap` and gives it back with `munmap` when the tensor dies, so the next step's op **page-faults and zeroes
-# every page again**. tcmalloc keeps freed memory and hands it back out. And every op's parallel loop is an
-# OpenMP region; Intel's OpenMP with threads bound to cores (`KMP_AFFINITY`) and a short spin before they
-# sleep (`KMP_BLOCKTIME`) wakes them faster than the GNU OpenMP that torch ships with.
+# every page again**. tcmalloc keeps freed memory and hands it back out.
 #
 # You cannot swap a process's allocator once it runs, so `minivllm/platforms/cpu.py` (vLLM:
-# `vllm/platforms/cpu.py`) makes the command-line entry points **re-start themselves** with both libraries in
-# `LD_PRELOAD` when they are installed. This notebook's kernel was not re-started; the cell says what it runs
+# `vllm/platforms/cpu.py`) makes the command-line entry points **re-start themselves** with tcmalloc in
+# `LD_PRELOAD` when it is installed. This notebook's kernel was not re-started; the cell says what it runs
 # with, times one prefill-sized op that allocates a fresh output against the same op writing into a buffer it
 # reuses (`out=`), and, if tcmalloc is installed, runs the fresh-output loop again in a child process that
 # preloads it.
@@ -334,9 +332,13 @@ else:
 # %% [markdown]
 # On the 2-core AMD EPYC this lesson was written on, the cell printed 66.5 ms for the fresh output under
 # glibc, 14.5 ms for the reused buffer and 11.4 ms for the fresh output under tcmalloc: the allocation cost
-# four times the math, and tcmalloc took it away. Inside the engine the two libraries gained 14-17% on the
-# bench's default workload, most of it in prefill (README, "The CPU runtime"). Nothing in the model changed, and greedy output is
-# identical: only where memory and threads come from. vLLM's CPU install guide asks for the same two libraries.
+# four times the math, and tcmalloc took it away. Inside the engine tcmalloc gained 11-20% on the bench's
+# default workload, most of it in prefill (README, "The CPU runtime"). Nothing in the model changed, and
+# greedy output is identical: only where memory comes from.
+#
+# vLLM's CPU guide also asks for Intel's OpenMP with its threads bound to cores (`KMP_AFFINITY`). minivllm
+# tried it and left it out: binding pins the process's *main* thread to core 0, and every process it starts
+# inherits that mask, so a tensor-parallel worker or a benchmark's child engine ran on one core.
 
 # %% [markdown]
 # ## Check yourself

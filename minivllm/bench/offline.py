@@ -89,7 +89,7 @@ def print_report(workload: Workload, mv: ThroughputResult, latency: LatencyResul
 
 def host_info() -> dict:
     """How busy the machine was (on a shared 2-core box a neighbour's job stalls a 2-thread torch run), and
-    which allocator and OpenMP this process runs with (platforms/cpu.py: worth about 15% on a CPU)."""
+    which allocator and OpenMP this process runs with (platforms/cpu.py: tcmalloc is worth 11-20% here)."""
     import torch
 
     from minivllm.platforms.cpu import loaded_runtime
