@@ -50,4 +50,4 @@ def test_plausible_wrong_answers_are_rejected_with_the_case():
     rejects(sorts_ascending, NAME, r"top_p=1e-6 .*expected \[\[0\]\], got \[\[4\]\]")
     rejects(first_row_top_p_for_all, NAME,
             r"a batch of 3 rows with top_p \[0.3, 0.9, 1.0\].*expected \[\[0\], \[1, 2, 3, 4\], \[0, 1, 2, 3, 4\]\], "
-            r"got \[\[0\], \[4\], \[0, 1\]\]")
+            r"got \[\[0\], \[4\], \[0(, 1)?\]\]")     # the third row's cut rounds per CPU: [0, 1] AVX-512, [0] AVX2
