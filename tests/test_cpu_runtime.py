@@ -50,7 +50,7 @@ PROBE = textwrap.dedent("""
 
 
 @needs_runtime
-def test_the_restarted_process_really_runs_with_the_libraries(tmp_path):
+def test_the_restarted_process_really_runs_with_tcmalloc_on_every_core(tmp_path):
     script = tmp_path / "probe.py"
     script.write_text(PROBE)
     out = subprocess.run([sys.executable, str(script)], env=clean_env(), capture_output=True, text=True,
