@@ -91,7 +91,7 @@ def test_kernel_decode_bytes_count_kv_once_plus_query_and_output():
 
 def test_kernel_rows_report_bandwidth_and_mark_the_target_row():
     row = kernels.DecodeRow(batch=64, context=2048, num_heads=32, num_kv_heads=8, head_dim=128, block_size=16,
-                          dtype="bfloat16", num_splits=1, bytes_moved=537_919_488, triton_s=1e-3, torch_s=4e-3,
+                          dtype="bfloat16", num_splits=1, bytes_moved=537_919_488, triton_s=1e-3, triton_call_s=1e-3, torch_s=4e-3,
                           copy_bandwidth_gbs=1000.0)
     assert row.bandwidth_gbs == pytest.approx(537.919488)
     assert row.fraction_of_copy == pytest.approx(0.537919488)

@@ -97,3 +97,20 @@ def test_a_request_that_can_never_fit_fails_alone(model_dir):
         engine.step()
     assert all(r.num_output_tokens == 6 for r in ok)
     assert engine.kv_cache_manager.num_free_blocks == 8
+
+
+def test_shutdown_gives_the_memory_back_and_later_steps_say_so(model_dir):
+    """LLM.shutdown() (or leaving its with-block) drops the weights and the KV cache, so the next LLM in the
+    process gets them (on a GPU the default budget is a fraction of what is free); using the old one afterwards
+    is a clear error that leaves no request behind."""
+    from minivllm import LLM
+    with LLM(str(model_dir), device="cpu", num_kv_blocks=32) as llm:
+        first = llm.generate(["Hi"], SamplingParams(max_tokens=3, temperature=0), use_tqdm=False)
+        runner = llm.llm_engine.model_runner
+    assert runner.model is None and runner.kv_cache is None and runner.kv_caches == []
+    with pytest.raises(RuntimeError, match="was shut down .* create a new LLM"):
+        llm.generate(["Hi"], SamplingParams(max_tokens=3, temperature=0), use_tqdm=False)
+    stats = llm.get_stats()
+    assert stats.num_running == stats.num_waiting == 0 and stats.num_free_blocks == stats.num_kv_blocks
+    llm.shutdown()                                       # twice is fine
+    assert len(first[0].outputs[0].token_ids) == 3

@@ -68,6 +68,11 @@ class DraftModelProposer:
                                     c.head_dim, dtype=self.dtype, device=self.device)
         self.kv_caches = [(self.kv_cache[0, i], self.kv_cache[1, i]) for i in range(c.num_hidden_layers)]
 
+    def release_memory(self) -> None:
+        """At the engine's shutdown (model_runner.release_memory): the draft's weights and KV cache."""
+        self.model = self.kv_cache = None
+        self.kv_caches = []
+
     def _forward(self, mi) -> torch.Tensor:
         """The draft model over one flat batch (a ModelInput) on its own cache: hidden (num_tokens, hidden)."""
         from minivllm.worker.model_runner import model_input_tensors

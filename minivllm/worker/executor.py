@@ -117,6 +117,9 @@ class Executor:
         return contextlib.nullcontext()
 
     def _issue(self, sched: SchedulerOutput) -> InFlightBatch:
+        if self.driver.model is None:
+            raise RuntimeError("this engine was shut down (LLM.shutdown() or the end of its with-block) and gave "
+                               "its weights and KV cache back; create a new LLM.")
         model_input, sampling_requests = self.driver.prepare_inputs(sched)
         self._next_step_id += 1
         model_input = dataclasses.replace(model_input, step_id=self._next_step_id)
@@ -252,7 +255,7 @@ class Executor:
         self.num_kv_blocks, self.num_cpu_blocks = num_kv_blocks, self.driver.num_cpu_blocks
 
     def shutdown(self) -> None:
-        pass
+        self.driver.release_memory()
 
 
 class UniProcExecutor(Executor):
@@ -458,6 +461,7 @@ class MultiprocExecutor(Executor):
 
     def shutdown(self) -> None:
         self._finalizer()
+        self.driver.release_memory()
 
 
 class ExternalLauncherExecutor(Executor):
@@ -496,6 +500,7 @@ class ExternalLauncherExecutor(Executor):
 
     def shutdown(self) -> None:
         destroy_distributed()
+        self.driver.release_memory()
 
 
 def make_executor(config: EngineConfig, model_path, model_cfg: ModelConfig, device: torch.device) -> Executor:

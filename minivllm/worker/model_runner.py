@@ -141,6 +141,21 @@ class ModelRunner:
         if hasattr(self.proposer, "allocate_kv_cache"):           # a draft model: its KV under the same block ids
             self.proposer.allocate_kv_cache(num_kv_blocks)
 
+    def release_memory(self) -> None:
+        """At shutdown: drop the weights, the KV caches and the CUDA graphs, so the next engine in this process
+        gets the memory (on a GPU the default budget is a fraction of what is free). Safe to call twice; the
+        runner runs no step afterwards (executor.py refuses with a clear error)."""
+        self.graphs = None
+        self.model = None
+        self.kv_cache = self.cpu_kv_cache = None
+        self.kv_caches = []
+        if hasattr(self.proposer, "release_memory"):
+            self.proposer.release_memory()
+        if self.device.type == "cuda":
+            import gc
+            gc.collect()                                  # cycles through the model's modules
+            torch.cuda.empty_cache()                      # hand the cached blocks back to the device
+
     def _capture_cuda_graphs(self) -> DecodeGraphs | None:
         """CUDA graphs for decode steps (cuda_graph.py), checked against the eager forward before use.
         None (every step eager) off CUDA, with enforce_eager, under tensor parallelism (NCCL inside a
@@ -319,6 +334,14 @@ class ModelRunner:
             src, dst = (list(x) for x in zip(*mi.blocks_to_swap_in))
             device_cache[:, :, dst] = cpu_cache[:, :, src].to(self.device)
 
+    def _pick_rows(self, hidden: torch.Tensor, rows: list[int]) -> torch.Tensor:
+        """hidden[rows] -> (len(rows), hidden) without waiting for the GPU: indexing a CUDA tensor with a Python
+        list copies the list to the device synchronously. Consecutive rows (every decode step) are a view."""
+        if rows == list(range(rows[0], rows[0] + len(rows))):
+            return hidden[rows[0]:rows[0] + len(rows)]
+        index = torch.tensor(rows, dtype=torch.int64).to(self.device, non_blocking=True)
+        return hidden.index_select(0, index)
+
     @torch.inference_mode()
     def execute_model(self, mi: ModelInput) -> tuple[torch.Tensor | None, torch.Tensor | None]:
         """Run one step on this rank. Returns (logits of the sampled rows, (num_sampling, vocab) fp32, or None when
@@ -340,6 +363,6 @@ class ModelRunner:
         if not mi.sample_rows and not prompt_rows:
             return None, None
         # One LM head (and under TP one all-gather) for both kinds of rows.
-        logits = self.model.compute_logits(hidden[mi.sample_rows + prompt_rows])   # (num_sampling + prompt rows, vocab)
+        logits = self.model.compute_logits(self._pick_rows(hidden, mi.sample_rows + prompt_rows))
         num_sampling = len(mi.sample_rows)
         return (logits[:num_sampling] if num_sampling else None), (logits[num_sampling:] if prompt_rows else None)

@@ -329,6 +329,7 @@ class RayDistributedExecutor(Executor):
 
     def shutdown(self) -> None:
         self._finalizer()
+        self.driver.release_memory()
 
 
 def _describe(errors: dict[int, str]) -> str:
