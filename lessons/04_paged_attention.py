@@ -630,6 +630,12 @@ for info in stage_infos:
 #
 # Which is *faster* can only be measured on the GPU itself; what this check guarantees is that each choice
 # compiles, fits, and does not spill.
+#
+# What the chosen kernel did on a real GPU (an H200, 2026-11-26, bf16, `python -m minivllm.bench kernels`):
+# at batch 64, context 2048, 32 query / 8 KV heads it moves 538 MB in 129 us of GPU time, 4160 GB/s, 99% of
+# what a plain `copy_` reaches on that card; the PyTorch reference (gather, then attend) takes 2.0 ms. At
+# batch 1 and 512 tokens of context the kernel's GPU time is 10 us, but one call from Python costs 121 us:
+# the wrapper and Triton's launcher, not the GPU. Lesson 11's CUDA graphs remove that part.
 
 # %%
 assert stage_table[("decode", 2)].shared_bytes > 1.5 * stage_table[("decode", 1)].shared_bytes

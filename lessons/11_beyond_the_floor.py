@@ -113,6 +113,12 @@ print(f"decode steps through the static buffers: {graphs.stats.replays}, padding
 # %% [markdown]
 # On a GPU, `python -m minivllm.bench` prints a `CUDA graphs:` line (how many decode steps were replayed);
 # run it once more with `--enforce-eager` to see what the graphs are worth.
+#
+# Measured on an H200 (2026-11-26), random weights at Qwen3-0.6B's shape in bf16, 64 requests of 500-token
+# prompts: a decode step takes **7.5 ms** with the graphs and **26.1 ms** without. The profiler shows why: an
+# eager step launches about 1,750 kernels (RMSNorm alone is 8 small ones, 4 times a layer) and spends 29 ms of
+# CPU time (under the profiler) issuing 4.7 ms of GPU work. The tokens are the same either way (`tests/test_cuda_graph.py`, and
+# `tests/test_gpu.py` against Hugging Face on the same GPU).
 
 # %% [markdown]
 # > **How vLLM v1 does it differently.** vLLM captures graphs for a list of batch sizes too
