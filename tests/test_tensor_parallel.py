@@ -252,3 +252,11 @@ def test_torchrun_launch_matches_tp1(tmp_path, model_dir):
                          env=env, cwd=REPO, capture_output=True, text=True, timeout=300)
     assert run.returncode == 0, run.stderr[-3000:]
     assert run.stdout.strip() == expected.strip()          # printed once, by rank 0
+
+
+def test_a_shard_that_would_drop_rows_is_refused():
+    """check_tp_size refuses such a model first; the loader's own split never drops a remainder silently."""
+    from minivllm.model.layers import _shard
+    assert _shard(torch.arange(12).view(6, 2), 0, 1, 3).tolist() == [[4, 5], [6, 7]]
+    with pytest.raises(ValueError, match=r"shape \(7, 2\) does not split into 3 equal shards along dimension 0"):
+        _shard(torch.arange(14).view(7, 2), 0, 1, 3)

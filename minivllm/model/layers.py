@@ -70,6 +70,9 @@ def _shard(loaded, dim: int, rank: int, size: int) -> torch.Tensor:
     """This rank's 1/size of `loaded` along `dim`. `loaded` is a tensor or a lazy safetensors slice
     (model_loader.py), so a rank reads only its own shard from disk."""
     shape = loaded.shape if isinstance(loaded, torch.Tensor) else loaded.get_shape()
+    if shape[dim] % size:          # check_tp_size refuses such models first; never drop the remainder silently
+        raise ValueError(f"a weight of shape {tuple(shape)} does not split into {size} equal shards along "
+                         f"dimension {dim}; tensor_parallel_size must divide it.")
     n = shape[dim] // size
     return loaded[(slice(None),) * dim + (slice(rank * n, (rank + 1) * n),)]
 
