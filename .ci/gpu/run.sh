@@ -1,0 +1,39 @@
+#!/bin/bash
+# The GPU check, in one call (a lent GPU machine gives a session about 15 minutes): every stage in order of
+# value, each under its own timeout, all within DEADLINE seconds; output to $OUT/log.txt (or ./gpu-check.log).
+#
+#   here:   bash .ci/gpu/prepare.sh            # only where the GPU machine lacks the default model (no network)
+#   there:  DEADLINE=600 bash .ci/gpu/run.sh   # ONLY="kernels e2e" runs a subset
+#
+# Measured on the first run (H200, 2026-11-26): kernels 24 s, e2e 90 s, profile 21 s, kbench 9 s, ckpt 18 s,
+# eager 55-61 s; the HF comparison needs more than 230 s.
+cd "$(dirname "$0")/../.."
+export PYTHONUNBUFFERED=1 HF_HUB_OFFLINE=1 TOKENIZERS_PARALLELISM=false PYTHONPATH=$PWD
+[[ -d .gpu/cache ]] && export MINIVLLM_CACHE=$PWD/.gpu/cache          # from prepare.sh
+DEADLINE=${DEADLINE:-600}; T0=$(date +%s); ONLY=${ONLY:-all}; OUT=${OUT:-.}
+exec > >(tee -a "$OUT/gpu-check.log") 2>&1
+left() { echo $(( DEADLINE - ($(date +%s) - T0) )); }
+stage() {   # stage NAME TIMEOUT MIN_SECONDS_LEFT cmd...
+  local name=$1 t=$2 min=$3; shift 3
+  [[ $ONLY != all && " $ONLY " != *" $name "* ]] && return
+  local l=$(left); if (( l < min )); then echo "=== $name SKIPPED ($l s left)"; return; fi
+  (( t > l - 5 )) && t=$(( l - 5 ))
+  echo "=== $name (timeout $t s) $(date +%T)"; local s=$(date +%s)
+  timeout -k 5 "$t" "$@"; echo "=== $name rc=$? in $(( $(date +%s) - s )) s"
+}
+nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv
+python3 -c "import torch, triton, transformers; print('torch', torch.__version__, 'triton', triton.__version__, 'transformers', transformers.__version__)"
+PT="python3 -m pytest -q -o addopts= -p no:cacheprovider -rfEs"
+[[ -n $MINIVLLM_CACHE ]] && stage setup 60 20 python3 .ci/gpu/default_model.py
+stage kernels 150 60 $PT -n 8 tests/test_kernels.py tests/test_kv_cache_fp8.py -k "not engine and (test_kernels or triton)" \
+  --deselect tests/test_kernels.py::test_engine_with_triton_backend_gives_the_torch_backends_greedy_tokens
+stage e2e 200 60 $PT -s tests/test_gpu.py tests/test_cuda_graph.py \
+  tests/test_kernels.py::test_engine_with_triton_backend_gives_the_torch_backends_greedy_tokens
+stage ckpt 60 30 python3 -m minivllm.model.random_checkpoint qwen3-0.6b /tmp/qwen3-0.6b
+stage profile 90 40 python3 .ci/gpu/profile_step.py /tmp/qwen3-0.6b
+stage kbench 60 25 python3 -m minivllm.bench kernels --kernel-dtype bf16 --json "$OUT/kernels_bf16.json"
+NANO="--model /tmp/qwen3-0.6b --num-requests 256 --input-len-min 100 --input-len-max 1024 --output-len-min 100 --output-len-max 1024 --decode-batch 64"
+stage graphs 120 60 python3 -m minivllm.bench $NANO --json "$OUT/offline_graphs.json"
+stage eager 120 60 python3 -m minivllm.bench $NANO --enforce-eager --json "$OUT/offline_eager.json"
+stage vs_hf 400 200 python3 -m minivllm.bench $NANO --compare hf --hf-batch-size 64 --json "$OUT/offline_vs_hf.json"
+echo "=== done in $(( $(date +%s) - T0 )) s"
