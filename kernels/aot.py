@@ -295,7 +295,8 @@ def _triton_ops():
     return ops
 
 
-KERNEL_NAMES = ("_store_kv_cache_kernel", "_paged_decode_kernel", "_merge_splits_kernel", "_paged_prefill_kernel")
+KERNEL_NAMES = ("_store_kv_cache_kernel", "_paged_decode_kernel", "_merge_splits_kernel", "_paged_prefill_kernel",
+                "_rms_norm_kernel")
 
 
 def _compile_call(run, fn, name, arch, args, grid, kwargs, case="", dtype="", inspect=True):
@@ -391,6 +392,16 @@ def wrapper_cases(head_dims=HEAD_DIMS, gqa_ratios=GQA_RATIOS, block_sizes=BLOCK_
     cases = []
     for dtype_name in dtypes:
         cache_dtype, dtype = _cache_and_query_dtypes(dtype_name)
+        if not dtype_name.startswith("fp8-"):
+            def norm(rows, width, residual, dtype=dtype):
+                x = torch.zeros(rows, width, dtype=dtype)
+                ops.rms_norm(x, torch.ones(width, dtype=dtype), 1e-6, torch.zeros_like(x) if residual else None)
+
+            cases += [
+                ("rms_norm hidden 1024 + residual", dtype_name, lambda f=norm: f(64, 1024, True)),
+                ("rms_norm hidden 4096 + residual", dtype_name, lambda f=norm: f(64, 4096, True)),  # 8 warps
+                ("rms_norm per head 128", dtype_name, lambda f=norm: f(64 * 16, 128, False)),       # q_norm
+            ]
         for head_dim in head_dims:
             for gqa in gqa_ratios:
                 kv_heads = NUM_HEADS // gqa

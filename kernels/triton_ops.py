@@ -14,6 +14,9 @@ reference on awkward shapes, on CPU under TRITON_INTERPRET=1) -> `python -m mini
     paged_prefill_attention  causal attention for a flat batch; sequence i's q_len_i new tokens are its last
                              q_len_i positions, so prefix-cached context and chunked prefill need nothing extra.
                              One program per (query tile, query head, sequence).
+    rms_norm                 x (+ residual) -> RMSNorm, one row per program: the 8 small PyTorch kernels
+                             of an add + RMSNorm in one launch (layers.RMSNorm uses it on CUDA when
+                             MINIVLLM_CUSTOM_OPS names +rms_norm; not yet measured on a GPU).
 
 Layouts (as in kernels/__init__.py; the last dimension of every tensor must be contiguous):
     key_cache, value_cache   (num_blocks, block_size, num_kv_heads, head_dim), same strides
@@ -494,3 +497,61 @@ def paged_prefill_attention(query: torch.Tensor, key_cache: torch.Tensor, value_
                                      key_cache.dtype, query.dtype),
     )
     return out
+
+
+# ---------------------------------------------------------------------------------------------- RMSNorm
+
+@triton.jit
+def _rms_norm_kernel(
+    out_ptr, residual_out_ptr, x_ptr, residual_ptr, weight_ptr,
+    stride_x, stride_r, n_cols, eps,
+    HAS_RESIDUAL: tl.constexpr, BLOCK: tl.constexpr, UPCAST: tl.constexpr,
+):
+    """One row: [x += residual; residual_out = x]; out = (x / rms(x)).to(dtype) * weight. The same roundings
+    as layers.RMSNorm: the sum in the input dtype, the statistics in fp32, the scaled row rounded to the input
+    dtype before the weight multiplies it."""
+    row = tl.program_id(0)
+    cols = tl.arange(0, BLOCK)
+    mask = cols < n_cols
+    x = tl.load(x_ptr + row * stride_x + cols, mask=mask, other=0.0)
+    if HAS_RESIDUAL:
+        x = x + tl.load(residual_ptr + row * stride_r + cols, mask=mask, other=0.0)
+        tl.store(residual_out_ptr + row * n_cols + cols, x, mask=mask)
+    xf = x.to(tl.float32)
+    inv_rms = tl.rsqrt(tl.sum(xf * xf, axis=0) / n_cols + eps)
+    w = tl.load(weight_ptr + cols, mask=mask, other=0.0)
+    if UPCAST:          # bf16 under the CPU interpreter: round through fp32 explicitly
+        y = (xf * inv_rms).to(x.dtype).to(tl.float32) * w.to(tl.float32)
+    else:
+        y = (xf * inv_rms).to(x.dtype) * w
+    tl.store(out_ptr + row * n_cols + cols, y.to(x.dtype), mask=mask)
+
+
+def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float,
+             residual: torch.Tensor | None = None) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
+    """layers.RMSNorm's forward in one kernel. x (..., n) with a contiguous last dimension; weight (n,).
+    Returns norm(x), or with `residual` (same shape as x) the pre-norm pair (norm(x + residual), x + residual)."""
+    n = x.shape[-1]
+    if weight.shape != (n,) or x.stride(-1) != 1 or (residual is not None and residual.shape != x.shape):
+        raise ValueError(f"rms_norm: x {tuple(x.shape)} (last stride {x.stride(-1)}), weight "
+                         f"{tuple(weight.shape)}, residual {None if residual is None else tuple(residual.shape)}: "
+                         "weight must be (x.shape[-1],), x's last dimension contiguous, residual x's shape.")
+    x2 = x.reshape(-1, n)                    # a view when x's rows are evenly strided
+    out = torch.empty(x2.shape, dtype=x.dtype, device=x.device)
+    rows = x2.shape[0]
+    if residual is not None:
+        r2 = residual.reshape(-1, n)
+        if r2.stride(-1) != 1:
+            r2 = r2.contiguous()
+        residual_out = torch.empty_like(out)
+    else:
+        r2 = residual_out = out              # unused
+    if rows:
+        block = _pow2(n, 16)
+        _rms_norm_kernel[(rows,)](
+            out, residual_out, x2, r2, weight, x2.stride(0), r2.stride(0), n, eps,
+            HAS_RESIDUAL=residual is not None, BLOCK=block, UPCAST=_upcast(x.dtype),
+            num_warps=4 if block <= 1024 else 8,
+        )
+    out = out.view(x.shape)
+    return out if residual is None else (out, residual_out.view(x.shape))

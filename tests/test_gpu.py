@@ -6,8 +6,8 @@ vocabulary of 151,936), written by transformers' own classes (minivllm/model/ran
 machine has no network, and speed and correctness do not depend on what the weights mean. Weights drawn
 with std 0.05 give varied greedy tokens, so agreement means something.
 
-- fp32: token for token, with the Triton kernels (CUDA graphs on and off) and with the PyTorch reference
-  attention; a 300-token prompt under a 128-token budget is prefilled in chunks over its own cached KV,
+- fp32: token for token, with the Triton kernels (CUDA graphs on and off, with and without the fused RMSNorm
+  kernel, MINIVLLM_CUSTOM_OPS=+rms_norm) and with the PyTorch reference attention; a 300-token prompt under a 128-token budget is prefilled in chunks over its own cached KV,
   mixed with the other requests' decodes.
 - bf16: the tolerance argument of tests/test_bf16.py, on the GPU: minivllm's bf16 log-probabilities (teacher
   forced on HF's tokens) are no further from fp32 than HF's own bf16 is, and where the greedy tokens part,
@@ -79,9 +79,14 @@ def greedy(llm, n=NUM_TOKENS) -> list[list[int]]:
     return [o.outputs[0].token_ids for o in outs]
 
 
-@pytest.mark.parametrize("backend,eager", [("triton", False), ("triton", True), ("torch", True)],
-                         ids=["triton-graphs", "triton-eager", "torch-reference"])
-def test_fp32_greedy_matches_hf_token_for_token(checkpoint, hf_fp32, backend, eager):
+@pytest.mark.parametrize("backend,eager,custom_ops",
+                         [("triton", False, ""), ("triton", True, ""), ("torch", True, ""),
+                          ("triton", False, "+rms_norm"), ("triton", True, "+rms_norm")],
+                         ids=["triton-graphs", "triton-eager", "torch-reference", "triton-graphs-fused-norm",
+                              "triton-eager-fused-norm"])
+def test_fp32_greedy_matches_hf_token_for_token(checkpoint, hf_fp32, backend, eager, custom_ops, monkeypatch):
+    from minivllm.model import layers
+    monkeypatch.setattr(layers, "CUSTOM_OPS", layers._custom_ops(custom_ops))
     (hf, _) = hf_fp32
     with LLM(str(checkpoint), device="cuda", dtype="float32", attention_backend=backend, enforce_eager=eager,
              num_kv_blocks=512, max_num_seqs=8, max_num_batched_tokens=128) as llm:

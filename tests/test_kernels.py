@@ -195,6 +195,53 @@ def test_paged_prefill_attention_matches_reference(case, dtype):
     close(out.cpu(), expected, dtype)
 
 
+# --------------------------------------------------------------------------------------- RMSNorm
+
+RMS_CASES = {"hidden+residual": ((5, 576), True), "hidden": ((5, 576), False), "odd width+residual": ((3, 1000), True),
+             "per-head (q_norm)": ((7, 16, 128), False), "strided per-head": ((7, 16, 128), "strided")}
+
+
+@pytest.mark.parametrize("dtype", [F32] + LOW, ids=dtype_id)
+@pytest.mark.parametrize("case", list(RMS_CASES))
+def test_rms_norm_equals_the_models_own_rmsnorm(case, dtype):
+    """The fused kernel against layers.RMSNorm.forward_native (the PyTorch code the model runs otherwise)."""
+    from minivllm.model.layers import RMSNorm
+
+    shape, residual = RMS_CASES[case]
+    gen = torch.Generator().manual_seed(0)
+    norm = RMSNorm(shape[-1], 1e-6)
+    norm.weight.data = 1 + 0.1 * torch.randn(shape[-1], generator=gen)
+    norm = norm.to(DEVICE, dtype)
+    if residual == "strided":     # a view into a wider buffer, as q is a slice of the fused qkv projection
+        x = (3 * torch.randn(shape[0], shape[1] + 8, shape[2], generator=gen)).to(DEVICE, dtype)[:, :shape[1]]
+        residual = None
+    else:
+        x = (3 * torch.randn(shape, generator=gen)).to(DEVICE, dtype)
+    r = (3 * torch.randn(shape, generator=gen)).to(DEVICE, dtype) if residual else None
+    got = ops.rms_norm(x, norm.weight, norm.eps, r)
+    expected = norm.forward_native(x, r)
+    if r is None:
+        got, expected = (got,), (expected,)
+    for g, e in zip(got, expected):
+        assert g.shape == e.shape and g.dtype == e.dtype
+        torch.testing.assert_close(g, e, atol=TOL[dtype], rtol=TOL[dtype])
+
+
+def test_rms_norm_refuses_mismatched_shapes():
+    x = torch.zeros(4, 64, device=DEVICE)
+    with pytest.raises(ValueError, match=r"weight must be \(x.shape\[-1\],\)"):
+        ops.rms_norm(x, torch.ones(32, device=DEVICE), 1e-6)
+
+
+def test_custom_ops_switch_names_what_it_accepts():
+    from minivllm.model.layers import _custom_ops
+    assert _custom_ops("") == _custom_ops("none") == frozenset()
+    assert _custom_ops("+rms_norm") == {"rms_norm"}
+    with pytest.raises(ValueError, match=r"MINIVLLM_CUSTOM_OPS is 'rms_norm'; name ops to turn on as \+op, from: "
+                                         r"\+rms_norm"):
+        _custom_ops("rms_norm")
+
+
 # --------------------------------------------------------------------------------------- the engine
 
 @pytest.mark.slow

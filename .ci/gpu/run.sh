@@ -31,9 +31,11 @@ stage e2e 200 60 $PT -s tests/test_gpu.py tests/test_cuda_graph.py \
   tests/test_kernels.py::test_engine_with_triton_backend_gives_the_torch_backends_greedy_tokens
 stage ckpt 60 30 python3 -m minivllm.model.random_checkpoint qwen3-0.6b /tmp/qwen3-0.6b
 stage profile 90 40 python3 .ci/gpu/profile_step.py /tmp/qwen3-0.6b
+stage profile_fused 60 30 env MINIVLLM_CUSTOM_OPS=+rms_norm python3 .ci/gpu/profile_step.py /tmp/qwen3-0.6b
 stage kbench 60 25 python3 -m minivllm.bench kernels --kernel-dtype bf16 --json "$OUT/kernels_bf16.json"
 NANO="--model /tmp/qwen3-0.6b --num-requests 256 --input-len-min 100 --input-len-max 1024 --output-len-min 100 --output-len-max 1024 --decode-batch 64"
 stage graphs 120 60 python3 -m minivllm.bench $NANO --json "$OUT/offline_graphs.json"
 stage eager 120 60 python3 -m minivllm.bench $NANO --enforce-eager --json "$OUT/offline_eager.json"
+stage graphs_fused 120 60 env MINIVLLM_CUSTOM_OPS=+rms_norm python3 -m minivllm.bench $NANO --json "$OUT/offline_graphs_fused.json"
 stage vs_hf 400 200 python3 -m minivllm.bench $NANO --compare hf --hf-batch-size 64 --json "$OUT/offline_vs_hf.json"
 echo "=== done in $(( $(date +%s) - T0 )) s"

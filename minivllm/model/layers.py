@@ -13,6 +13,7 @@ Owns: each layer's weights and how a full checkpoint tensor is cut into this ran
 from __future__ import annotations
 
 import math
+import os
 from dataclasses import dataclass
 
 import torch
@@ -64,6 +65,21 @@ class PPStage:
     @property
     def is_last(self) -> bool:
         return self.rank == self.size - 1
+
+
+def _custom_ops(spec: str) -> frozenset[str]:
+    """MINIVLLM_CUSTOM_OPS, as vLLM's `custom_ops`: "+rms_norm" turns the fused kernel on; "none" (or nothing,
+    the default) keeps every op in plain PyTorch."""
+    names = [part.strip() for part in spec.split(",") if part.strip() and part.strip() != "none"]
+    known = {"rms_norm"}
+    bad = [n for n in names if not n.startswith("+") or n[1:] not in known]
+    if bad:
+        raise ValueError(f"MINIVLLM_CUSTOM_OPS is {spec!r}; name ops to turn on as +op, from: "
+                         f"{', '.join('+' + k for k in sorted(known))} (or 'none').")
+    return frozenset(n[1:] for n in names)
+
+
+CUSTOM_OPS = _custom_ops(os.environ.get("MINIVLLM_CUSTOM_OPS", ""))    # read once, at import
 
 
 def _shard(loaded, dim: int, rank: int, size: int) -> torch.Tensor:
@@ -187,7 +203,15 @@ class RMSNorm(nn.Module):
         self.weight = nn.Parameter(torch.ones(size), requires_grad=False)
 
     def forward(self, x: torch.Tensor, residual: torch.Tensor | None = None):
-        """With `residual`: returns (norm(x + residual), x + residual), the fused pre-norm step."""
+        """With `residual`: returns (norm(x + residual), x + residual), the fused pre-norm step.
+        On CUDA, with MINIVLLM_CUSTOM_OPS=+rms_norm, one Triton kernel does it (vLLM's custom-op switch; off by
+        default until it is measured on a GPU); everywhere else, forward_native."""
+        if x.is_cuda and "rms_norm" in CUSTOM_OPS:
+            from minivllm.model._kernels import kernels
+            return kernels.triton_ops.rms_norm(x, self.weight, self.eps, residual)
+        return self.forward_native(x, residual)
+
+    def forward_native(self, x: torch.Tensor, residual: torch.Tensor | None = None):
         if residual is not None:
             x = x + residual
             residual = x
