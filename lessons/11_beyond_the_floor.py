@@ -117,8 +117,13 @@ print(f"decode steps through the static buffers: {graphs.stats.replays}, padding
 # Measured on an H200 (2026-11-26), random weights at Qwen3-0.6B's shape in bf16, 64 requests of 500-token
 # prompts: a decode step takes **7.5 ms** with the graphs and **26.1 ms** without. The profiler shows why: an
 # eager step launches about 1,750 kernels (RMSNorm alone is 8 small ones, 4 times a layer) and spends 29 ms of
-# CPU time (under the profiler) issuing 4.7 ms of GPU work. The tokens are the same either way (`tests/test_cuda_graph.py`, and
-# `tests/test_gpu.py` against Hugging Face on the same GPU).
+# CPU time (under the profiler) issuing 4.7 ms of GPU work. The tokens are the same either way
+# (`tests/test_cuda_graph.py`, and `tests/test_gpu.py` against Hugging Face on the same GPU).
+#
+# Even replayed, each of those kernels costs the GPU a few microseconds of its own, so the next step is fewer
+# of them: `kernels.triton_ops.rms_norm` does an add + RMSNorm in one launch instead of 8
+# (`MINIVLLM_CUSTOM_OPS=+rms_norm`, vLLM's custom-op switch). It was written after the GPU was given back, so
+# what it saves is still to be measured.
 
 # %% [markdown]
 # > **How vLLM v1 does it differently.** vLLM captures graphs for a list of batch sizes too
