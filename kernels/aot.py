@@ -297,6 +297,7 @@ def _triton_ops():
 
 KERNEL_NAMES = ("_store_kv_cache_kernel", "_paged_decode_kernel", "_merge_splits_kernel", "_paged_prefill_kernel",
                 "_rms_norm_kernel")
+ACTIVATION_KERNELS = {"_rms_norm_kernel"}     # work on activations only: no fp8 variant (fp8 is a KV cache dtype)
 
 
 def _compile_call(run, fn, name, arch, args, grid, kwargs, case="", dtype="", inspect=True):

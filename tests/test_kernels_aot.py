@@ -117,6 +117,9 @@ def test_the_grid_covers_every_kernel_dtype_and_the_wrappers_tiles(compiled, arc
     seen = {(i.name, i.dtype) for i in infos}
     for name in aot.KERNEL_NAMES:
         for dtype in aot.DTYPES:
+            if dtype.startswith("fp8-") and name in aot.ACTIVATION_KERNELS:
+                assert (name, dtype) not in seen      # an fp8 cache changes the attention kernels only
+                continue
             if dtype.startswith("fp8-") and arch < 89:
                 assert (name, dtype) not in seen      # no e4m3 in Triton before sm_89 (the wrappers refuse it)
                 continue
