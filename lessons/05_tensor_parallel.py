@@ -262,18 +262,22 @@ for cls in (ColumnParallelLinear, RowParallelLinear, QKVParallelLinear):
 # and with grouped-query attention rank r's query heads are the ones that read rank r's KV head (section 3 shows
 # it on the real model). `MergedColumnParallelLinear` (gate and up) does the same with two tensors.
 #
-# `_shard` takes `size // tp` rows per rank and assumes they divide. If they did not, the last rows would be on
-# no rank, silently:
+# `_shard` takes `size // tp` rows per rank. If they did not divide, `size // tp` rows each would leave the last
+# rows on no rank, silently, so it refuses instead:
 
 # %%
-uneven = [layers._shard(torch.arange(10), 0, r, 3).tolist() for r in range(3)]
-print("10 rows on 3 ranks:", uneven, "  rows on no rank:", sorted(set(range(10)) - {i for u in uneven for i in u}))
-assert uneven == [[0, 1, 2], [3, 4, 5], [6, 7, 8]]
+even = [layers._shard(torch.arange(12), 0, r, 3).tolist() for r in range(3)]
+print("12 rows on 3 ranks:", even)
+try:
+    layers._shard(torch.arange(10), 0, 0, 3)
+except ValueError as e:
+    print("10 rows on 3 ranks: ValueError:", e)
+assert even == [[0, 1, 2, 3], [4, 5, 6, 7], [8, 9, 10, 11]]
 
 # %% [markdown]
-# So the engine checks the sizes before it loads anything: `check_tp_size` (`worker/distributed.py`, section 3)
-# refuses a TP size that does not divide the heads, the MLP width or the vocabulary, and your `tp_linear`
-# refuses the same way.
+# The engine checks earlier still, before it loads anything: `check_tp_size` (`worker/distributed.py`, section 3)
+# refuses a TP size that does not divide the heads, the MLP width or the vocabulary, with the sizes that would
+# work, and your `tp_linear` refuses the same way.
 #
 # > **How vLLM v1 does it differently.** The same Megatron cut, in `vllm/model_executor/layers/linear.py`: each
 # > layer's `weight_loader` narrows the checkpoint tensor to `tp_rank * shard_size` onward, and the sizes per
