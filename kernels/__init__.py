@@ -2,6 +2,7 @@
 
     reference    plain PyTorch: the CPU serving path and the oracle every kernel is tested against
     triton_ops   Triton kernels with the same signatures (GPU, or CPU under TRITON_INTERPRET=1)
+    cpu_ops      C++ kernels for the CPU (paged decode attention), built on first use (cpu_attention.cpp)
 
 Layouts shared by both:
     key/value        (num_tokens, num_kv_heads, head_dim)       new tokens of a flat batch
@@ -24,6 +25,6 @@ def triton_available() -> bool:
 
 
 def __getattr__(name):
-    if name == "triton_ops":   # imported lazily: triton is optional on a CPU
-        return importlib.import_module(f"{__name__}.triton_ops")
+    if name in ("triton_ops", "cpu_ops"):   # imported lazily: triton is optional, cpu_ops compiles C++
+        return importlib.import_module(f"{__name__}.{name}")
     raise AttributeError(name)

@@ -77,7 +77,8 @@ class EngineConfig:
         "external_launcher (torchrun), ray (Ray actors placed by a placement group; worker/ray_executor.py)",
         ("auto", "uni", "mp", "external_launcher", "ray"))
     attention_backend: str = option(
-        "auto", "auto: triton on CUDA, torch (the PyTorch reference) on a CPU", ("auto", "torch", "triton"))
+        "auto", "auto: triton on CUDA; on a CPU cpu (C++ decode attention, built on first use) when a C++ compiler "
+        "is there, else torch (the PyTorch reference)", ("auto", "torch", "triton", "cpu"))
     enforce_eager: bool = option(False, "CUDA: run decode steps eagerly, without CUDA graphs")
     seed: int = option(0, "seed of the sampler for requests without a seed of their own")
     speculative_config: dict | None = option(

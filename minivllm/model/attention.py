@@ -1,8 +1,9 @@
 """Paged attention for one flat batch: the metadata, and the backends that compute it.
 
 Owns: `AttentionMetadata` (where each token's K/V goes, which blocks each sequence reads) and the choice
-of backend. The reference backend is plain PyTorch from `minivllm_kernels.reference` (the CPU serving
-path and the kernels' test oracle); the Triton backend runs `minivllm_kernels`' kernels.
+of backend. The reference backend is plain PyTorch from `minivllm_kernels.reference` (the kernels' test
+oracle); the cpu backend is the reference with decode attention in C++ (`minivllm_kernels.cpu_ops`, the CPU
+serving path when a compiler is there); the Triton backend runs `minivllm_kernels`' Triton kernels (GPU).
 
 A flat batch mixes prefills and decodes with no padding. For sequence i:
     its new tokens are query rows  cu_seqlens_q[i] : cu_seqlens_q[i+1]   (q_len_i of them)
@@ -13,11 +14,14 @@ A decode is just q_len_i == 1.
 
 from __future__ import annotations
 
+import logging
 from dataclasses import dataclass
 
 import torch
 
 from minivllm.model._kernels import kernels
+
+logger = logging.getLogger(__name__)
 
 
 @dataclass
@@ -119,6 +123,17 @@ class TorchAttentionBackend(AttentionBackend):
         return torch.float32
 
 
+class CpuAttentionBackend(TorchAttentionBackend):
+    """The CPU serving path: the reference's KV store and prefill, with decode attention in C++ reading K and V
+    straight from the paged cache (no per-layer gather of the context; kernels/cpu_attention.cpp)."""
+
+    name = "cpu"
+
+    def _decode(self, q, key_cache, value_cache, block_tables, seq_lens, seq_lens_cpu, scale, k_scale, v_scale):
+        return kernels.cpu_ops.paged_decode_attention(q, key_cache, value_cache, block_tables, seq_lens, scale,
+                                                      k_scale=k_scale, v_scale=v_scale)
+
+
 class TritonAttentionBackend(AttentionBackend):
     """The production path: Triton kernels for the KV store and paged attention."""
 
@@ -136,14 +151,29 @@ class TritonAttentionBackend(AttentionBackend):
 
 
 def get_attention_backend(name: str, device: torch.device) -> AttentionBackend:
-    """auto: Triton on CUDA, the PyTorch reference elsewhere. Triton on a CPU needs TRITON_INTERPRET=1."""
+    """auto: Triton on CUDA; on a CPU the C++ decode kernel when it builds (a C++ compiler is there), else the
+    PyTorch reference (logged once, with the reason). Triton on a CPU needs TRITON_INTERPRET=1."""
     import os
 
-    choices = ("auto", "torch", "triton")
+    choices = ("auto", "torch", "triton", "cpu")
     if name not in choices:
         raise ValueError(f"attention_backend is {name!r}; choose one of {choices}.")
     if name == "auto":
-        name = "triton" if device.type == "cuda" and kernels.triton_available() else "torch"
+        if device.type == "cuda":
+            name = "triton" if kernels.triton_available() else "torch"
+        elif device.type == "cpu" and kernels.cpu_ops.available():
+            name = "cpu"
+        else:
+            if device.type == "cpu":
+                logger.info("attention: the PyTorch reference (%s)", kernels.cpu_ops.unavailable_reason())
+            name = "torch"
+    if name == "cpu":
+        if device.type != "cpu":
+            raise ValueError(f"attention_backend='cpu' runs on a CPU, not {device.type!r}; use 'auto'.")
+        if not kernels.cpu_ops.available():
+            raise ValueError(f"attention_backend='cpu': {kernels.cpu_ops.unavailable_reason()}. "
+                             "Use attention_backend='torch' (the PyTorch reference).")
+        return CpuAttentionBackend()
     if name == "triton":
         if not kernels.triton_available():
             raise ValueError("attention_backend='triton' needs the triton package: pip install triton")

@@ -1,0 +1,157 @@
+// Paged decode attention on the CPU, in C++: the CPU counterpart of triton_ops.paged_decode_attention
+// (same arguments, same layouts; kernels/__init__.py lists them), built on first use by kernels/cpu_ops.py.
+//
+// Why a kernel: reference.paged_decode_attention gathers every sequence's blocks into a contiguous buffer
+// (index_select) and then calls PyTorch's attention, so each step reads the whole KV context twice and
+// writes it once, per layer. This reads each sequence's K and V once, straight out of the block table,
+// which is what vLLM's own CPU attention (csrc/cpu) does too. A decode step's attention is bound by those
+// bytes: the arithmetic is two multiply-adds per cached element.
+//
+//   query        (num_seqs, num_heads, head_dim)                   the model's dtype, contiguous
+//   key_cache    (num_blocks, block_size, num_kv_heads, head_dim)  the model's dtype, or fp8 e4m3
+//   value_cache  same
+//   block_tables (num_seqs, max_blocks_per_seq) int32
+//   seq_lens     (num_seqs,) int32: tokens of KV per sequence, the new one included
+//   returns      (num_seqs, num_heads, head_dim), the query's dtype
+//
+// A work item is one sequence (or, with few sequences, one sequence's KV head): it reads each KV head once
+// for all `group` query heads that share it (GQA). Items are spread over torch's own thread pool
+// (at::parallel_for).
+// Softmax is the exact two-pass form (max first), in fp32, like the reference; only the order of the fp32
+// sums differs from it, so results agree to about 1e-6 (tests/test_cpu_attention.py).
+
+#include <ATen/ATen.h>
+#include <ATen/Parallel.h>
+#include <torch/library.h>
+
+#include <algorithm>
+#include <cmath>
+#include <limits>
+#include <vector>
+
+namespace {
+
+inline float to_float(float x) { return x; }
+inline float to_float(c10::BFloat16 x) { return static_cast<float>(x); }
+inline float to_float(c10::Half x) { return static_cast<float>(x); }
+inline float to_float(c10::Float8_e4m3fn x) { return static_cast<float>(x); }
+
+template <typename Q, typename C>
+void decode(const Q* query, const C* key_cache, const C* value_cache, const int32_t* block_tables,
+            const int32_t* seq_lens, Q* out, int64_t num_seqs, int64_t num_heads, int64_t num_kv_heads,
+            int64_t head_dim, int64_t block_size, int64_t max_blocks, float scale, float v_scale) {
+  const int64_t group = num_heads / num_kv_heads;
+  const int64_t token_stride = num_kv_heads * head_dim;       // elements from one cached token to the next
+  const int64_t block_stride = block_size * token_stride;
+  // A work item is one sequence and `span` of its KV heads. All of them when there are enough sequences to
+  // keep every thread busy: then an item reads each of its blocks front to back (one token's heads are
+  // adjacent), which streams from memory; one head per item otherwise (batch 1 still uses every thread).
+  const int64_t span = num_seqs >= 4 * at::get_num_threads() ? num_kv_heads : 1;
+  const int64_t items_per_seq = num_kv_heads / span;
+  const int64_t rows = span * group;                           // query heads of one item
+  at::parallel_for(0, num_seqs * items_per_seq, 1, [&](int64_t begin, int64_t end) {
+    std::vector<float> q(rows * head_dim), acc(rows * head_dim), total(rows), scores;
+    for (int64_t item = begin; item < end; ++item) {
+      const int64_t seq = item / items_per_seq, kv_head0 = (item % items_per_seq) * span;
+      const int64_t len = seq_lens[seq];
+      const int32_t* table = block_tables + seq * max_blocks;
+      // The item's query rows, in fp32, pre-multiplied by the softmax scale. Query head kv_head * group + g
+      // reads KV head kv_head, so the rows of heads kv_head0 ... kv_head0 + span - 1 are adjacent.
+      const Q* q_in = query + (seq * num_heads + kv_head0 * group) * head_dim;
+      for (int64_t i = 0; i < rows * head_dim; ++i) q[i] = to_float(q_in[i]) * scale;
+      scores.resize(rows * len);                                 // scores[r * len + t]
+
+      // Pass 1: scores = q . k for every cached token t (block table[t / block_size], slot t % block_size).
+      for (int64_t t = 0; t < len; ++t) {
+        const C* k_tok = key_cache + table[t / block_size] * block_stride + (t % block_size) * token_stride;
+        for (int64_t r = 0; r < rows; ++r) {
+          const C* k = k_tok + (kv_head0 + r / group) * head_dim;
+          const float* qr = q.data() + r * head_dim;
+          float dot = 0.f;
+#pragma omp simd reduction(+ : dot)
+          for (int64_t d = 0; d < head_dim; ++d) dot += qr[d] * to_float(k[d]);
+          scores[r * len + t] = dot;
+        }
+      }
+      // Softmax over t, per query row: p = exp(s - max), normalised at the end.
+      for (int64_t r = 0; r < rows; ++r) {
+        float* s = scores.data() + r * len;
+        const float m = *std::max_element(s, s + len);
+        float sum = 0.f;
+#pragma omp simd reduction(+ : sum)
+        for (int64_t t = 0; t < len; ++t) {
+          s[t] = std::exp(s[t] - m);
+          sum += s[t];
+        }
+        total[r] = sum;
+      }
+      // Pass 2: acc = sum_t p_t * v_t.
+      std::fill(acc.begin(), acc.end(), 0.f);
+      for (int64_t t = 0; t < len; ++t) {
+        const C* v_tok = value_cache + table[t / block_size] * block_stride + (t % block_size) * token_stride;
+        for (int64_t r = 0; r < rows; ++r) {
+          const C* v = v_tok + (kv_head0 + r / group) * head_dim;
+          const float p = scores[r * len + t];
+          float* a = acc.data() + r * head_dim;
+#pragma omp simd
+          for (int64_t d = 0; d < head_dim; ++d) a[d] += p * to_float(v[d]);
+        }
+      }
+      Q* o = out + (seq * num_heads + kv_head0 * group) * head_dim;
+      for (int64_t r = 0; r < rows; ++r) {
+        const float norm = v_scale / total[r];                  // an fp8 cache holds V / v_scale
+        for (int64_t d = 0; d < head_dim; ++d) o[r * head_dim + d] = static_cast<Q>(acc[r * head_dim + d] * norm);
+      }
+    }
+  });
+}
+
+template <typename Q, typename C>
+void run(const at::Tensor& query, const at::Tensor& key_cache, const at::Tensor& value_cache,
+         const at::Tensor& block_tables, const at::Tensor& seq_lens, at::Tensor& out, double scale,
+         double v_scale) {
+  decode<Q, C>(query.data_ptr<Q>(), key_cache.data_ptr<C>(), value_cache.data_ptr<C>(),
+               block_tables.data_ptr<int32_t>(), seq_lens.data_ptr<int32_t>(), out.data_ptr<Q>(),
+               query.size(0), query.size(1), key_cache.size(2), query.size(2), key_cache.size(1),
+               block_tables.size(1), static_cast<float>(scale), static_cast<float>(v_scale));
+}
+
+at::Tensor paged_decode_attention(const at::Tensor& query, const at::Tensor& key_cache,
+                                  const at::Tensor& value_cache, const at::Tensor& block_tables,
+                                  const at::Tensor& seq_lens, double scale, double k_scale, double v_scale) {
+  TORCH_CHECK(query.dim() == 3 && key_cache.dim() == 4, "query (num_seqs, num_heads, head_dim) and a cache "
+              "(num_blocks, block_size, num_kv_heads, head_dim) expected");
+  TORCH_CHECK(query.is_contiguous() && key_cache.is_contiguous() && value_cache.is_contiguous() &&
+              block_tables.is_contiguous() && seq_lens.is_contiguous(), "contiguous tensors expected");
+  TORCH_CHECK(block_tables.scalar_type() == at::kInt && seq_lens.scalar_type() == at::kInt,
+              "block_tables and seq_lens must be int32");
+  TORCH_CHECK(query.size(1) % key_cache.size(2) == 0, "num_heads must be a multiple of num_kv_heads");
+  TORCH_CHECK(query.size(2) == key_cache.size(3), "query and cache head_dim differ");
+  at::Tensor out = at::empty_like(query);
+  const double qk_scale = scale * k_scale;                      // an fp8 cache holds K / k_scale
+  const auto qt = query.scalar_type(), ct = key_cache.scalar_type();
+  const bool fp8 = ct == at::kFloat8_e4m3fn;
+  TORCH_CHECK(fp8 || ct == qt, "the cache's dtype must be the query's, or fp8 e4m3");
+  if (qt == at::kFloat) {
+    fp8 ? run<float, c10::Float8_e4m3fn>(query, key_cache, value_cache, block_tables, seq_lens, out, qk_scale, v_scale)
+        : run<float, float>(query, key_cache, value_cache, block_tables, seq_lens, out, qk_scale, v_scale);
+  } else if (qt == at::kBFloat16) {
+    fp8 ? run<c10::BFloat16, c10::Float8_e4m3fn>(query, key_cache, value_cache, block_tables, seq_lens, out, qk_scale, v_scale)
+        : run<c10::BFloat16, c10::BFloat16>(query, key_cache, value_cache, block_tables, seq_lens, out, qk_scale, v_scale);
+  } else if (qt == at::kHalf) {
+    fp8 ? run<c10::Half, c10::Float8_e4m3fn>(query, key_cache, value_cache, block_tables, seq_lens, out, qk_scale, v_scale)
+        : run<c10::Half, c10::Half>(query, key_cache, value_cache, block_tables, seq_lens, out, qk_scale, v_scale);
+  } else {
+    TORCH_CHECK(false, "paged_decode_attention: query dtype ", qt, " is not float32, bfloat16 or float16");
+  }
+  return out;
+}
+
+}  // namespace
+
+TORCH_LIBRARY(minivllm_cpu, m) {
+  m.def("paged_decode_attention(Tensor query, Tensor key_cache, Tensor value_cache, Tensor block_tables, "
+        "Tensor seq_lens, float scale, float k_scale, float v_scale) -> Tensor");
+}
+
+TORCH_LIBRARY_IMPL(minivllm_cpu, CPU, m) { m.impl("paged_decode_attention", &paged_decode_attention); }

@@ -1,0 +1,78 @@
+"""The CPU kernels, in C++ (`cpu_attention.cpp`), built on first use with the machine's C++ compiler.
+
+    paged_decode_attention   same signature as reference.paged_decode_attention / triton_ops'; reads K and V
+                             straight from the paged cache (no gather), one (sequence, KV head) per work item
+
+`load()` compiles the source once per machine with torch's cpp_extension (about 30 s; cached under
+TORCH_EXTENSIONS_DIR, ~/.cache/torch_extensions by default) and registers `torch.ops.minivllm_cpu`.
+With no compiler, or MINIVLLM_CPU_KERNELS=0, `available()` is False with the reason in `unavailable_reason()`,
+and the serving path stays on the PyTorch reference (model/attention.py picks).
+"""
+
+from __future__ import annotations
+
+import hashlib
+import os
+import platform
+import shutil
+from pathlib import Path
+
+import torch
+
+_SOURCE = Path(__file__).with_name("cpu_attention.cpp")
+# -ffast-math lets GCC vectorize expf (glibc's SIMD exp) and reorder fp32 sums; it is a compile flag only, never
+# a link flag: linked into a shared library it would set flush-to-zero for the whole process (a test checks).
+_CFLAGS = ["-O3", "-march=native", "-fopenmp", "-ffast-math"]
+_state: dict = {}          # "ops" (the loaded namespace) or "error" (why not), set by the first load()
+
+
+def _build_name() -> str:
+    """Extension name: changes when the source or the machine's CPU does, since it is built with -march=native."""
+    flags = ""
+    if Path("/proc/cpuinfo").exists():
+        flags = next((line for line in Path("/proc/cpuinfo").read_text().splitlines() if line.startswith("flags")), "")
+    digest = hashlib.sha1(_SOURCE.read_bytes() + " ".join(_CFLAGS + [flags, platform.machine()]).encode()).hexdigest()[:10]
+    return f"minivllm_cpu_{digest}"
+
+
+def load():
+    """Builds (first time) and loads the extension; returns torch.ops.minivllm_cpu, or raises RuntimeError."""
+    if "ops" in _state:
+        return _state["ops"]
+    if "error" in _state:
+        raise RuntimeError(_state["error"])
+    try:
+        if os.environ.get("MINIVLLM_CPU_KERNELS", "1") == "0":
+            raise RuntimeError("MINIVLLM_CPU_KERNELS=0")
+        if shutil.which(os.environ.get("CXX", "c++")) is None:
+            raise RuntimeError("no C++ compiler on PATH (install g++, or set CXX)")
+        from torch.utils import cpp_extension
+        cpp_extension.load(name=_build_name(), sources=[str(_SOURCE)], is_python_module=False,
+                           extra_cflags=_CFLAGS, extra_ldflags=["-fopenmp"])
+        _state["ops"] = torch.ops.minivllm_cpu
+    except Exception as exc:     # noqa: BLE001 (any build failure means: serve with the reference instead)
+        _state["error"] = f"the C++ CPU kernels could not be built: {exc}"
+        raise RuntimeError(_state["error"]) from exc
+    return _state["ops"]
+
+
+def available() -> bool:
+    try:
+        load()
+    except RuntimeError:
+        return False
+    return True
+
+
+def unavailable_reason() -> str | None:
+    return None if available() else _state["error"]
+
+
+def paged_decode_attention(query: torch.Tensor, key_cache: torch.Tensor, value_cache: torch.Tensor,
+                           block_tables: torch.Tensor, seq_lens: torch.Tensor, scale: float,
+                           k_scale: float = 1.0, v_scale: float = 1.0) -> torch.Tensor:
+    """query (num_seqs, num_heads, head_dim) -> (num_seqs, num_heads, head_dim), as the reference's."""
+    return load().paged_decode_attention(query.contiguous(), key_cache, value_cache,
+                                         block_tables.to(torch.int32).contiguous(),
+                                         seq_lens.to(torch.int32).contiguous(), float(scale),
+                                         float(k_scale), float(v_scale))
