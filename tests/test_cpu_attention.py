@@ -1,0 +1,140 @@
+"""The C++ CPU decode kernel (kernels/cpu_attention.cpp via kernels/cpu_ops.py) against the PyTorch reference,
+and the serving path that uses it (attention_backend 'cpu', the CPU default when a compiler is there)."""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+
+import pytest
+import torch
+
+from minivllm.model._kernels import kernels
+from oracle import PROMPTS, hf_greedy
+
+ref = kernels.reference
+cpu_ops = kernels.cpu_ops
+
+pytestmark = pytest.mark.skipif(not cpu_ops.available(), reason="no C++ compiler: the CPU kernels are not built")
+
+
+def _case(num_seqs, heads, kv_heads, head_dim, block_size, dtype, max_len=300, seed=0):
+    g = torch.Generator().manual_seed(seed)
+    max_blocks = -(-max_len // block_size)
+    num_blocks = num_seqs * max_blocks + 7
+    key_cache = torch.randn(num_blocks, block_size, kv_heads, head_dim, generator=g).to(dtype)
+    value_cache = torch.randn(num_blocks, block_size, kv_heads, head_dim, generator=g).to(dtype)
+    # Scattered, non-repeating blocks, and ragged lengths that include 1 and a full last block.
+    tables = torch.randperm(num_blocks, generator=g)[:num_seqs * max_blocks].view(num_seqs, max_blocks)
+    lens = torch.randint(1, max_len + 1, (num_seqs,), generator=g)
+    lens[0] = 1
+    if num_seqs > 1:
+        lens[1] = block_size * 2
+    query = torch.randn(num_seqs, heads, head_dim, generator=g).to(dtype)
+    return query, key_cache, value_cache, tables.to(torch.int32), lens.to(torch.int32)
+
+
+@pytest.mark.parametrize("num_seqs", [1, 3, 37])            # 1 and 3: one KV head per work item; 37: whole sequences
+@pytest.mark.parametrize("heads,kv_heads,head_dim", [(9, 3, 64), (8, 8, 128), (8, 2, 64), (4, 1, 32)])
+@pytest.mark.parametrize("block_size", [1, 16, 32])
+def test_decode_kernel_equals_the_reference_fp32(num_seqs, heads, kv_heads, head_dim, block_size):
+    query, kc, vc, tables, lens = _case(num_seqs, heads, kv_heads, head_dim, block_size, torch.float32)
+    want = ref.paged_decode_attention(query, kc, vc, tables, lens, head_dim ** -0.5)
+    got = cpu_ops.paged_decode_attention(query, kc, vc, tables, lens, head_dim ** -0.5)
+    assert got.shape == want.shape and got.dtype == torch.float32
+    torch.testing.assert_close(got, want, atol=2e-6, rtol=2e-5)
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+@pytest.mark.parametrize("num_seqs", [2, 33])
+def test_decode_kernel_half_precision_is_within_one_rounding_of_fp32(dtype, num_seqs):
+    """bf16/fp16 in, fp32 inside: the answer is the fp32 attention over the same rounded inputs, rounded once."""
+    query, kc, vc, tables, lens = _case(num_seqs, 9, 3, 64, 16, dtype)
+    got = cpu_ops.paged_decode_attention(query, kc, vc, tables, lens, 0.125)
+    exact = ref.paged_decode_attention(query.float(), kc.float(), vc.float(), tables, lens, 0.125)
+    assert got.dtype == dtype
+    eps = torch.finfo(dtype).eps
+    assert ((got.float() - exact).abs() <= eps * exact.abs() + 1e-6).all()
+
+
+@pytest.mark.parametrize("model_dtype", [torch.float32, torch.bfloat16])
+def test_decode_kernel_over_an_fp8_cache_equals_the_reference(model_dtype):
+    query, kc, vc, tables, lens = _case(17, 9, 3, 64, 16, torch.float32)
+    k_scale, v_scale = 0.05, 0.02
+    kq, vq = ref.quantize_fp8(kc, k_scale), ref.quantize_fp8(vc, v_scale)
+    query = query.to(model_dtype)
+    want = ref.paged_decode_attention(query, kq, vq, tables, lens, 0.125, k_scale=k_scale, v_scale=v_scale,
+                                      compute_dtype=torch.float32)
+    got = cpu_ops.paged_decode_attention(query, kq, vq, tables, lens, 0.125, k_scale=k_scale, v_scale=v_scale)
+    tol = 2e-5 if model_dtype == torch.float32 else 1e-2
+    torch.testing.assert_close(got.float(), want.float(), atol=tol, rtol=tol)
+
+
+def test_decode_kernel_refuses_bad_input_with_a_clear_error():
+    query, kc, vc, tables, lens = _case(2, 9, 3, 64, 16, torch.float32)
+    with pytest.raises(RuntimeError, match="cache's dtype"):
+        cpu_ops.paged_decode_attention(query, kc.half(), vc.half(), tables, lens, 0.125)
+    with pytest.raises(RuntimeError, match="multiple of num_kv_heads"):
+        cpu_ops.paged_decode_attention(torch.randn(2, 8, 64), kc, vc, tables, lens, 0.125)
+
+
+def test_loading_the_kernels_does_not_flush_denormals():
+    """The library is compiled with -ffast-math but not linked with it; linked, GCC adds crtfastmath.o, which
+    sets flush-to-zero for the whole process and would change every fp32 op in torch."""
+    cpu_ops.load()
+    tiny = torch.tensor([1e-39])
+    assert (tiny * 1.0).item() > 0
+    code = ("import torch; from minivllm.model._kernels import kernels; kernels.cpu_ops.load(); "
+            "print((torch.tensor([1e-39]) * 1.0).item())")
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=600)
+    assert float(out.stdout.strip()) > 0, out.stderr
+
+
+def test_the_cpu_default_serves_through_the_kernel_and_matches_hf_and_the_reference(model_dir, hf_model,
+                                                                                     monkeypatch):
+    """auto on a CPU picks 'cpu'; its decode steps call the C++ kernel (counted), and greedy output equals
+    Hugging Face's and the PyTorch reference backend's, token for token."""
+    from minivllm import LLM, SamplingParams
+
+    calls = []
+    real = cpu_ops.paged_decode_attention
+    monkeypatch.setattr(cpu_ops, "paged_decode_attention",
+                        lambda q, *a, **kw: calls.append(q.shape[0]) or real(q, *a, **kw))
+    params = SamplingParams(temperature=0, max_tokens=24)
+    outs = {}
+    for backend in ("auto", "torch"):
+        llm = LLM(str(model_dir), dtype="float32", device="cpu", num_kv_blocks=256, attention_backend=backend)
+        assert llm.llm_engine.model_runner.backend.name == ("cpu" if backend == "auto" else "torch")
+        outs[backend] = [list(o.outputs[0].token_ids) for o in llm.generate(PROMPTS, params)]
+        llm.shutdown()
+        if backend == "auto":
+            assert max(calls) == len(PROMPTS)          # the batched decode steps ran in C++
+            seen = len(calls)
+    assert len(calls) == seen                          # ...and the reference backend never called it
+    assert outs["auto"] == outs["torch"]
+    from transformers import AutoTokenizer
+    tokenizer = AutoTokenizer.from_pretrained(model_dir)
+    for prompt, got in zip(PROMPTS, outs["auto"]):
+        ids = tokenizer(prompt)["input_ids"]
+        want = hf_greedy(hf_model, ids, 24)
+        n = want.index(tokenizer.eos_token_id) + 1 if tokenizer.eos_token_id in want else 24
+        assert got == want[:n]
+
+
+def test_without_the_kernels_the_cpu_serves_with_the_reference_and_says_why(model_dir):
+    """MINIVLLM_CPU_KERNELS=0 (as a machine without a C++ compiler): auto falls back to 'torch'; asking for
+    'cpu' by name is refused with the reason and the fix."""
+    code = (
+        "from minivllm import LLM\n"
+        f"llm = LLM({str(model_dir)!r}, dtype='float32', num_kv_blocks=64)\n"
+        "print(llm.llm_engine.model_runner.backend.name)\n"
+        "try:\n"
+        f"    LLM({str(model_dir)!r}, dtype='float32', num_kv_blocks=64, attention_backend='cpu')\n"
+        "except ValueError as e:\n"
+        "    print('refused:', e)\n")
+    env = dict(os.environ, MINIVLLM_CPU_KERNELS="0")
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=600, env=env)
+    lines = out.stdout.strip().splitlines()
+    assert lines[0] == "torch", out.stderr[-2000:]
+    assert "MINIVLLM_CPU_KERNELS=0" in lines[1] and "attention_backend='torch'" in lines[1]
