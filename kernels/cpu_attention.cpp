@@ -149,7 +149,7 @@ at::Tensor paged_decode_attention(const at::Tensor& query, const at::Tensor& key
 
 }  // namespace
 
-TORCH_LIBRARY(minivllm_cpu, m) {
+TORCH_LIBRARY_FRAGMENT(minivllm_cpu, m) {
   m.def("paged_decode_attention(Tensor query, Tensor key_cache, Tensor value_cache, Tensor block_tables, "
         "Tensor seq_lens, float scale, float k_scale, float v_scale) -> Tensor");
 }

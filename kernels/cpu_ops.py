@@ -1,7 +1,11 @@
-"""The CPU kernels, in C++ (`cpu_attention.cpp`), built on first use with the machine's C++ compiler.
+"""The CPU kernels, in C++ (`cpu_attention.cpp`, `cpu_layers.cpp`), built on first use with the machine's
+C++ compiler.
 
     paged_decode_attention   same signature as reference.paged_decode_attention / triton_ops'; reads K and V
-                             straight from the paged cache (no gather), one (sequence, KV head) per work item
+                             straight from the paged cache (no gather), a sequence per work item
+    rms_norm                 layers.RMSNorm (with the residual add), one pass per row
+    silu_and_mul             layers.SiluAndMul: silu(gate) * up
+    rotary_embedding         layers.RotaryEmbedding's rotation of q and k
 
 `load()` compiles the source once per machine with torch's cpp_extension (about 30 s; cached under
 TORCH_EXTENSIONS_DIR, ~/.cache/torch_extensions by default) and registers `torch.ops.minivllm_cpu`.
@@ -19,7 +23,7 @@ from pathlib import Path
 
 import torch
 
-_SOURCE = Path(__file__).with_name("cpu_attention.cpp")
+_SOURCES = [Path(__file__).with_name(name) for name in ("cpu_attention.cpp", "cpu_layers.cpp")]
 # -ffast-math lets GCC vectorize expf (glibc's SIMD exp) and reorder fp32 sums; it is a compile flag only, never
 # a link flag: linked into a shared library it would set flush-to-zero for the whole process (a test checks).
 _CFLAGS = ["-O3", "-march=native", "-fopenmp", "-ffast-math"]
@@ -31,7 +35,7 @@ def _build_name() -> str:
     flags = ""
     if Path("/proc/cpuinfo").exists():
         flags = next((line for line in Path("/proc/cpuinfo").read_text().splitlines() if line.startswith("flags")), "")
-    digest = hashlib.sha1(_SOURCE.read_bytes() + " ".join(_CFLAGS + [flags, platform.machine()]).encode()).hexdigest()[:10]
+    digest = hashlib.sha1(b"".join(p.read_bytes() for p in _SOURCES) + " ".join(_CFLAGS + [flags, platform.machine()]).encode()).hexdigest()[:10]
     return f"minivllm_cpu_{digest}"
 
 
@@ -47,7 +51,7 @@ def load():
         if shutil.which(os.environ.get("CXX", "c++")) is None:
             raise RuntimeError("no C++ compiler on PATH (install g++, or set CXX)")
         from torch.utils import cpp_extension
-        cpp_extension.load(name=_build_name(), sources=[str(_SOURCE)], is_python_module=False,
+        cpp_extension.load(name=_build_name(), sources=[str(p) for p in _SOURCES], is_python_module=False,
                            extra_cflags=_CFLAGS, extra_ldflags=["-fopenmp"])
         _state["ops"] = torch.ops.minivllm_cpu
     except Exception as exc:     # noqa: BLE001 (any build failure means: serve with the reference instead)
@@ -76,3 +80,24 @@ def paged_decode_attention(query: torch.Tensor, key_cache: torch.Tensor, value_c
                                          block_tables.to(torch.int32).contiguous(),
                                          seq_lens.to(torch.int32).contiguous(), float(scale),
                                          float(k_scale), float(v_scale))
+
+
+def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float, residual: torch.Tensor | None = None):
+    """x (..., size) -> norm(x) * weight; with `residual`, (norm(x + residual) * weight, x + residual)."""
+    shape = x.shape
+    x2 = x.reshape(-1, shape[-1])
+    if residual is None:
+        return load().rms_norm(x2, weight, float(eps)).view(shape)
+    out, added = load().fused_add_rms_norm(x2, residual.reshape(-1, shape[-1]).contiguous(), weight, float(eps))
+    return out.view(shape), added.view(shape)
+
+
+def silu_and_mul(x: torch.Tensor) -> torch.Tensor:
+    """x (rows, 2 * n) -> silu(x[:, :n]) * x[:, n:], (rows, n)."""
+    return load().silu_and_mul(x.contiguous())
+
+
+def rotary_embedding(positions: torch.Tensor, q: torch.Tensor, k: torch.Tensor, cos: torch.Tensor,
+                     sin: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """q (tokens, heads, d), k (tokens, kv_heads, d) rotated at `positions`; cos, sin fp32 (max_position, d / 2)."""
+    return load().rotary_embedding(positions.long().contiguous(), q, k, cos, sin)

@@ -82,6 +82,15 @@ def _custom_ops(spec: str) -> frozenset[str]:
 CUSTOM_OPS = _custom_ops(os.environ.get("MINIVLLM_CUSTOM_OPS", ""))    # read once, at import
 
 
+def _cpu_kernels(x: torch.Tensor) -> bool:
+    """On a CPU, the small layers run as fused C++ ops (kernels/cpu_layers.cpp) when they build (a C++
+    compiler is there, MINIVLLM_CPU_KERNELS is not 0); else their PyTorch code (forward_native)."""
+    if x.device.type != "cpu":
+        return False
+    from minivllm.model._kernels import kernels
+    return kernels.cpu_ops.available()
+
+
 def _shard(loaded, dim: int, rank: int, size: int) -> torch.Tensor:
     """This rank's 1/size of `loaded` along `dim`. `loaded` is a tensor or a lazy safetensors slice
     (model_loader.py), so a rank reads only its own shard from disk."""
@@ -205,10 +214,14 @@ class RMSNorm(nn.Module):
     def forward(self, x: torch.Tensor, residual: torch.Tensor | None = None):
         """With `residual`: returns (norm(x + residual), x + residual), the fused pre-norm step.
         On CUDA, with MINIVLLM_CUSTOM_OPS=+rms_norm, one Triton kernel does it (vLLM's custom-op switch; off by
-        default until it is measured on a GPU); everywhere else, forward_native."""
+        default until it is measured on a GPU); on a CPU one C++ pass per row (rows must be contiguous:
+        Qwen3's per-head norm of a qkv view is not, and stays native); everywhere else, forward_native."""
         if x.is_cuda and "rms_norm" in CUSTOM_OPS:
             from minivllm.model._kernels import kernels
             return kernels.triton_ops.rms_norm(x, self.weight, self.eps, residual)
+        if x.is_contiguous() and _cpu_kernels(x):
+            from minivllm.model._kernels import kernels
+            return kernels.cpu_ops.rms_norm(x, self.weight, self.eps, residual)
         return self.forward_native(x, residual)
 
     def forward_native(self, x: torch.Tensor, residual: torch.Tensor | None = None):
@@ -219,6 +232,22 @@ class RMSNorm(nn.Module):
         xf = x.float()
         y = (xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + self.eps)).to(dtype) * self.weight
         return y if residual is None else (y, residual)
+
+
+class SiluAndMul(nn.Module):
+    """The gated MLP's activation: x (rows, 2 * n) = [gate | up] -> silu(gate) * up (rows, n). On a CPU one C++
+    pass (kernels/cpu_layers.cpp); elsewhere forward_native."""
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if _cpu_kernels(x):
+            from minivllm.model._kernels import kernels
+            return kernels.cpu_ops.silu_and_mul(x)
+        return self.forward_native(x)
+
+    @staticmethod
+    def forward_native(x: torch.Tensor) -> torch.Tensor:
+        gate, up = x.chunk(2, dim=-1)
+        return F.silu(gate) * up
 
 
 class RotaryEmbedding(nn.Module):
@@ -240,7 +269,13 @@ class RotaryEmbedding(nn.Module):
         self.register_buffer("sin", freqs.sin(), persistent=False)
 
     def forward(self, positions: torch.Tensor, q: torch.Tensor, k: torch.Tensor):
-        # q (num_tokens, num_heads, head_dim), k (num_tokens, num_kv_heads, head_dim)
+        # q (num_tokens, num_heads, head_dim), k (num_tokens, num_kv_heads, head_dim); on a CPU one C++ pass
+        if _cpu_kernels(q):
+            from minivllm.model._kernels import kernels
+            return kernels.cpu_ops.rotary_embedding(positions, q, k, self.cos, self.sin)
+        return self.forward_native(positions, q, k)
+
+    def forward_native(self, positions: torch.Tensor, q: torch.Tensor, k: torch.Tensor):
         cos = self.cos[positions].unsqueeze(1)                         # (num_tokens, 1, head_dim / 2)
         sin = self.sin[positions].unsqueeze(1)
         return _rotate(q, cos, sin), _rotate(k, cos, sin)

@@ -20,7 +20,7 @@ from torch import nn
 
 from minivllm.model.attention import AttentionBackend, AttentionMetadata
 from minivllm.model.layers import (MergedColumnParallelLinear, PPStage, ParallelLMHead, QKVParallelLinear, RMSNorm,
-                             RotaryEmbedding, RowParallelLinear, TPGroup, VocabParallelEmbedding)
+                             RotaryEmbedding, RowParallelLinear, SiluAndMul, TPGroup, VocabParallelEmbedding)
 
 SUPPORTED_ARCHITECTURES = ("LlamaForCausalLM", "Qwen2ForCausalLM", "Qwen3ForCausalLM")
 _MODEL_TYPE_TO_ARCH = {"llama": "LlamaForCausalLM", "qwen2": "Qwen2ForCausalLM", "qwen3": "Qwen3ForCausalLM"}
@@ -130,10 +130,11 @@ class LlamaMLP(nn.Module):
         super().__init__()
         self.gate_up_proj = MergedColumnParallelLinear(cfg.hidden_size, [cfg.intermediate_size] * 2, False, tp)
         self.down_proj = RowParallelLinear(cfg.intermediate_size, cfg.hidden_size, False, tp)
+        self.act_fn = SiluAndMul()
 
     def forward(self, x):
-        gate, up = self.gate_up_proj(x).chunk(2, dim=-1)                      # (n, intermediate / tp) each
-        return self.down_proj(nn.functional.silu(gate) * up)
+        gate_up = self.gate_up_proj(x)                                        # (n, 2 * intermediate / tp)
+        return self.down_proj(self.act_fn(gate_up))                           # silu(gate) * up: (n, intermediate / tp)
 
 
 class LlamaDecoderLayer(nn.Module):
