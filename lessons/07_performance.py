@@ -47,6 +47,7 @@ import os
 
 os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")   # the tokenizer would warn on stderr after a fork
 os.environ.setdefault("KINETO_LOG_LEVEL", "6")   # silence the profiler's own log lines; read once, as torch loads
+os.environ["MINIVLLM_CPU_KERNELS"] = "0"     # the PyTorch reference path, op by op (section 1 says why)
 
 import warnings
 
@@ -81,9 +82,14 @@ torch.set_num_threads(1)     # one thread: on a busy 2-core machine two threads 
 # greedy, `ignore_eos` so that none stops early. Prompts are short (16-64 tokens) so that the prefill, the
 # expensive part on a CPU, takes only a few seconds. We drive the engine ourselves with `add_request` and
 # `step()`, as in lesson 00.
+#
+# This lesson studies the **PyTorch reference path** (`attention_backend="torch"`, and the small layers in
+# plain PyTorch: `MINIVLLM_CPU_KERNELS=0`, set in the first cell), the one you can read op by op. minivllm's CPU default has since moved the decode attention
+# and the small layers into C++ kernels (lesson 11, section 5), which the profiler shows as single ops;
+# everything measured here still holds for the reference, and the lessons build on it.
 
 # %%
-llm = LLM(num_kv_blocks=256, seed=0)
+llm = LLM(num_kv_blocks=256, seed=0, attention_backend="torch")
 engine = llm.llm_engine
 cfg = engine.model_config
 NUM_REQUESTS = 32
