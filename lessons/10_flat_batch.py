@@ -330,7 +330,8 @@ plt.show()
 # %% [markdown]
 # ## 6. One backend call for the mixed step
 #
-# `TorchAttentionBackend.forward` (`minivllm/model/attention.py`) first stores every row's K and V at its slot
+# `TorchAttentionBackend.forward` (`minivllm/model/attention.py`; the engine here runs its subclass
+# `CpuAttentionBackend`, backend `cpu`, which differs only in sending the decode rows to a C++ kernel) first stores every row's K and V at its slot
 # (one `index_copy_` over the whole batch). Then, because `max_q_len` is 14, the step is not a pure decode. In a
 # mixed step it splits the rows: sequences with `q_len == 1` (A and B) go together through the batched decode
 # path, the others (C) through `paged_prefill_attention`, and the results are put back in the flat batch's rows.
@@ -346,7 +347,7 @@ q = torch.randn(n_rows, heads, head_dim)
 k, v = torch.randn(n_rows, kv_heads, head_dim), torch.randn(n_rows, kv_heads, head_dim)
 key_cache, value_cache = (x.clone() for x in runner.kv_caches[0])
 scale = head_dim ** -0.5
-backend = TorchAttentionBackend()       # the engine's class; a fresh one (its buffers belong to the engine's steps)
+backend = TorchAttentionBackend()       # the reference; a fresh one (its buffers belong to the engine's steps)
 mixed = backend.forward(q, k, v, key_cache, value_cache, meta, scale)        # stores K/V, then attends
 as_prefills = kernels.reference.paged_prefill_attention(q, key_cache, value_cache, meta.block_tables,
                                                         meta.cu_seqlens_q, meta.seq_lens, scale)
