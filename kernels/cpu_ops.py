@@ -7,7 +7,7 @@ C++ compiler.
     silu_and_mul             layers.SiluAndMul: silu(gate) * up
     rotary_embedding         layers.RotaryEmbedding's rotation of q and k
 
-`load()` compiles the source once per machine with torch's cpp_extension (about 30 s; cached under
+`load()` compiles the sources once per machine with torch's cpp_extension (about 12 s here; cached under
 TORCH_EXTENSIONS_DIR, ~/.cache/torch_extensions by default) and registers `torch.ops.minivllm_cpu`.
 With no compiler, or MINIVLLM_CPU_KERNELS=0, `available()` is False with the reason in `unavailable_reason()`,
 and the serving path stays on the PyTorch reference (model/attention.py picks).
@@ -35,7 +35,8 @@ def _build_name() -> str:
     flags = ""
     if Path("/proc/cpuinfo").exists():
         flags = next((line for line in Path("/proc/cpuinfo").read_text().splitlines() if line.startswith("flags")), "")
-    digest = hashlib.sha1(b"".join(p.read_bytes() for p in _SOURCES) + " ".join(_CFLAGS + [flags, platform.machine()]).encode()).hexdigest()[:10]
+    key = b"".join(p.read_bytes() for p in _SOURCES) + " ".join(_CFLAGS + [flags, platform.machine()]).encode()
+    digest = hashlib.sha1(key).hexdigest()[:10]
     return f"minivllm_cpu_{digest}"
 
 

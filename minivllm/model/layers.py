@@ -21,6 +21,7 @@ import torch.distributed as dist
 import torch.nn.functional as F
 from torch import nn
 
+from minivllm.model._kernels import kernels
 from minivllm.model.cpu_gemm import gemm
 
 
@@ -87,7 +88,6 @@ def _cpu_kernels(x: torch.Tensor) -> bool:
     compiler is there, MINIVLLM_CPU_KERNELS is not 0); else their PyTorch code (forward_native)."""
     if x.device.type != "cpu":
         return False
-    from minivllm.model._kernels import kernels
     return kernels.cpu_ops.available()
 
 
@@ -217,10 +217,8 @@ class RMSNorm(nn.Module):
         default until it is measured on a GPU); on a CPU one C++ pass per row (rows must be contiguous:
         Qwen3's per-head norm of a qkv view is not, and stays native); everywhere else, forward_native."""
         if x.is_cuda and "rms_norm" in CUSTOM_OPS:
-            from minivllm.model._kernels import kernels
             return kernels.triton_ops.rms_norm(x, self.weight, self.eps, residual)
         if x.is_contiguous() and _cpu_kernels(x):
-            from minivllm.model._kernels import kernels
             return kernels.cpu_ops.rms_norm(x, self.weight, self.eps, residual)
         return self.forward_native(x, residual)
 
@@ -240,7 +238,6 @@ class SiluAndMul(nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if _cpu_kernels(x):
-            from minivllm.model._kernels import kernels
             return kernels.cpu_ops.silu_and_mul(x)
         return self.forward_native(x)
 
@@ -271,7 +268,6 @@ class RotaryEmbedding(nn.Module):
     def forward(self, positions: torch.Tensor, q: torch.Tensor, k: torch.Tensor):
         # q (num_tokens, num_heads, head_dim), k (num_tokens, num_kv_heads, head_dim); on a CPU one C++ pass
         if _cpu_kernels(q):
-            from minivllm.model._kernels import kernels
             return kernels.cpu_ops.rotary_embedding(positions, q, k, self.cos, self.sin)
         return self.forward_native(positions, q, k)
 
