@@ -85,3 +85,20 @@ def test_a_seeded_request_keeps_its_cpu_generator_on_a_cpu():
     g = reqs[0].generator
     Sampler(0)(torch.randn(1, 50), reqs)
     assert reqs[0].generator is g                  # no new generator: the same random stream as before
+
+
+def test_draw_from_never_picks_a_zero_weight_token_even_at_the_ends_of_u():
+    """The inverse CDF: u = 0 takes the first token with weight, u just below 1 the last one; weight-0 tokens
+    (first, middle and last of the row) are never drawn, and unnormalised rows draw as their normalised selves."""
+    from minivllm.worker.sampler import draw_from
+    weights = torch.tensor([[0.0, 0.25, 0.0, 0.5, 0.25, 0.0],
+                            [0.0, 0.0, 3.0, 0.0, 1.0, 0.0]])
+    lowest, highest = torch.zeros(2, dtype=torch.float64), torch.full((2,), 1 - 2 ** -53, dtype=torch.float64)
+    assert draw_from(weights, lowest).tolist() == [1, 2]
+    assert draw_from(weights, highest).tolist() == [4, 4]
+    assert draw_from(weights, torch.tensor([0.3, 0.74], dtype=torch.float64)).tolist() == [3, 2]   # 0.25 <= u < 0.75
+    assert draw_from(weights, torch.tensor([0.76, 0.76], dtype=torch.float64)).tolist() == [4, 4]
+    many = draw_from(weights[1:].expand(10_000, 6), torch.rand(10_000, dtype=torch.float64,
+                                                                generator=torch.Generator().manual_seed(0)))
+    assert set(many.tolist()) == {2, 4}
+    assert abs(float((many == 2).double().mean()) - 0.75) < 4 * (0.75 * 0.25 / 10_000) ** 0.5

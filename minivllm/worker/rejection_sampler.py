@@ -23,7 +23,7 @@ from __future__ import annotations
 import torch
 
 from minivllm.core.request import Request
-from minivllm.worker.sampler import Sampler, sampling_probs
+from minivllm.worker.sampler import Sampler, draw_from, sampling_probs
 
 
 class RejectionSampler:
@@ -84,7 +84,6 @@ class RejectionSampler:
 
     @staticmethod
     def _draw(weights: torch.Tensor, generator: torch.Generator) -> int:
-        """One draw from `weights` (vocab,), unnormalised: the exponential race, as the sampler draws."""
-        noise = torch.empty(weights.shape, dtype=torch.float32, device=weights.device).exponential_(
-            generator=generator)
-        return int((weights / noise).argmax())
+        """One draw from `weights` (vocab,), unnormalised, as the sampler draws (its inverse CDF)."""
+        u = torch.rand(1, dtype=torch.float64, device=weights.device, generator=generator)
+        return int(draw_from(weights[None], u)[0])

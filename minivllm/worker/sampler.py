@@ -9,9 +9,11 @@ repetition, frequency and presence penalties (so greedy rows feel all of these);
 argmax; the others divide by temperature, drop tokens under min_p, then apply top-k / top-p and draw.
 A batch where no request uses a penalty or filter skips all of it.
 
-Sampling uses the "exponential race": argmax(probs / E) with E ~ Exp(1) per token is an exact draw
-from `probs`. A seeded request draws its E from its own generator, so its tokens do not depend on
-what else is in the batch; unseeded rows share the engine's generator.
+The draw is the inverse CDF: one uniform u per row, and the first token whose cumulative probability
+exceeds u (`draw_from`). A seeded request draws its u from its own generator, so its tokens do not depend on
+what else is in the batch; unseeded rows share the engine's generator. (vLLM draws by the "exponential race",
+argmax(probs / E) with E ~ Exp(1) per token, which is as exact; on a CPU its vocabulary of noise per row costs
+about 40 ms at 32 rows x 49,152 tokens, against 1.5 ms for a cumulative sum and a search.)
 """
 
 from __future__ import annotations
@@ -65,21 +67,35 @@ class Sampler:
             return logits.argmax(dim=-1).tolist()
 
         device = logits.device
-        greedy_ids = logits.argmax(dim=-1)
         probs = sampling_probs(logits, params)                              # (num_rows, vocab)
 
-        # Exp(1) noise, drawn where the logits are (a GPU draws a whole vocabulary per row far faster than
-        # a CPU, and nothing crosses the bus): per-request generators for seeded rows, the shared one otherwise.
-        noise = torch.empty(probs.shape, dtype=torch.float32, device=device)
+        # One uniform per row, drawn where the logits are: per-request generators for seeded rows, the
+        # shared one for the rest (in row order, one batched draw).
+        uniforms = torch.empty(len(requests), dtype=torch.float64, device=device)
         shared = [i for i, r in enumerate(requests) if r.generator is None]
         if shared:
-            noise[shared] = torch.empty(len(shared), probs.shape[1], device=device).exponential_(
-                generator=self._shared_generator(device))
+            uniforms[shared] = torch.rand(len(shared), dtype=torch.float64, device=device,
+                                          generator=self._shared_generator(device))
         for i, r in enumerate(requests):
             if r.generator is not None:
-                noise[i].exponential_(generator=self._request_generator(r, device))
-        sampled = (probs / noise).argmax(dim=-1)
-        return torch.where(greedy.to(device), greedy_ids, sampled).tolist()
+                uniforms[i] = torch.rand(1, dtype=torch.float64, device=device,
+                                         generator=self._request_generator(r, device))[0]
+        sampled = draw_from(probs, uniforms)
+        if bool(greedy.any()):                                  # a mixed batch: greedy rows keep their argmax
+            sampled = torch.where(greedy.to(device), logits.argmax(dim=-1), sampled)
+        return sampled.tolist()
+
+
+def draw_from(weights: torch.Tensor, uniforms: torch.Tensor) -> torch.Tensor:
+    """An exact draw per row of `weights` (rows, vocab), non-negative and not necessarily normalised, given one
+    uniform in [0, 1) per row (rows,): the first token whose cumulative weight exceeds u x the row's total.
+    Returns (rows,) int64 token ids.
+
+    The sum runs in fp64, so a token of weight 0 has exactly its predecessor's cumulative sum and can never be
+    the first to exceed it; u < 1 keeps the target below the row's total, so some token always does."""
+    cdf = weights.cumsum(dim=-1, dtype=torch.float64)                  # (rows, vocab), non-decreasing
+    target = uniforms.to(torch.float64)[:, None] * cdf[:, -1:]         # (rows, 1), in [0, total)
+    return torch.searchsorted(cdf, target, right=True)[:, 0].clamp_(max=weights.shape[1] - 1)
 
 
 def sampling_probs(logits: torch.Tensor, params: list) -> torch.Tensor:
