@@ -1,5 +1,6 @@
-"""The CPU runtime (minivllm/platforms/cpu.py): entry points re-start with tcmalloc preloaded when it is installed,
-the re-started process really runs with it (and on every core), and greedy output does not change."""
+"""The CPU runtime (minivllm/platforms/cpu.py): entry points re-start with tcmalloc and Intel's OpenMP preloaded
+when they are installed, the re-started process really runs with them (on every core, with as many threads),
+and greedy output does not change."""
 
 from __future__ import annotations
 
@@ -31,6 +32,7 @@ def test_opting_out_plans_nothing():
 
 def test_tcmalloc_is_planned_once(monkeypatch):
     monkeypatch.setattr(cpu, "find_tcmalloc", lambda: "/lib/libtcmalloc_minimal.so.4")
+    monkeypatch.setattr(cpu, "find_iomp", lambda: None)
     monkeypatch.setattr(cpu, "has_nvidia_driver", lambda: False)
     assert preload_plan(clean_env()) == ["/lib/libtcmalloc_minimal.so.4"]
     assert preload_plan(clean_env(LD_PRELOAD="/x/libtcmalloc.so.4")) == []        # already preloaded
@@ -38,33 +40,48 @@ def test_tcmalloc_is_planned_once(monkeypatch):
     assert preload_plan(clean_env()) == []                                          # a GPU machine
 
 
+def test_intel_openmp_comes_with_tcmalloc_unless_asked_not_to(monkeypatch):
+    monkeypatch.setattr(cpu, "find_tcmalloc", lambda: "/lib/libtcmalloc_minimal.so.4")
+    monkeypatch.setattr(cpu, "find_iomp", lambda: "/env/lib/libiomp5.so")
+    monkeypatch.setattr(cpu, "has_nvidia_driver", lambda: False)
+    assert preload_plan(clean_env()) == ["/lib/libtcmalloc_minimal.so.4", "/env/lib/libiomp5.so"]
+    assert preload_plan(clean_env(**{OPT_OUT: "tcmalloc"})) == ["/lib/libtcmalloc_minimal.so.4"]
+    assert preload_plan(clean_env(LD_PRELOAD="/x/libiomp5.so")) == ["/lib/libtcmalloc_minimal.so.4"]
+    assert preload_plan(clean_env(**{OPT_OUT: "0"})) == []
+    monkeypatch.setattr(cpu, "find_tcmalloc", lambda: None)
+    assert preload_plan(clean_env()) == []                   # one re-start for both, only with tcmalloc
+
+
+# What the re-started process should report for OpenMP: Intel's when `intel-openmp` is installed here.
+EXPECTED_OPENMP = "Intel (libiomp5)" if cpu.find_iomp() else "GNU (libgomp)"
+
 PROBE = textwrap.dedent("""
     import json, os, sys
     from minivllm.platforms.cpu import REEXEC_MARKER, loaded_runtime, reexec_with_cpu_runtime
     reexec_with_cpu_runtime()
     import torch
     torch.ones(4096, 4096).sum()            # a parallel region: OpenMP is loaded and running
-    print(json.dumps({"pid": os.getpid(), "marker": os.environ.get(REEXEC_MARKER),
+    print(json.dumps({"pid": os.getpid(), "marker": os.environ.get(REEXEC_MARKER), "threads": torch.get_num_threads(),
                       "cores": sorted(os.sched_getaffinity(0)), **loaded_runtime()}))
 """)
 
 
 @needs_runtime
-def test_the_restarted_process_really_runs_with_tcmalloc_on_every_core(tmp_path):
+def test_the_restarted_process_really_runs_with_the_preload_on_every_core(tmp_path):
     script = tmp_path / "probe.py"
     script.write_text(PROBE)
     out = subprocess.run([sys.executable, str(script)], env=clean_env(), capture_output=True, text=True,
                          timeout=300, check=True)
     got = json.loads(out.stdout.strip().splitlines()[-1])
     assert got["marker"], "the probe did not re-start"
-    assert got["malloc"] == "tcmalloc" and got["openmp"] == "GNU (libgomp)"
+    assert got["malloc"] == "tcmalloc" and got["openmp"] == EXPECTED_OPENMP
     # every core this test may use is still usable after the re-start (child processes inherit the mask)
     assert got["cores"] == sorted(os.sched_getaffinity(0))
     off = subprocess.run([sys.executable, str(script)], env=clean_env(**{OPT_OUT: "0"}), capture_output=True,
                          text=True, timeout=300, check=True)
     got_off = json.loads(off.stdout.strip().splitlines()[-1])
     assert got_off == {"pid": got_off["pid"], "marker": None, "cores": got["cores"], "malloc": "glibc",
-                       "openmp": "GNU (libgomp)"}
+                       "openmp": "GNU (libgomp)", "threads": got["threads"]}     # as many torch threads either way
 
 
 @needs_runtime
@@ -79,4 +96,4 @@ def test_greedy_output_is_identical_with_and_without_the_preload():
         runs[name] = (p.stdout, p.stderr.strip().splitlines()[-1])
     assert runs["plain"][0] == runs["preloaded"][0] and runs["plain"][0].count("---") == 2
     assert "malloc glibc, OpenMP GNU (libgomp)" in runs["plain"][1]
-    assert "malloc tcmalloc, OpenMP GNU (libgomp)" in runs["preloaded"][1]
+    assert f"malloc tcmalloc, OpenMP {EXPECTED_OPENMP}" in runs["preloaded"][1]
