@@ -392,8 +392,10 @@ icdf_ms = best_ms(lambda: draw_from(probs32, torch.rand(32, dtype=torch.float64,
 print(f"32 rows x {VOCAB} tokens: exponential race {race_ms:.1f} ms, inverse CDF {icdf_ms:.1f} ms")
 
 # %% [markdown]
-# On the 2-core machine this lesson was written on it printed about 40 ms against 1.5 ms: the race spent 40 ms
-# of a 105 ms decode step generating noise, one core at a time (PyTorch's CPU generator is sequential). It
+# On the 2-core machine this lesson was written on it printed about 37 ms against 11 ms on this lesson's one
+# thread; in the server (two threads, and tcmalloc reusing the 12 MB of the fp64 sum) the inverse CDF takes
+# 1.5 ms and the race 40 ms: 40 ms of a 105 ms decode step spent generating noise, one core at a time
+# (PyTorch's CPU generator is sequential). It
 # did not show offline, where benchmarks decode greedily, but every request a server gets without a
 # `temperature` samples (the OpenAI default is 1): served online to `vllm bench serve`, which sends none, the
 # inverse CDF brought the inter-token latency (p50) from about 215 ms down to about 170 ms.
