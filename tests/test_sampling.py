@@ -102,3 +102,56 @@ def test_draw_from_never_picks_a_zero_weight_token_even_at_the_ends_of_u():
                                                                 generator=torch.Generator().manual_seed(0)))
     assert set(many.tolist()) == {2, 4}
     assert abs(float((many == 2).double().mean()) - 0.75) < 4 * (0.75 * 0.25 / 10_000) ** 0.5
+
+
+def _kept_sets_are_the_definition(logits, top_k, top_p):
+    """The kept set of every row is the definition's: top-k's prefix of the sorted row, then the smallest prefix of
+    that (renormalised) reaching top_p; rows asking for neither keep everything, their logits untouched."""
+    from minivllm.worker.sampler import apply_top_k_top_p
+    out = apply_top_k_top_p(logits, top_k, top_p)
+    vocab = logits.shape[1]
+    for row, k, p, filtered in zip(logits, top_k, top_p, out):
+        kept = torch.isfinite(filtered)
+        if k <= 0 and p >= 1:
+            assert torch.equal(filtered, row)
+            continue
+        order = row.argsort(descending=True)
+        n = int(kept.sum())
+        assert bool(kept[order[:n]].all()), "the kept set is a prefix of the sorted row"
+        assert torch.equal(filtered[kept], row[kept])
+        k_set = row[order[:k if 0 < k < vocab else vocab]].double().softmax(-1)
+        if p < 1:
+            assert float(k_set[:n].sum()) >= p - 1e-5 and (n == 1 or float(k_set[:n - 1].sum()) < p + 1e-5)
+        else:
+            assert n == min(k if k > 0 else vocab, vocab)
+    return out
+
+
+def test_top_k_top_p_partial_sort_keeps_the_defined_sets_on_peaked_and_flat_rows():
+    """Peaked rows (an LLM's) are decided among the TOP_CANDIDATES most likely tokens; flat rows, whose nucleus is
+    longer than that, are decided again on the full sort (the fired fallback shows in their kept count)."""
+    from minivllm.worker import sampler
+    g = torch.Generator().manual_seed(0)
+    vocab = 8192
+    peaked = -1.5 * torch.rand(6, vocab, generator=g).log().neg().log()        # Gumbel(0, 1.5): an LLM-like tail
+    flat = 0.1 * torch.randn(4, vocab, generator=g)
+    logits = torch.cat([peaked, flat])
+    top_k = [-1, 40, -1, 3000, -1, -1, -1, -1, 200, -1]
+    top_p = [0.9, 0.95, 0.5, 1.0, 1.0, 0.3, 0.9, 0.5, 0.9, 1.0]
+    out = _kept_sets_are_the_definition(logits, top_k, top_p)
+    kept = torch.isfinite(out).sum(-1)
+    assert int(kept[6]) > sampler.TOP_CANDIDATES and int(kept[7]) > sampler.TOP_CANDIDATES   # the fallback fired
+    assert int(kept[3]) == 3000                                  # a top_k above the candidates widens them
+    full = sampler.TOP_CANDIDATES
+    try:
+        sampler.TOP_CANDIDATES = vocab                           # every row fully sorted: the same result
+        assert torch.equal(sampler.apply_top_k_top_p(logits, top_k, top_p), out)
+    finally:
+        sampler.TOP_CANDIDATES = full
+
+
+def test_top_p_one_keeps_every_token_in_a_batch_that_filters():
+    """A row with top_p=1 beside a row that filters keeps its whole row: the fp32 running sum reaches 1.0 before
+    the end of a 49,152-token row, and a plain `mass_before >= p` would drop the tail."""
+    logits = torch.randn(2, 49152, generator=torch.Generator().manual_seed(1)) * 3
+    _kept_sets_are_the_definition(logits, [-1, -1], [1.0, 0.9])

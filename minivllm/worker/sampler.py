@@ -114,19 +114,56 @@ def sampling_probs(logits: torch.Tensor, params: list) -> torch.Tensor:
     return logits.softmax(dim=-1)
 
 
+# Top-k / top-p look at this many of a row's most likely tokens first (more when a top_k asks for more): a
+# partial sort (`topk`) of 1,024 of 49,152 logits costs about 9 ms at 32 rows on a 2-core CPU, a full sort 67.
+TOP_CANDIDATES = 1024
+
+
 def apply_top_k_top_p(logits: torch.Tensor, top_k: list[int], top_p: list[float]) -> torch.Tensor:
-    """Set logits outside each row's top-k / top-p set to -inf. top_k -1 and top_p 1.0 keep all."""
-    vocab = logits.shape[1]
-    sorted_logits, order = logits.sort(dim=-1, descending=True)              # (rows, vocab)
-    k = torch.tensor([kk if kk > 0 else vocab for kk in top_k], device=logits.device)
-    ranks = torch.arange(vocab, device=logits.device)[None, :]
-    drop = ranks >= k[:, None]
-    probs = sorted_logits.masked_fill(drop, float("-inf")).softmax(dim=-1)
-    p = torch.tensor(top_p, device=logits.device, dtype=probs.dtype)
-    mass_before = probs.cumsum(dim=-1) - probs            # mass of the more likely tokens
-    drop |= mass_before >= p[:, None]                     # keep the smallest set reaching top_p (>= 1 token)
-    sorted_logits = sorted_logits.masked_fill(drop, float("-inf"))
-    return torch.empty_like(logits).scatter_(1, order, sorted_logits)
+    """Set logits outside each row's top-k / top-p set to -inf. top_k -1 and top_p 1.0 keep all.
+
+    Top-k first, then top-p on what top-k kept (renormalised), as vLLM. Both sets are prefixes of the row sorted
+    by logit, so only the most likely TOP_CANDIDATES tokens are sorted; a row whose top-p set does not end
+    among them (a flat distribution) is decided again on its fully sorted row. The result is the same either way."""
+    rows, vocab = logits.shape
+    k = torch.tensor([kk if 0 < kk < vocab else vocab for kk in top_k], device=logits.device)
+    p = torch.tensor(top_p, device=logits.device, dtype=logits.dtype)
+    log_total = logits.logsumexp(dim=-1)                                      # (rows,) the whole row's
+    width = min(vocab, max([TOP_CANDIDATES] + [kk for kk in k.tolist() if kk < vocab]))
+    top_logits, order = logits.topk(width, dim=-1) if width < vocab else logits.sort(dim=-1, descending=True)
+    keep, decided = _top_k_top_p_prefix(top_logits, k, p, log_total)          # (rows, width), (rows,)
+    out = torch.full_like(logits, float("-inf")).scatter_(1, order, top_logits.masked_fill(~keep, float("-inf")))
+    unfiltered = ((k == vocab) & (p >= 1)).nonzero()[:, 0]                     # rows asking for neither
+    out[unfiltered] = logits[unfiltered]
+    undecided = (~decided).nonzero()[:, 0]
+    if len(undecided):                                                        # the nucleus runs past the candidates
+        full_logits, full_order = logits[undecided].sort(dim=-1, descending=True)
+        keep, _ = _top_k_top_p_prefix(full_logits, k[undecided], p[undecided], log_total[undecided])
+        out[undecided] = torch.full_like(full_logits, float("-inf")).scatter_(
+            1, full_order, full_logits.masked_fill(~keep, float("-inf")))
+    return out
+
+
+def _top_k_top_p_prefix(sorted_logits: torch.Tensor, k: torch.Tensor, p: torch.Tensor,
+                        log_total: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """The heart of top-k / top-p, on the first `width` logits of each row sorted in descending order.
+
+    sorted_logits (rows, width); k (rows,) in 1..vocab; p (rows,); log_total (rows,) logsumexp of the whole row.
+    Returns keep (rows, width) bool, and decided (rows,) bool: whether the kept set is surely inside these
+    `width` tokens (top-k cut it, or the tokens here already hold mass p, or top-p is off)."""
+    rows, width = sorted_logits.shape
+    ranks = torch.arange(width, device=sorted_logits.device)[None, :]
+    drop = ranks >= k[:, None]                                                # top-k
+    masked = sorted_logits.masked_fill(drop, float("-inf"))
+    # Top-p renormalises over what top-k kept: that set is inside these tokens when k <= width.
+    within = k <= width
+    log_norm = torch.where(within, masked.logsumexp(dim=-1), log_total)       # (rows,)
+    probs = (masked - log_norm[:, None]).exp()                                # (rows, width)
+    mass = probs.cumsum(dim=-1)
+    uses_p = p < 1                                # p = 1 keeps all (the fp32 sum can reach 1 before the end)
+    drop |= ((mass - probs) >= p[:, None]) & uses_p[:, None]      # the smallest set reaching top_p (>= 1 token)
+    decided = within | ~uses_p | (mass[:, -1] >= p)
+    return ~drop, decided
 
 
 def apply_min_p(logits: torch.Tensor, min_p: list[float]) -> torch.Tensor:
