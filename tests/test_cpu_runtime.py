@@ -97,3 +97,24 @@ def test_greedy_output_is_identical_with_and_without_the_preload():
     assert runs["plain"][0] == runs["preloaded"][0] and runs["plain"][0].count("---") == 2
     assert "malloc glibc, OpenMP GNU (libgomp)" in runs["plain"][1]
     assert f"malloc tcmalloc, OpenMP {EXPECTED_OPENMP}" in runs["preloaded"][1]
+
+
+def test_bf16_on_a_cpu_without_bf16_arithmetic_is_served_with_a_warning(monkeypatch, caplog):
+    import logging
+
+    import torch
+
+    from minivllm.model import loader
+    cpu_dev = torch.device("cpu")
+    monkeypatch.setattr(loader, "has_bf16_arithmetic", lambda: False)
+    with caplog.at_level(logging.WARNING, logger="minivllm.model.loader"):
+        assert loader.resolve_dtype("bfloat16", None, cpu_dev) == torch.bfloat16
+        assert loader.resolve_dtype("auto", None, cpu_dev) == torch.float32
+    warnings = [r.getMessage() for r in caplog.records]
+    assert len(warnings) == 1 and "bfloat16" in warnings[0] and "dtype='float32'" in warnings[0]
+    caplog.clear()
+    monkeypatch.setattr(loader, "has_bf16_arithmetic", lambda: True)      # AVX-512 BF16 / AMX: no warning
+    with caplog.at_level(logging.WARNING, logger="minivllm.model.loader"):
+        assert loader.resolve_dtype("bf16", None, cpu_dev) == torch.bfloat16
+    assert not caplog.records
+    assert cpu.has_bf16_arithmetic() in (True, False, None)

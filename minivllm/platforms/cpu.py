@@ -84,6 +84,18 @@ def describe_runtime() -> str:
     return f"malloc {rt['malloc']}, OpenMP {rt['openmp']}"
 
 
+def has_bf16_arithmetic() -> bool | None:
+    """Whether this CPU multiplies bf16 natively (AVX-512 BF16 or AMX); None where /proc/cpuinfo is unreadable.
+    Without it oneDNN converts bf16 to fp32 in its inner loops: measured on an AVX2-only AMD EPYC, a bf16
+    matmul ran at 11 GFLOP/s against 79 in fp32 (README, "The C++ CPU kernels")."""
+    try:
+        with open("/proc/cpuinfo") as f:
+            flags = next((line.split(":", 1)[1].split() for line in f if line.startswith("flags")), None)
+    except OSError:
+        return None
+    return None if flags is None else bool({"avx512_bf16", "amx_bf16"} & set(flags))
+
+
 def has_nvidia_driver() -> bool:
     return os.path.exists("/proc/driver/nvidia")
 
