@@ -138,3 +138,41 @@ def test_without_the_kernels_the_cpu_serves_with_the_reference_and_says_why(mode
     lines = out.stdout.strip().splitlines()
     assert lines[0] == "torch", out.stderr[-2000:]
     assert "MINIVLLM_CPU_KERNELS=0" in lines[1] and "attention_backend='torch'" in lines[1]
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_fresh_prompts_attend_to_their_own_kv_and_equal_the_reference(dtype, monkeypatch):
+    """A mixed step: two fresh prompts, a chunk with cached context, two decodes. The cpu backend attends the fresh
+    prompts from the step's own K/V (the reference's prefill runs only for the chunk with context: counted) and
+    every row equals the torch backend's; with an fp8 cache every prefill takes the reference's path."""
+    from minivllm.model.attention import AttentionMetadata, CpuAttentionBackend, TorchAttentionBackend
+    g = torch.Generator().manual_seed(0)
+    heads, kv_heads, d, bs = 9, 3, 64, 16
+    q_lens, seq_lens = [37, 5, 1, 64, 1], [37, 40, 90, 64, 17]          # fresh, context, decode, fresh, decode
+    tables = torch.arange(5 * 8, dtype=torch.int32).view(5, 8)
+    slots = torch.cat([tables[i, torch.arange(s - n, s) // bs].long() * bs + torch.arange(s - n, s) % bs
+                       for i, (n, s) in enumerate(zip(q_lens, seq_lens))])
+    meta = AttentionMetadata(slot_mapping=slots, cu_seqlens_q=torch.tensor([0] + q_lens).cumsum(0).to(torch.int32),
+                             seq_lens=torch.tensor(seq_lens, dtype=torch.int32), block_tables=tables,
+                             max_q_len=max(q_lens), max_seq_len=max(seq_lens), q_lens_cpu=q_lens,
+                             seq_lens_cpu=seq_lens)
+    tokens = sum(q_lens)
+    q, k, v = (torch.randn(tokens, h, d, generator=g).to(dtype) for h in (heads, kv_heads, kv_heads))
+    cache = torch.randn(2, 40, bs, kv_heads, d, generator=g).to(dtype)
+    prefills = []
+    real = ref.paged_prefill_attention
+    monkeypatch.setattr(ref, "paged_prefill_attention",
+                        lambda q, *a, **kw: prefills.append(q.shape[0]) or real(q, *a, **kw))
+    want = TorchAttentionBackend().forward(q, k, v, cache[0].clone(), cache[1].clone(), meta, scale=0.125)
+    assert prefills == [37 + 5 + 64]                                       # the reference: all prefill rows at once
+    prefills.clear()
+    got = CpuAttentionBackend().forward(q, k, v, cache[0].clone(), cache[1].clone(), meta, scale=0.125)
+    assert prefills == [5]                                                 # only the chunk with context
+    tol = dict(atol=1e-6, rtol=1e-5) if dtype == torch.float32 else dict(atol=1e-2, rtol=1e-2)
+    torch.testing.assert_close(got, want, **tol)
+    prefill_rows = torch.cat([torch.arange(0, 42), torch.arange(43, 107)])
+    assert torch.equal(got[prefill_rows], want[prefill_rows])               # the prefill rows: the same numbers
+    prefills.clear()
+    fp8 = torch.zeros(2, 40, bs, kv_heads, d, dtype=ref.FP8_DTYPE)
+    CpuAttentionBackend().forward(q, k, v, fp8[0], fp8[1], meta, scale=0.125)
+    assert prefills == [37 + 5 + 64]                                       # fp8: attend to the rounded cache

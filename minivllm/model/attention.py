@@ -78,9 +78,8 @@ class TorchAttentionBackend(AttentionBackend):
                                 scale, **scales)
         singles = [i for i, n in enumerate(meta.q_lens_cpu) if n == 1]
         if not singles:
-            return ref.paged_prefill_attention(q, key_cache, value_cache, meta.block_tables,
-                                               meta.cu_seqlens_q, meta.seq_lens, scale,
-                                               q_lens_cpu=meta.q_lens_cpu, seq_lens_cpu=meta.seq_lens_cpu, **scales)
+            return self._prefill(q, k, v, key_cache, value_cache, meta.block_tables, meta.cu_seqlens_q,
+                                 meta.seq_lens, scale, meta.q_lens_cpu, meta.seq_lens_cpu, **scales)
         # A mixed step (decodes beside prefill chunks, as chunked prefill and a busy server make): the
         # sequences with one new token are decodes, whatever their context, so they go through the batched
         # decode path together rather than one by one through the prefill loop. Rows are the flat batch's.
@@ -98,10 +97,18 @@ class TorchAttentionBackend(AttentionBackend):
                                         **scales)
         multi_q_lens = [meta.q_lens_cpu[i] for i in multis]
         cu = torch.tensor([0] + multi_q_lens, device=q.device).cumsum(0).to(torch.int32)
-        out[multi_rows] = ref.paged_prefill_attention(
-            q[multi_rows], key_cache, value_cache, meta.block_tables[multi_seqs], cu, meta.seq_lens[multi_seqs],
-            scale, q_lens_cpu=multi_q_lens, seq_lens_cpu=[meta.seq_lens_cpu[i] for i in multis], **scales)
+        out[multi_rows] = self._prefill(
+            q[multi_rows], k[multi_rows], v[multi_rows], key_cache, value_cache, meta.block_tables[multi_seqs], cu,
+            meta.seq_lens[multi_seqs], scale, multi_q_lens, [meta.seq_lens_cpu[i] for i in multis], **scales)
         return out
+
+    def _prefill(self, q, k, v, key_cache, value_cache, block_tables, cu_seqlens_q, seq_lens, scale, q_lens_cpu,
+                 seq_lens_cpu, k_scale, v_scale):
+        """Prefill chunks (q_len > 1): each sequence's queries against its whole KV, read from the cache
+        (k, v (num_tokens, num_kv_heads, head_dim) are this step's, already stored)."""
+        return kernels.reference.paged_prefill_attention(q, key_cache, value_cache, block_tables, cu_seqlens_q,
+                                                         seq_lens, scale, q_lens_cpu=q_lens_cpu,
+                                                         seq_lens_cpu=seq_lens_cpu, k_scale=k_scale, v_scale=v_scale)
 
     def _decode(self, q, key_cache, value_cache, block_tables, seq_lens, seq_lens_cpu, scale, k_scale, v_scale):
         block_size = key_cache.shape[1]
@@ -124,14 +131,42 @@ class TorchAttentionBackend(AttentionBackend):
 
 
 class CpuAttentionBackend(TorchAttentionBackend):
-    """The CPU serving path: the reference's KV store and prefill, with decode attention in C++ reading K and V
-    straight from the paged cache (no per-layer gather of the context; kernels/cpu_attention.cpp)."""
+    """The CPU serving path: the reference's KV store, decode attention in C++ reading K and V straight from the
+    paged cache (no per-layer gather of the context; kernels/cpu_attention.cpp), and fresh prompts attended
+    from this step's own K and V (no gather, no mask); prefill with cached context stays the reference's."""
 
     name = "cpu"
 
     def _decode(self, q, key_cache, value_cache, block_tables, seq_lens, seq_lens_cpu, scale, k_scale, v_scale):
         return kernels.cpu_ops.paged_decode_attention(q, key_cache, value_cache, block_tables, seq_lens, scale,
                                                       k_scale=k_scale, v_scale=v_scale)
+
+    def _prefill(self, q, k, v, key_cache, value_cache, block_tables, cu_seqlens_q, seq_lens, scale, q_lens_cpu,
+                 seq_lens_cpu, k_scale, v_scale):
+        """A sequence with no cached context (a fresh prompt: q_len == seq_len) attends to this step's own K and V,
+        causally: the same values the cache holds (not for an fp8 cache, which rounds them), without gathering
+        its blocks back or building a mask. Sequences with context (a prefix-cache hit, a later chunk) take the
+        reference's path. Each output equals the reference's (fp32 math, as the reference)."""
+        if key_cache.dtype != k.dtype:                                   # fp8: attend to the rounded cache
+            return super()._prefill(q, k, v, key_cache, value_cache, block_tables, cu_seqlens_q, seq_lens, scale,
+                                    q_lens_cpu, seq_lens_cpu, k_scale, v_scale)
+        out = torch.empty_like(q)
+        gqa = q.shape[1] != k.shape[1]
+        start = 0
+        for i, (q_len, seq_len) in enumerate(zip(q_lens_cpu, seq_lens_cpu)):
+            rows = slice(start, start + q_len)
+            if q_len == seq_len:
+                qi, ki, vi = (t[rows].float().transpose(0, 1)[None] for t in (q, k, v))   # (1, heads, q_len, d)
+                o = torch.nn.functional.scaled_dot_product_attention(qi, ki, vi, is_causal=True, scale=scale,
+                                                                     enable_gqa=gqa)[0]
+                out[rows] = o.transpose(0, 1).to(q.dtype)
+            else:
+                cu = torch.tensor([0, q_len], dtype=torch.int32, device=q.device)
+                out[rows] = super()._prefill(q[rows], k[rows], v[rows], key_cache, value_cache,
+                                             block_tables[i:i + 1], cu, seq_lens[i:i + 1], scale, [q_len],
+                                             [seq_len], k_scale, v_scale)
+            start += q_len
+        return out
 
 
 class TritonAttentionBackend(AttentionBackend):
