@@ -406,10 +406,11 @@ print(f"32 rows x {VOCAB} tokens: exponential race {race_ms:.1f} ms, inverse CDF
 # The empirical check: 2,000 draws from the real `Sampler` at `temperature=0.8, top_p=0.9` on the row of
 # section 1, against the distribution the filters say it should follow, `softmax(apply_top_k_top_p(logits /
 # 0.8))`. The filter costs more on a CPU than the draw (a partial sort of every row), so we split the work
-# where the Sampler itself splits it: the filtering is deterministic, only the draw is random. We filter once, then give the Sampler 2,000 rows of the *filtered* logits with
-# `temperature=1.0` and no top-p, so that it only draws. First, on 100 rows, the proof that this split changes
-# nothing: a Sampler with the same seed draws the very same tokens from the raw logits with
-# `temperature=0.8, top_p=0.9` as from the filtered logits with the defaults.
+# where the Sampler itself splits it: the filtering is deterministic, only the draw is random. We filter
+# once, then give the Sampler 2,000 rows of the *filtered* logits with `temperature=1.0` and no top-p, so that
+# it only draws. First, on 100 rows, the proof that this split changes nothing: a Sampler with the same seed
+# draws the very same tokens from the raw logits with `temperature=0.8, top_p=0.9` as from the filtered logits
+# with the defaults.
 
 # %%
 DRAWS, T, TOP_P = 2000, 0.8, 0.9
