@@ -123,19 +123,24 @@ def apply_top_k_top_p(logits: torch.Tensor, top_k: list[int], top_p: list[float]
     """Set logits outside each row's top-k / top-p set to -inf. top_k -1 and top_p 1.0 keep all.
 
     Top-k first, then top-p on what top-k kept (renormalised), as vLLM. Both sets are prefixes of the row sorted
-    by logit, so only the most likely TOP_CANDIDATES tokens are sorted; a row whose top-p set does not end
-    among them (a flat distribution) is decided again on its fully sorted row. The result is the same either way."""
-    rows, vocab = logits.shape
-    k = torch.tensor([kk if 0 < kk < vocab else vocab for kk in top_k], device=logits.device)
+    by logit, so on a CPU only the most likely TOP_CANDIDATES tokens are sorted; a row whose top-p set does not
+    end among them (a flat distribution) is decided again on its fully sorted row. The result is the same either
+    way. On a GPU the full sort is cheap, and deciding which rows to redo would wait for the device."""
+    vocab = logits.shape[1]
+    k_list = [kk if 0 < kk < vocab else vocab for kk in top_k]
+    k = torch.tensor(k_list, device=logits.device)
     p = torch.tensor(top_p, device=logits.device, dtype=logits.dtype)
     log_total = logits.logsumexp(dim=-1)                                      # (rows,) the whole row's
-    width = min(vocab, max([TOP_CANDIDATES] + [kk for kk in k.tolist() if kk < vocab]))
+    width = min(vocab, max([TOP_CANDIDATES] + [kk for kk in k_list if kk < vocab]))
+    if logits.device.type != "cpu":
+        width = vocab
     top_logits, order = logits.topk(width, dim=-1) if width < vocab else logits.sort(dim=-1, descending=True)
     keep, decided = _top_k_top_p_prefix(top_logits, k, p, log_total)          # (rows, width), (rows,)
     out = torch.full_like(logits, float("-inf")).scatter_(1, order, top_logits.masked_fill(~keep, float("-inf")))
-    unfiltered = ((k == vocab) & (p >= 1)).nonzero()[:, 0]                     # rows asking for neither
-    out[unfiltered] = logits[unfiltered]
-    undecided = (~decided).nonzero()[:, 0]
+    unfiltered = [i for i, (kk, pp) in enumerate(zip(k_list, top_p)) if kk == vocab and pp >= 1]
+    if unfiltered:                                                            # rows asking for neither: untouched
+        out[unfiltered] = logits[unfiltered]
+    undecided = (~decided).nonzero()[:, 0] if width < vocab else []
     if len(undecided):                                                        # the nucleus runs past the candidates
         full_logits, full_order = logits[undecided].sort(dim=-1, descending=True)
         keep, _ = _top_k_top_p_prefix(full_logits, k[undecided], p[undecided], log_total[undecided])
@@ -151,7 +156,7 @@ def _top_k_top_p_prefix(sorted_logits: torch.Tensor, k: torch.Tensor, p: torch.T
     sorted_logits (rows, width); k (rows,) in 1..vocab; p (rows,); log_total (rows,) logsumexp of the whole row.
     Returns keep (rows, width) bool, and decided (rows,) bool: whether the kept set is surely inside these
     `width` tokens (top-k cut it, or the tokens here already hold mass p, or top-p is off)."""
-    rows, width = sorted_logits.shape
+    width = sorted_logits.shape[1]
     ranks = torch.arange(width, device=sorted_logits.device)[None, :]
     drop = ranks >= k[:, None]                                                # top-k
     masked = sorted_logits.masked_fill(drop, float("-inf"))
