@@ -6,6 +6,7 @@ tests/test_app_ui.py."""
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import re
 import time
 
@@ -129,9 +130,15 @@ def test_a_preempted_chat_is_told_it_was_preempted_and_why(async_engine):
     outs = asyncio.run(main())
     assert all(o.outputs[0].finish_reason == "length" for o in outs)
     wait_until(lambda: async_engine.snapshot().num_requests == 0)
-    state, sentence = request_status("chat-1", async_engine.snapshot())
+    snap = async_engine.snapshot()
+    state, sentence = request_status("chat-1", snap)
     assert state == "finished" and sentence.startswith("finished (length), preempted at step(s)")
     assert request_status("never-sent", async_engine.snapshot())[0] == "unknown"
+    # A long request outlives the trace window (the last 120 steps): its preemption steps are still known.
+    steps = [t.step for t in snap.recent_traces if "chat-1" in t.preempted]
+    assert steps and list(snap.preempted_at["chat-1"]) == steps
+    forgotten = dataclasses.replace(snap, recent_traces=())
+    assert request_status("chat-1", forgotten) == ("finished", sentence)
 
 
 def test_history_views_draw_the_real_steps(async_engine):

@@ -41,6 +41,9 @@ from minivllm.outputs import RequestOutput
 
 logger = logging.getLogger(__name__)
 
+RECENT_REQUESTS = 1000        # finished requests (reason, preemption steps) remembered for the dashboard
+
+
 class RequestError(RuntimeError):
     """The engine could not finish a request (a failed step, a shutdown). Bad input raises ValueError."""
 
@@ -82,7 +85,9 @@ class AsyncLLMEngine:
         self._traces: collections.deque[StepTrace] = collections.deque(maxlen=trace_history)
         self._events: collections.deque[str] = collections.deque(maxlen=event_history)
         self._finished: collections.Counter[str] = collections.Counter()
-        self._recent_finished: collections.deque[tuple[str, str]] = collections.deque(maxlen=1000)
+        self._recent_finished: collections.deque[tuple[str, str]] = collections.deque(maxlen=RECENT_REQUESTS)
+        # request id -> the steps that preempted it, kept past the trace window for the last RECENT_REQUESTS ids
+        self._preempted_at: dict[str, list[int]] = {}
         self._num_prompt_tokens = 0
         self._num_step_errors = 0
         self._ttft, self._itl, self._e2e = Histogram(TTFT_BUCKETS), Histogram(ITL_BUCKETS), Histogram(E2E_BUCKETS)
@@ -215,6 +220,7 @@ class AsyncLLMEngine:
                 recent_traces=tuple(self._traces), events=tuple(self._events), paused=self._paused,
                 loop_alive=self._thread.is_alive(), num_requests=len(self._tracked),
                 finished=dict(self._finished), recent_finished=tuple(self._recent_finished),
+                preempted_at={rid: tuple(steps) for rid, steps in self._preempted_at.items()},
                 num_prompt_tokens=self._num_prompt_tokens, num_step_errors=self._num_step_errors,
                 ttft=self._ttft.copy(), itl=self._itl.copy(), e2e=self._e2e.copy(), pool=pool)
 
@@ -400,6 +406,10 @@ class AsyncLLMEngine:
         with self._lock:
             self._traces.append(trace)
             self._events.extend(f"step {trace.step}: {line}" for line in trace.events)
+            for request_id in trace.preempted:
+                self._preempted_at.setdefault(request_id, []).append(trace.step)
+                if len(self._preempted_at) > RECENT_REQUESTS:                # forget the oldest id
+                    del self._preempted_at[next(iter(self._preempted_at))]
 
     def _log(self, line: str) -> None:
         with self._lock:

@@ -59,3 +59,5 @@ class EngineSnapshot:
     itl: Histogram                            # inter-token latency: between two tokens of one request
     e2e: Histogram                            # arrival -> finished, for requests that stopped or hit length
     pool: PoolSnapshot | None = None          # every block's ref count, when asked for (snapshot(with_pool=True))
+    preempted_at: dict[str, tuple[int, ...]] = field(default_factory=dict)   # request id -> steps that preempted
+    # it, for the last RECENT_REQUESTS preempted ids (the trace window forgets a long request's early steps)

@@ -137,7 +137,9 @@ def request_status(request_id: str, snap: EngineSnapshot) -> tuple[str, str]:
     (state, sentence). state: queued | running | preempted | swapped | finished | unknown."""
     mine = [q for q in snap.queues.running + snap.queues.waiting if request_id in (q.request_id, q.parent_id)]
     ids = {request_id} | {r.request_id for t in snap.recent_traces for r in t.requests if r.parent_id == request_id}
-    preempted_at = [t.step for t in snap.recent_traces if ids & set(t.preempted)]
+    ids |= {rid for rid in snap.preempted_at if rid.endswith("_" + request_id) and rid.split("_", 1)[0].isdigit()}
+    # (an n > 1 parent's samples are "0_<id>", "1_<id>", ...: engine/parallel_sampling.py)
+    preempted_at = sorted({step for rid in ids for step in snap.preempted_at.get(rid, ())})
     why = ("the KV pool had no free block for the running requests' next tokens, and the scheduler preempts the "
            "lowest-priority, latest-arrived running request first (give this chat a lower priority number to "
            "protect it)")
