@@ -396,7 +396,7 @@ print(f"32 rows x {VOCAB} tokens: exponential race {race_ms:.1f} ms, inverse CDF
 
 # %% [markdown]
 # On the 2-core machine this lesson was written on it printed about 37 ms against 11 ms on this lesson's one
-# thread; in the server (two threads, and tcmalloc reusing the 12 MB of the fp64 sum) the inverse CDF takes
+# thread; with two threads, once the 12 MB of the fp64 sum is memory the allocator reuses, the inverse CDF took
 # 1.5 ms and the race 40 ms: 40 ms of a 105 ms decode step spent generating noise, one core at a time
 # (PyTorch's CPU generator is sequential). It
 # did not show offline, where benchmarks decode greedily, but every request a server gets without a

@@ -10,12 +10,12 @@ Why tcmalloc: a step makes a few hundred PyTorch ops, each allocating its output
 tensor dies, so every step page-faults and zeroes them again; tcmalloc keeps freed memory and reuses it.
 
 Why Intel's OpenMP (`pip install intel-openmp`, a dependency on x86-64 Linux): it exports the GNU OpenMP entry
-points, so torch's parallel regions and the C++ kernels' run on it unchanged. Alone on the cores it is no
-faster than GNU's; beside other busy threads (a server's HTTP thread, a benchmark client on the same cores) a
-GNU OpenMP region waits for whichever of its threads was preempted, and Intel's yields instead. Served online
-on 2 cores, it lifts output throughput by about a third. It is preloaded unbound: binding (`KMP_AFFINITY`)
-pins the main thread to core 0, and every process it starts (a tensor-parallel worker) inherits that mask.
-Measured numbers are in the README ("The CPU runtime").
+points, so torch's parallel regions and the C++ kernels' run on it unchanged. Offline it measured no faster
+than GNU's; served online on 2 cores (the server's HTTP thread beside the two OpenMP threads) it lifted output
+throughput by about a third. Why was not isolated: the two runtimes wait differently at the end of a parallel
+region. It is preloaded unbound: binding (`KMP_AFFINITY`) pins the main thread to core 0, and every process it
+starts (a tensor-parallel worker) inherits that mask. Measured numbers are in the README ("The CPU runtime",
+"Online: the sampler's draw and Intel's OpenMP").
 
 Must never: re-start a process that did not come from the command line (a notebook, pytest, a caller of
 `main(argv)`): only the `if __name__ == "__main__"` blocks of the entry points call `reexec_with_cpu_runtime`.
