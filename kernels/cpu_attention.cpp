@@ -17,6 +17,11 @@
 // A work item is one sequence (or, with few sequences, one sequence's KV head): it reads each KV head once
 // for all `group` query heads that share it (GQA). Items are spread over torch's own thread pool
 // (at::parallel_for).
+// Each pass walks the block table block by block and slot by slot (no division per token), in 8-lane fp32
+// registers (vec8), and asks for the next block while it reads the current one (prefetch): the blocks are
+// scattered over the pool, where the hardware prefetcher loses the stream. Measured on the default model's
+// shapes (32 sequences of 160 tokens, 30 layers' caches, 2-core AVX2): 15-20% less time than reading token by
+// token with a division per token (README, "Decode attention").
 // Softmax is the exact two-pass form (max first), in fp32, like the reference; only the order of the fp32
 // sums differs from it, so results agree to about 1e-6 (tests/test_cpu_attention.py).
 
@@ -26,6 +31,7 @@
 
 #include <algorithm>
 #include <cmath>
+#include <cstring>
 #include <limits>
 #include <vector>
 
@@ -35,6 +41,63 @@ inline float to_float(float x) { return x; }
 inline float to_float(c10::BFloat16 x) { return static_cast<float>(x); }
 inline float to_float(c10::Half x) { return static_cast<float>(x); }
 inline float to_float(c10::Float8_e4m3fn x) { return static_cast<float>(x); }
+
+// Eight fp32 lanes: one AVX2 register (two on NEON). GCC's and Clang's vector extension, so the same source
+// compiles to whatever -march=native offers; `a += b * c` becomes one fused multiply-add per register.
+typedef float vec8 __attribute__((vector_size(32)));
+constexpr int64_t kLanes = 8;
+
+inline vec8 load8(const float* p) {
+  vec8 v;
+  std::memcpy(&v, p, sizeof v);
+  return v;
+}
+template <typename C>
+inline vec8 load8(const C* p) {           // bf16 / fp16 / fp8: widened lane by lane
+  vec8 v;
+  for (int64_t l = 0; l < kLanes; ++l) v[l] = to_float(p[l]);
+  return v;
+}
+inline float hsum(vec8 v) {
+  float s = 0.f;
+  for (int64_t l = 0; l < kLanes; ++l) s += v[l];
+  return s;
+}
+
+// q . k over head_dim, q in fp32: whole registers (two accumulators, so the multiply-adds of one dot do not
+// all wait on each other), then the lanes left when head_dim is not a multiple of 8.
+template <typename C>
+inline float dot(const float* q, const C* k, int64_t head_dim) {
+  vec8 a0 = {}, a1 = {};
+  int64_t d = 0;
+  for (; d + 2 * kLanes <= head_dim; d += 2 * kLanes) {
+    a0 += load8(q + d) * load8(k + d);
+    a1 += load8(q + d + kLanes) * load8(k + d + kLanes);
+  }
+  for (; d + kLanes <= head_dim; d += kLanes) a0 += load8(q + d) * load8(k + d);
+  float s = hsum(a0 + a1);
+  for (; d < head_dim; ++d) s += q[d] * to_float(k[d]);
+  return s;
+}
+
+// acc += p * v over head_dim.
+template <typename C>
+inline void axpy(float p, const C* v, float* acc, int64_t head_dim) {
+  int64_t d = 0;
+  for (; d + kLanes <= head_dim; d += kLanes) {
+    vec8 a = load8(acc + d);
+    a += p * load8(v + d);
+    std::memcpy(acc + d, &a, sizeof a);
+  }
+  for (; d < head_dim; ++d) acc[d] += p * to_float(v[d]);
+}
+
+// Asks for `bytes` from p into the cache ahead of use. The blocks of a sequence are scattered over the pool, so
+// the hardware prefetcher, which follows one address stream, stalls at every block boundary; each pass asks
+// for the next block's token while it reads the current block's.
+inline void prefetch(const void* p, int64_t bytes) {
+  for (int64_t off = 0; off < bytes; off += 64) __builtin_prefetch(static_cast<const char*>(p) + off);
+}
 
 template <typename Q, typename C>
 void decode(const Q* query, const C* key_cache, const C* value_cache, const int32_t* block_tables,
@@ -55,22 +118,30 @@ void decode(const Q* query, const C* key_cache, const C* value_cache, const int3
       const int64_t seq = item / items_per_seq, kv_head0 = (item % items_per_seq) * span;
       const int64_t len = seq_lens[seq];
       const int32_t* table = block_tables + seq * max_blocks;
+      const int64_t num_blocks = (len + block_size - 1) / block_size;
       // The item's query rows, in fp32, pre-multiplied by the softmax scale. Query head kv_head * group + g
-      // reads KV head kv_head, so the rows of heads kv_head0 ... kv_head0 + span - 1 are adjacent.
+      // reads KV head kv_head, so the rows of heads kv_head0 ... kv_head0 + span - 1 are adjacent: row
+      // r = h * group + g, for the item's h-th KV head.
       const Q* q_in = query + (seq * num_heads + kv_head0 * group) * head_dim;
       for (int64_t i = 0; i < rows * head_dim; ++i) q[i] = to_float(q_in[i]) * scale;
       scores.resize(rows * len);                                 // scores[r * len + t]
 
-      // Pass 1: scores = q . k for every cached token t (block table[t / block_size], slot t % block_size).
-      for (int64_t t = 0; t < len; ++t) {
-        const C* k_tok = key_cache + table[t / block_size] * block_stride + (t % block_size) * token_stride;
-        for (int64_t r = 0; r < rows; ++r) {
-          const C* k = k_tok + (kv_head0 + r / group) * head_dim;
-          const float* qr = q.data() + r * head_dim;
-          float dot = 0.f;
-#pragma omp simd reduction(+ : dot)
-          for (int64_t d = 0; d < head_dim; ++d) dot += qr[d] * to_float(k[d]);
-          scores[r * len + t] = dot;
+      // Pass 1: scores = q . k for every cached token t = b * block_size + i (block table[b], slot i). Blocks
+      // then slots, so no division per token; each token's `span` heads are adjacent in memory.
+      for (int64_t b = 0; b < num_blocks; ++b) {
+        const C* block = key_cache + table[b] * block_stride + kv_head0 * head_dim;
+        const C* next = b + 1 < num_blocks ? key_cache + table[b + 1] * block_stride + kv_head0 * head_dim
+                                           : value_cache + table[0] * block_stride + kv_head0 * head_dim;
+        const int64_t t0 = b * block_size, n = std::min(block_size, len - t0);
+        for (int64_t i = 0; i < n; ++i) {
+          prefetch(next + i * token_stride, span * head_dim * sizeof(C));
+          for (int64_t h = 0; h < span; ++h) {
+            const C* k = block + i * token_stride + h * head_dim;
+            for (int64_t g = 0; g < group; ++g) {
+              const int64_t r = h * group + g;
+              scores[r * len + t0 + i] = dot(q.data() + r * head_dim, k, head_dim);
+            }
+          }
         }
       }
       // Softmax over t, per query row: p = exp(s - max), normalised at the end.
@@ -85,16 +156,22 @@ void decode(const Q* query, const C* key_cache, const C* value_cache, const int3
         }
         total[r] = sum;
       }
-      // Pass 2: acc = sum_t p_t * v_t.
+      // Pass 2: acc = sum_t p_t * v_t, in the same order as pass 1.
       std::fill(acc.begin(), acc.end(), 0.f);
-      for (int64_t t = 0; t < len; ++t) {
-        const C* v_tok = value_cache + table[t / block_size] * block_stride + (t % block_size) * token_stride;
-        for (int64_t r = 0; r < rows; ++r) {
-          const C* v = v_tok + (kv_head0 + r / group) * head_dim;
-          const float p = scores[r * len + t];
-          float* a = acc.data() + r * head_dim;
-#pragma omp simd
-          for (int64_t d = 0; d < head_dim; ++d) a[d] += p * to_float(v[d]);
+      for (int64_t b = 0; b < num_blocks; ++b) {
+        const C* block = value_cache + table[b] * block_stride + kv_head0 * head_dim;
+        const C* next = b + 1 < num_blocks ? value_cache + table[b + 1] * block_stride + kv_head0 * head_dim
+                                           : nullptr;
+        const int64_t t0 = b * block_size, n = std::min(block_size, len - t0);
+        for (int64_t i = 0; i < n; ++i) {
+          if (next != nullptr) prefetch(next + i * token_stride, span * head_dim * sizeof(C));
+          for (int64_t h = 0; h < span; ++h) {
+            const C* v = block + i * token_stride + h * head_dim;
+            for (int64_t g = 0; g < group; ++g) {
+              const int64_t r = h * group + g;
+              axpy(scores[r * len + t0 + i], v, acc.data() + r * head_dim, head_dim);
+            }
+          }
         }
       }
       Q* o = out + (seq * num_heads + kv_head0 * group) * head_dim;

@@ -36,7 +36,9 @@ def _case(num_seqs, heads, kv_heads, head_dim, block_size, dtype, max_len=300, s
 
 
 @pytest.mark.parametrize("num_seqs", [1, 3, 37])            # 1 and 3: one KV head per work item; 37: whole sequences
-@pytest.mark.parametrize("heads,kv_heads,head_dim", [(9, 3, 64), (8, 8, 128), (8, 2, 64), (4, 1, 32)])
+# head_dim 40 and 36: the kernel's 8-lane registers with one register left over, and with 4 scalar lanes left over
+@pytest.mark.parametrize("heads,kv_heads,head_dim", [(9, 3, 64), (8, 8, 128), (8, 2, 64), (4, 1, 32), (4, 2, 40),
+                                                      (6, 2, 36)])
 @pytest.mark.parametrize("block_size", [1, 16, 32])
 def test_decode_kernel_equals_the_reference_fp32(num_seqs, heads, kv_heads, head_dim, block_size):
     query, kc, vc, tables, lens = _case(num_seqs, heads, kv_heads, head_dim, block_size, torch.float32)
