@@ -3,6 +3,7 @@ C++ compiler.
 
     paged_decode_attention   same signature as reference.paged_decode_attention / triton_ops'; reads K and V
                              straight from the paged cache (no gather), a sequence per work item
+    prefill_attention        fresh prompts (no cached context), causal over this step's own K and V
     rms_norm                 layers.RMSNorm (with the residual add), one pass per row
     silu_and_mul             layers.SiluAndMul: silu(gate) * up
     rotary_embedding         layers.RotaryEmbedding's rotation of q and k
@@ -81,6 +82,16 @@ def paged_decode_attention(query: torch.Tensor, key_cache: torch.Tensor, value_c
                                          block_tables.to(torch.int32).contiguous(),
                                          seq_lens.to(torch.int32).contiguous(), float(scale),
                                          float(k_scale), float(v_scale))
+
+
+def prefill_attention(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, starts: list[int],
+                      lens: list[int], scale: float) -> torch.Tensor:
+    """Whole prompts attending causally to their own K and V (no cache): sequence s is rows starts[s] ...
+    starts[s] + lens[s] - 1 of query (num_tokens, num_heads, head_dim) and key, value (num_tokens, num_kv_heads,
+    head_dim), at positions 0 ... lens[s] - 1. Returns (num_tokens, num_heads, head_dim) in the query's dtype,
+    fp32 inside; rows in no sequence are left unwritten."""
+    return load().prefill_attention(query, key, value, torch.tensor(starts, dtype=torch.int64),
+                                    torch.tensor(lens, dtype=torch.int64), float(scale))
 
 
 def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float, residual: torch.Tensor | None = None):

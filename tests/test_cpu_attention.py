@@ -145,8 +145,10 @@ def test_without_the_kernels_the_cpu_serves_with_the_reference_and_says_why(mode
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 def test_fresh_prompts_attend_to_their_own_kv_and_equal_the_reference(dtype, monkeypatch):
     """A mixed step: two fresh prompts, a chunk with cached context, two decodes. The cpu backend attends the fresh
-    prompts from the step's own K/V (the reference's prefill runs only for the chunk with context: counted) and
-    every row equals the torch backend's; with an fp8 cache every prefill takes the reference's path."""
+    prompts from the step's own K/V, in fp32 in one C++ call, in bf16 with PyTorch's SDPA (the reference's prefill
+    runs only for the chunk with context: both counted); every row equals the torch backend's up to the order of
+    fp32 sums, and bf16's prefill rows and the chunk's rows are the reference's own numbers; with an fp8 cache
+    every prefill takes the reference's path."""
     from minivllm.model.attention import AttentionMetadata, CpuAttentionBackend, TorchAttentionBackend
     g = torch.Generator().manual_seed(0)
     heads, kv_heads, d, bs = 9, 3, 64, 16
@@ -161,10 +163,14 @@ def test_fresh_prompts_attend_to_their_own_kv_and_equal_the_reference(dtype, mon
     tokens = sum(q_lens)
     q, k, v = (torch.randn(tokens, h, d, generator=g).to(dtype) for h in (heads, kv_heads, kv_heads))
     cache = torch.randn(2, 40, bs, kv_heads, d, generator=g).to(dtype)
-    prefills = []
+    prefills, fresh_calls = [], []
     real = ref.paged_prefill_attention
     monkeypatch.setattr(ref, "paged_prefill_attention",
                         lambda q, *a, **kw: prefills.append(q.shape[0]) or real(q, *a, **kw))
+    real_fresh = cpu_ops.prefill_attention
+    monkeypatch.setattr(cpu_ops, "prefill_attention",
+                        lambda q, k, v, starts, lens, scale: fresh_calls.append((starts, lens))
+                        or real_fresh(q, k, v, starts, lens, scale))
     want = TorchAttentionBackend().forward(q, k, v, cache[0].clone(), cache[1].clone(), meta, scale=0.125)
     assert prefills == [37 + 5 + 64]                                       # the reference: all prefill rows at once
     prefills.clear()
@@ -172,9 +178,78 @@ def test_fresh_prompts_attend_to_their_own_kv_and_equal_the_reference(dtype, mon
     assert prefills == [5]                                                 # only the chunk with context
     tol = dict(atol=1e-6, rtol=1e-5) if dtype == torch.float32 else dict(atol=1e-2, rtol=1e-2)
     torch.testing.assert_close(got, want, **tol)
-    prefill_rows = torch.cat([torch.arange(0, 42), torch.arange(43, 107)])
-    assert torch.equal(got[prefill_rows], want[prefill_rows])               # the prefill rows: the same numbers
+    if dtype == torch.float32:
+        assert fresh_calls == [([0, 42], [37, 64])]   # both fresh prompts in one call (rows of the prefill batch)
+        assert torch.equal(got[37:42], want[37:42])       # the chunk with context: the reference's own numbers
+    else:
+        assert fresh_calls == []
+        prefill_rows = torch.cat([torch.arange(0, 42), torch.arange(43, 107)])
+        assert torch.equal(got[prefill_rows], want[prefill_rows])           # bf16: the same numbers, bit for bit
     prefills.clear()
     fp8 = torch.zeros(2, 40, bs, kv_heads, d, dtype=ref.FP8_DTYPE)
     CpuAttentionBackend().forward(q, k, v, fp8[0], fp8[1], meta, scale=0.125)
     assert prefills == [37 + 5 + 64]                                       # fp8: attend to the rounded cache
+
+
+def _causal_attention_fp64(q, k, v, scale):
+    """The oracle: one whole prompt, (n, heads, d) and (n, kv_heads, d), written out in float64."""
+    n, heads, _ = q.shape
+    group = heads // k.shape[1]
+    q, k, v = q.double(), k.double().repeat_interleave(group, 1), v.double().repeat_interleave(group, 1)
+    scores = torch.einsum("ihd,jhd->hij", q, k) * scale
+    scores = scores.masked_fill(torch.ones(n, n, dtype=torch.bool).triu(1), float("-inf"))
+    return torch.einsum("hij,jhd->ihd", scores.softmax(-1), v)
+
+
+def _prompts(heads, kv_heads, head_dim, lens, dtype, seed=0):
+    """Prompts laid end to end, with k and v strided views of one qkv projection output, as the model's are."""
+    g = torch.Generator().manual_seed(seed)
+    qkv = torch.randn(sum(lens), (heads + 2 * kv_heads) * head_dim, generator=g).to(dtype)
+    q, k, v = qkv.split([heads * head_dim, kv_heads * head_dim, kv_heads * head_dim], dim=-1)
+    q = q.contiguous().view(-1, heads, head_dim)                  # the rotary output is contiguous; v is a view
+    return q, k.contiguous().view(-1, kv_heads, head_dim), v.view(-1, kv_heads, head_dim)
+
+
+# lens: 1, 7, 8, 9 keys (a short, a full and a one-over tile of 8) and long prompts; 11 prompts of mixed lengths
+# keep both threads taking items from the shared queue.
+@pytest.mark.parametrize("heads,kv_heads,head_dim", [(9, 3, 64), (8, 8, 128), (4, 1, 32), (4, 2, 40), (6, 2, 36)])
+@pytest.mark.parametrize("lens", [[1, 7, 8, 9, 130], [64, 3, 191, 17, 100, 1, 33, 72, 5, 160, 12]])
+def test_prefill_kernel_equals_causal_attention(heads, kv_heads, head_dim, lens):
+    q, k, v = _prompts(heads, kv_heads, head_dim, lens, torch.float32)
+    starts = [sum(lens[:i]) for i in range(len(lens))]
+    scale = head_dim ** -0.5
+    got = cpu_ops.prefill_attention(q, k, v, starts, lens, scale)
+    assert got.shape == q.shape and got.dtype == torch.float32
+    for start, n in zip(starts, lens):
+        rows = slice(start, start + n)
+        want = _causal_attention_fp64(q[rows], k[rows], v[rows], scale)
+        torch.testing.assert_close(got[rows].double(), want, atol=2e-6, rtol=2e-5)
+
+
+def test_prefill_kernel_writes_only_the_sequences_it_is_given():
+    lens = [20, 9, 30]
+    q, k, v = _prompts(9, 3, 64, lens, torch.float32)
+    got = cpu_ops.prefill_attention(q, k, v, [0, 29], [20, 30], 0.125)        # the middle prompt is not fresh
+    full = cpu_ops.prefill_attention(q, k, v, [0, 20, 29], lens, 0.125)
+    assert torch.equal(got[:20], full[:20]) and torch.equal(got[29:], full[29:])
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+def test_prefill_kernel_half_precision_is_within_one_rounding_of_fp32(dtype):
+    lens = [50, 1, 77]
+    q, k, v = _prompts(9, 3, 64, lens, dtype)
+    got = cpu_ops.prefill_attention(q, k, v, [0, 50, 51], lens, 0.125)
+    exact = cpu_ops.prefill_attention(q.float(), k.float(), v.float(), [0, 50, 51], lens, 0.125)
+    assert got.dtype == dtype
+    eps = torch.finfo(dtype).eps
+    assert ((got.float() - exact).abs() <= eps * exact.abs() + 1e-6).all()
+
+
+def test_prefill_kernel_refuses_bad_input_with_a_clear_error():
+    q, k, v = _prompts(9, 3, 64, [10], torch.float32)
+    with pytest.raises(RuntimeError, match=r"sequence 0 \(rows 5 \.\.\. 14\) is outside the 10 rows"):
+        cpu_ops.prefill_attention(q, k, v, [5], [10], 0.125)
+    with pytest.raises(RuntimeError, match="one dtype"):
+        cpu_ops.prefill_attention(q, k.double(), v, [0], [10], 0.125)
+    with pytest.raises(RuntimeError, match="heads must be contiguous"):
+        cpu_ops.prefill_attention(q.transpose(1, 2), k, v, [0], [10], 0.125)

@@ -10,7 +10,9 @@ fall below 2^-6 into the coarse subnormals. Here, as vLLM's `calculate_kv_scales
     scale = amax(x over a calibration prompt) / (448 / HEADROOM)
 so the calibration's largest value lands at 448 / HEADROOM, leaving room for inputs with larger values. The
 calibration prompt is fixed public-domain prose (bench/passages.py), so the scales, and so every output, are
-the same on every run. It runs this rank's layers only (its TP share of the KV heads: each rank measures its own
+the same on every run, and it attends through the PyTorch reference whichever backend serves (the C++ or
+Triton kernels sum in other orders, and a max of K over 512 tokens moves with them), so they are the same on
+every backend too. It runs this rank's layers only (its TP share of the KV heads: each rank measures its own
 heads, and the ranks agree on the largest, so a TP run stores the same bytes as one rank would; under pipeline
 parallelism the stages pass the hidden states on, as in a step), on a temporary cache in
 the model's dtype, before the fp8 cache exists: nothing it does is visible to a request.
@@ -21,7 +23,7 @@ from __future__ import annotations
 import torch
 import torch.distributed as dist
 
-from minivllm.model.attention import AttentionBackend, AttentionMetadata
+from minivllm.model.attention import AttentionBackend, AttentionMetadata, TorchAttentionBackend
 
 HEADROOM = 2.0              # the calibration's amax maps to 448 / 2 = 224
 
@@ -65,7 +67,7 @@ def calibrate_kv_scales(runner, token_ids: list[int]) -> list[tuple[float, float
     meta = AttentionMetadata(slot_mapping=t(list(range(n)), torch.int64), cu_seqlens_q=t([0, n], torch.int32),
                              seq_lens=t([n], torch.int32), block_tables=t([list(range(num_blocks))], torch.int32),
                              max_q_len=n, max_seq_len=n, q_lens_cpu=[n], seq_lens_cpu=[n])
-    recorder = _AmaxRecorder(runner.backend)
+    recorder = _AmaxRecorder(TorchAttentionBackend())           # the reference: scales independent of the backend
     intermediate = None
     if pp.size > 1 and not pp.is_first:
         hidden = torch.empty(n, runner.model_cfg.hidden_size, dtype=runner.dtype, device=device)
