@@ -41,19 +41,29 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--api-key", default=None, help="require 'Authorization: Bearer <key>' on /v1/*")
     p.add_argument("--no-dashboard", action="store_true", help="serve the API only")
     p.add_argument("--threads", type=int, default=None, help="torch CPU threads (default: torch's choice)")
+    p.add_argument("--warmup-tokens", type=int, default=512, help="a dummy prefill of this many tokens before "
+                   "serving, so the first real batch does not pay the first large step's one-time costs (0: off; "
+                   "single process only)")
     add_engine_args(p)
     return p
 
 
 def build_app(config: EngineConfig, api_key: str | None = None, served_model_name: str | None = None,
-              dashboard: bool = True):
-    """Load the engine and build the app: returns (fastapi_app, async_engine). The app's shutdown shuts the
-    engine down (`async_engine.shutdown()` may be called again; the second call does nothing)."""
+              dashboard: bool = True, warmup_tokens: int = 0):
+    """Load the engine (and warm it up with a dummy prefill of `warmup_tokens`, ModelRunner.warm_up) and build
+    the app: returns (fastapi_app, async_engine). The app's shutdown shuts the engine down
+    (`async_engine.shutdown()` may be called again; the second call does nothing)."""
     from fastapi import FastAPI
 
     from minivllm.engine.llm_engine import LLMEngine
 
-    async_engine = AsyncLLMEngine(LLMEngine(config))
+    engine = LLMEngine(config)
+    if warmup_tokens > 0:
+        if config.tensor_parallel_size == 1 and config.pipeline_parallel_size == 1:
+            engine.model_runner.warm_up(warmup_tokens)
+        else:
+            logger.info("no warm-up: it runs in a single process only (tensor/pipeline parallelism is on)")
+    async_engine = AsyncLLMEngine(engine)
 
     @contextlib.asynccontextmanager
     async def lifespan(app):
@@ -78,8 +88,11 @@ def main(argv: list[str] | None = None) -> int:
         torch.set_num_threads(args.threads)
     try:
         config = EngineConfig.from_cli_args(args)
+        if args.warmup_tokens < 0:
+            raise ValueError(f"--warmup-tokens is {args.warmup_tokens}; it must be 0 (off) or a positive number "
+                             f"of tokens")
         app, async_engine = build_app(config, api_key=args.api_key, served_model_name=args.served_model_name,
-                                      dashboard=not args.no_dashboard)
+                                      dashboard=not args.no_dashboard, warmup_tokens=args.warmup_tokens)
     except (ValueError, FileNotFoundError) as e:
         parser.error(str(e))
 

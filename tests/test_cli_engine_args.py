@@ -133,3 +133,20 @@ def test_a_json_option_that_is_not_json_is_a_usage_error(capsys):
     with pytest.raises(SystemExit):
         parser.parse_args(["--speculative-config", "{ngram"])
     assert "--speculative-config: not valid JSON" in capsys.readouterr().err
+
+
+def test_the_server_warms_up_512_tokens_unless_told_otherwise(monkeypatch, capsys):
+    import app
+    seen = []
+
+    def fake_build_app(config, **kwargs):
+        seen.append(kwargs["warmup_tokens"])
+        raise Built(config)
+    monkeypatch.setattr(app, "build_app", fake_build_app)
+    for argv in ([], ["--warmup-tokens", "0"], ["--warmup-tokens", "64"]):
+        with pytest.raises(Built):
+            app.main(argv)
+    assert seen == [512, 0, 64]
+    with pytest.raises(SystemExit) as exc:
+        app.main(["--warmup-tokens", "-1"])
+    assert exc.value.code == 2 and "--warmup-tokens is -1; it must be 0 (off)" in capsys.readouterr().err

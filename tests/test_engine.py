@@ -114,3 +114,29 @@ def test_shutdown_gives_the_memory_back_and_later_steps_say_so(model_dir):
     assert stats.num_running == stats.num_waiting == 0 and stats.num_free_blocks == stats.num_kv_blocks
     llm.shutdown()                                       # twice is fine
     assert len(first[0].outputs[0].token_ids) == 3
+
+
+def test_warm_up_runs_a_prefill_and_touches_no_state(llm, monkeypatch):
+    """ModelRunner.warm_up (what `python app.py --warmup-tokens N` runs before serving): one dummy prefill through
+    the model on a scratch cache; no counter moves, the KV cache keeps its bytes, and later output is unchanged."""
+    import torch
+    engine = llm.llm_engine
+    runner = engine.model_runner
+    want = run_alone(llm, "The warm-up leaves", 6)
+    seen = []
+    real = runner.backend.forward
+    monkeypatch.setattr(runner.backend, "forward",
+                        lambda q, *a, **kw: seen.append(q.shape[0]) or real(q, *a, **kw))
+    stats, cache = engine.get_stats(), runner.kv_cache.clone()
+    runner.warm_up(300, tokens_per_seq=128)
+    assert seen == [300] * runner.num_layers                      # every layer, the 300 tokens in one batch
+    assert engine.get_stats() == stats and torch.equal(runner.kv_cache, cache)
+    assert run_alone(llm, "The warm-up leaves", 6) == want
+
+
+def test_warm_up_refuses_tensor_and_pipeline_parallelism():
+    from types import SimpleNamespace
+    from minivllm.worker.model_runner import ModelRunner
+    fake = SimpleNamespace(tp=SimpleNamespace(size=2), pp=SimpleNamespace(size=1))
+    with pytest.raises(RuntimeError, match="single process only"):
+        ModelRunner.warm_up(fake, 16)
