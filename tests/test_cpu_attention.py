@@ -226,7 +226,7 @@ def test_prefill_kernel_equals_causal_attention(heads, kv_heads, head_dim, lens)
         torch.testing.assert_close(got[rows].double(), want, atol=2e-6, rtol=2e-5)
 
 
-def test_prefill_kernel_writes_only_the_sequences_it_is_given():
+def test_prefill_kernel_rows_of_a_sequence_do_not_depend_on_the_others_given():
     lens = [20, 9, 30]
     q, k, v = _prompts(9, 3, 64, lens, torch.float32)
     got = cpu_ops.prefill_attention(q, k, v, [0, 29], [20, 30], 0.125)        # the middle prompt is not fresh
