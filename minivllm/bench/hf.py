@@ -48,13 +48,23 @@ def hf_generate_batch(model, prompts: list[list[int]], max_new_tokens: int) -> l
     return [out.shape[1] - width] * len(prompts)
 
 
-def bench_hf(model, workload: Workload, batch_size: int) -> ThroughputResult:
-    """Static batches in request order; each runs to its longest request, only asked-for tokens count."""
+def bench_hf(model, workload: Workload, batch_size: int, progress: bool = True) -> ThroughputResult:
+    """Static batches in request order; each runs to its longest request, only asked-for tokens count.
+
+    With progress, one line per finished batch (its steps, time and the running throughput), so a run cut
+    off by a time limit (a lent GPU's 15 minutes) still shows HF's rate over the batches it finished.
+    """
     counts = []
     start = time.perf_counter()
     for b in range(0, workload.num_requests, batch_size):
         prompts = workload.prompt_token_ids[b:b + batch_size]
         asked = workload.output_lens[b:b + batch_size]
+        t0 = time.perf_counter()
         got = hf_generate_batch(model, prompts, max(asked))
         counts += [min(g, a) for g, a in zip(got, asked)]
+        if progress:
+            now = time.perf_counter()
+            print(f"HF batch {b // batch_size + 1}/{-(-workload.num_requests // batch_size)}: {len(prompts)} "
+                  f"requests, {max(asked)} steps in {now - t0:.1f} s; so far {sum(counts)} useful tokens in "
+                  f"{now - start:.1f} s ({sum(counts) / (now - start):.1f} tokens/s)", flush=True)
     return ThroughputResult("hf", time.perf_counter() - start, counts)
