@@ -7,7 +7,7 @@ machine has no network, and speed and correctness do not depend on what the weig
 with std 0.05 give varied greedy tokens, so agreement means something.
 
 - fp32: token for token, with the Triton kernels (CUDA graphs on and off, with and without the fused RMSNorm
-  kernel, MINIVLLM_CUSTOM_OPS=+rms_norm) and with the PyTorch reference attention; a 300-token prompt under a 128-token budget is prefilled in chunks over its own cached KV,
+  kernel, the default, and without it, MINIVLLM_CUSTOM_OPS=none) and with the PyTorch reference attention; a 300-token prompt under a 128-token budget is prefilled in chunks over its own cached KV,
   mixed with the other requests' decodes.
 - bf16: the tolerance argument of tests/test_bf16.py, on the GPU: minivllm's bf16 log-probabilities (teacher
   forced on HF's tokens) are no further from fp32 than HF's own bf16 is, and where the greedy tokens part,
@@ -80,8 +80,8 @@ def greedy(llm, n=NUM_TOKENS) -> list[list[int]]:
 
 
 @pytest.mark.parametrize("backend,eager,custom_ops",
-                         [("triton", False, ""), ("triton", True, ""), ("torch", True, ""),
-                          ("triton", False, "+rms_norm"), ("triton", True, "+rms_norm")],
+                         [("triton", False, "none"), ("triton", True, "none"), ("torch", True, "none"),
+                          ("triton", False, "all"), ("triton", True, "all")],
                          ids=["triton-graphs", "triton-eager", "torch-reference", "triton-graphs-fused-norm",
                               "triton-eager-fused-norm"])
 def test_fp32_greedy_matches_hf_token_for_token(checkpoint, hf_fp32, backend, eager, custom_ops, monkeypatch):

@@ -13,6 +13,7 @@ P is rounded to fp16 before the P @ V dot); bf16 1.6e-2.
 from __future__ import annotations
 
 import os
+import re
 import time
 
 import pytest
@@ -233,13 +234,15 @@ def test_rms_norm_refuses_mismatched_shapes():
         ops.rms_norm(x, torch.ones(32, device=DEVICE), 1e-6)
 
 
-def test_custom_ops_switch_names_what_it_accepts():
+def test_custom_ops_switch_reads_as_vllms_custom_ops():
     from minivllm.model.layers import _custom_ops
-    assert _custom_ops("") == _custom_ops("none") == frozenset()
-    assert _custom_ops("+rms_norm") == {"rms_norm"}
-    with pytest.raises(ValueError, match=r"MINIVLLM_CUSTOM_OPS is 'rms_norm'; name ops to turn on as \+op, from: "
-                                         r"\+rms_norm"):
-        _custom_ops("rms_norm")
+    assert _custom_ops("") == _custom_ops("all") == _custom_ops("+rms_norm") == {"rms_norm"}    # on by default
+    assert _custom_ops("none") == _custom_ops("-rms_norm") == _custom_ops("all,-rms_norm") == frozenset()
+    assert _custom_ops("none,+rms_norm") == {"rms_norm"}
+    for bad in ("rms_norm", "+layer_norm", "all,none"):
+        with pytest.raises(ValueError, match=rf"MINIVLLM_CUSTOM_OPS is '{re.escape(bad)}'; give 'all' \(the default\) or "
+                                             r"'none', then \+op to turn one on or -op to turn one off, from: rms_norm"):
+            _custom_ops(bad)
 
 
 # --------------------------------------------------------------------------------------- the engine
