@@ -30,7 +30,7 @@ from dataclasses import dataclass, field
 from minivllm.core.request import Request, RequestMetrics, RequestStatus
 from minivllm.core.sampling_params import RequestOutputKind, SamplingParams
 from minivllm.core.scheduler import EngineCoreOutput
-from minivllm.engine.detokenizer import DetokState, detokenize_incrementally, find_stop_string
+from minivllm.engine.detokenizer import DetokState, detokenize_incrementally, fast_decoder, find_stop_string
 from minivllm.engine.parallel_sampling import ParentRequest
 from minivllm.outputs import CompletionOutput, Logprob, RequestOutput
 from minivllm.worker.logprobs import SampleLogprobs, StepLogprobs
@@ -87,6 +87,7 @@ class OutputUpdate:
 class OutputProcessor:
     def __init__(self, tokenizer):
         self.tokenizer = tokenizer
+        self.decoder = fast_decoder(tokenizer)             # tokenizer.decode's text, at less host time per call
         self.states: dict[str, RequestState] = {}          # core request id -> its state
         self.parents: dict[str, ParentRequest] = {}        # n > 1: parent id -> the parent
         # n > 1 with prompt_logprobs: parent id -> [the first finished prompt's logprobs, whether DELTA sent them]
@@ -132,7 +133,7 @@ class OutputProcessor:
                 # of one token would, so the output is the same token for token.
                 keep = self._tokens_until_stop(st, ids, keep)
                 ids = ids[:len(ids) - (len(co.new_token_ids) - keep)]
-            new_text, detok = detokenize_incrementally(self.tokenizer, ids, st.detok, sp.skip_special_tokens)
+            new_text, detok = detokenize_incrementally(self.decoder, ids, st.detok, sp.skip_special_tokens)
             window = st.pending + new_text
             stop_string = None
             if sp.stop and new_text and not stopped_by_token:
@@ -166,7 +167,7 @@ class OutputProcessor:
         string (all of them when none does)."""
         sp, detok, window = st.params, st.detok, st.pending
         for i in range(num_new):
-            text, detok = detokenize_incrementally(self.tokenizer, ids[:len(ids) - num_new + i + 1], detok,
+            text, detok = detokenize_incrementally(self.decoder, ids[:len(ids) - num_new + i + 1], detok,
                                                    sp.skip_special_tokens)
             window += text
             if text and find_stop_string(window, len(text), sp.stop) is not None:
