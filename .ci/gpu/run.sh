@@ -5,6 +5,10 @@
 #   here:   bash .ci/gpu/prepare.sh            # only where the GPU machine lacks the default model (no network)
 #   there:  DEADLINE=600 bash .ci/gpu/run.sh   # ONLY="kernels e2e" runs a subset
 #
+# In one session's 15 minutes of device time, two calls fit, the machine kept warm between them (carry .gpu):
+#   1. DEADLINE=540 ONLY="setup kernels e2e ckpt profile profile_native kbench graphs_native" bash .ci/gpu/run.sh
+#   2. at once, with the time left: DEADLINE=<left - 30> ONLY="vs_hf" bash .ci/gpu/run.sh
+#
 # Measured (H200, then H100, 2026-11-26): setup 23 s, kernels 24-34 s, e2e 90-171 s, ckpt 18-31 s, profile
 # 21-34 s, kbench 9-13 s, graphs and eager 49-61 s each, vs_hf 330 s on the H100 (HF alone 276 s). With the
 # machine's start, all of it does not fit one session's 15 minutes: the H100 session ran everything but eager
