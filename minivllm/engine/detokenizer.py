@@ -18,8 +18,8 @@ class RustDecoder:
     """`tokenizer.decode` without transformers' Python around it: the Rust tokenizer's own decode.
 
     A step detokenizes every running request twice, so at batch 256 transformers' wrapper (its input checks
-    and keyword handling: about 3.4 us of 4.2 us a call here) costs milliseconds per step, which on a GPU is
-    time the GPU waits. `fast_decoder` hands this out only where the text is the same (see there).
+    and keyword handling: about 2.5 us of a 3.4 us call here, the Rust decode 0.8 us) costs milliseconds per
+    step, which on a GPU is time the GPU waits. `fast_decoder` hands this out only where the text is the same (see there).
     """
 
     def __init__(self, tokenizer):
