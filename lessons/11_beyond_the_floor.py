@@ -30,6 +30,9 @@
 #    and why a fresh 60 MB output costs more than its math.
 # 4. **Decode attention in C++** (`kernels/cpu_attention.cpp`): the same bytes as the gather, read once and in
 #    the order memory delivers them fastest.
+# 5. **Async scheduling**, the GPU's answer to the host's own share of a step (the plan, the inputs, applying
+#    the tokens, the text): schedule the next batch while the device runs this one. You write the scheduler's
+#    plan for a request whose batch is still in flight, and an engine runs with it.
 #
 # As in lesson 07, every number is measured when the notebook runs; timings wobble on a busy machine.
 
@@ -447,6 +450,97 @@ for name, ms in timings.items():
 # within the noise, since its matmuls take 5.4 s of it.
 
 # %% [markdown]
+# ## 6. Async scheduling: the host's work behind the GPU's
+#
+# CUDA graphs took the kernel launches out of a decode step. What is left on the host is Python per request:
+# plan the batch, build its inputs, apply the sampled tokens to the core, detokenize. On this CPU, with a tiny
+# model, a decode step of 256 requests spends about 2.7 ms planning, 1.5 ms on inputs, 2.2 ms updating the core
+# and 1.8 ms on text. On an H100 a graph-replayed step at batch 64 takes 7.35 ms of GPU time: in a synchronous
+# engine the GPU waits through every one of those host milliseconds, step after step.
+#
+# vLLM's answer is `--async-scheduling` (minivllm: `LLM(async_scheduling=True)`): while batch N runs on the
+# device, the host already plans and issues batch N + 1, and only then waits for N's tokens:
+#
+#     host:    [issue N] [plan N+1, issue N+1] [N's tokens -> host, update, text] [plan N+2, issue N+2] ...
+#     device:  [forward N, sample N]           [forward N+1, sample N+1]          [forward N+2 ...]
+#
+# The catch: a request decoding in batch N needs, as batch N + 1's input, the very token N is sampling. So N is
+# sampled on the device as it is issued, and N + 1's input for that request is read from N's sampled tokens on
+# the device (`ModelInput.prev_token_rows`; the host writes a 0 there). The scheduler plans such a request
+# without knowing its token: it starts after the tokens in flight, and counts the one being sampled as one more
+# token to compute (vLLM calls it a placeholder). That plan is `plan_ahead` in `minivllm/core/scheduler.py`,
+# and it is your exercise.
+#
+# Not every request may run ahead. One whose sampling reads its own output tokens (penalties, `bad_words`,
+# `min_tokens`) or has a grammar would be sampled before the host knows its last token, so it waits for its
+# batch; so does one that N's token would end by `max_tokens`. A request in flight is never preempted. A request
+# that N's token stops (EOS, a stop string) has one wasted row in N + 1, dropped when it comes back.
+
+# %% [markdown]
+# ### Exercise: plan a request whose batch is in flight
+#
+# Write `plan_ahead(num_tokens, num_computed_tokens, num_in_flight)`: the request has `num_tokens` tokens
+# (prompt and outputs the host knows), KV for `num_computed_tokens` of them, and `num_in_flight` tokens in a
+# batch still on the device (0 when none). Return `(start, num_left)`: the position batch N + 1 starts at, and
+# how many tokens the request has left to compute from there. If the batch in flight computes the whole
+# sequence, it also samples the next token, and that token must be computed too.
+#
+# The check runs hand-made cases, 200 random ones against minivllm's own `plan_ahead`, then an async engine
+# whose scheduler plans with your function: its greedy tokens must be the synchronous engine's.
+
+# %%
+@exercise("11.plan_ahead")
+def plan_ahead(num_tokens, num_computed_tokens, num_in_flight):
+    # your code here
+    raise NotImplementedError
+
+
+check(plan_ahead)
+
+# %% [markdown]
+# Now the real thing on this CPU: the same requests through a synchronous and an async engine, counting the
+# decodes that read a token still "on the device", and how many batches were in flight at once. On a CPU the
+# forward runs in the host's own thread, so nothing overlaps and the time is the same: the point here is that the
+# tokens are too.
+
+# %%
+# NBVAL_IGNORE_OUTPUT
+prompts = ["The capital of France is", "A list of prime numbers: 2, 3, 5, 7,", "Hello, my name is"]
+params = SamplingParams(temperature=0, max_tokens=16, ignore_eos=True)
+async_tokens, async_counts = {}, {}
+for async_scheduling in (False, True):
+    with LLM(num_kv_blocks=64, async_scheduling=async_scheduling) as demo:
+        demo_engine = demo.llm_engine
+        counts = {"placeholders": 0, "most batches in flight": 0}
+        schedule, step = demo_engine.scheduler.schedule, demo_engine.step
+
+        def spy_schedule():
+            out = schedule()
+            counts["placeholders"] += len(out.num_output_placeholders)
+            return out
+
+        def spy_step():
+            outputs = step()
+            counts["most batches in flight"] = max(counts["most batches in flight"], len(demo_engine.batch_queue))
+            return outputs
+        demo_engine.scheduler.schedule, demo_engine.step = spy_schedule, spy_step
+        t0 = time.perf_counter()
+        async_tokens[async_scheduling] = [o.outputs[0].token_ids for o in demo.generate(prompts, params,
+                                                                                      use_tqdm=False)]
+        counts["seconds"] = round(time.perf_counter() - t0, 2)
+        async_counts[async_scheduling] = counts
+    print(f"async_scheduling={async_scheduling}: {counts}")
+print("same tokens:", async_tokens[True] == async_tokens[False])
+
+# %% [markdown]
+# > **How vLLM v1 does it differently.** vLLM's `AsyncScheduler` moves `num_computed_tokens` forward when it
+# > schedules (minivllm moves it when the tokens come back, so that a failed step can roll back) and keeps
+# > `num_output_placeholders` on the request; its GPU model runner keeps the last step's sampled token ids on the
+# > device and scatters them into the next input ids. Its detokenization also runs in another process, the
+# > front end, beside the engine core. Newer versions let speculative decoding and structured output run ahead
+# > too; minivllm keeps those requests waiting.
+
+# %% [markdown]
 # ## Check yourself
 
 # %%
@@ -464,6 +558,10 @@ def self_check():
     # 5. the C++ decode kernel (where it builds) equals the reference, and both were timed
     assert not have_cpp or torch.allclose(cpp_out, reference_decode(), atol=2e-6, rtol=2e-5)
     assert all(ms > 0 for ms in timings.values())
+    # 6. async scheduling: the same tokens, and decodes really ran ahead of their batch
+    assert async_tokens[True] == async_tokens[False]
+    assert async_counts[True]["placeholders"] > 0 and async_counts[True]["most batches in flight"] == 2
+    assert async_counts[False]["placeholders"] == 0
     return "all checks passed"
 
 
@@ -473,5 +571,6 @@ self_check()
 # ## Where next
 #
 # On a GPU, `python -m minivllm.bench` prints how many decode steps were replayed from CUDA graphs; run it again
-# with `--enforce-eager` to see what they are worth. On a CPU, `python -m minivllm.bench --dtype bfloat16` and
+# with `--enforce-eager` to see what they are worth, and with `--async-scheduling` to see what hiding the host's
+# work behind the GPU's is worth. On a CPU, `python -m minivllm.bench --dtype bfloat16` and
 # `--quantization int8` show the last section's matmuls inside whole runs.

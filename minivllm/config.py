@@ -80,6 +80,10 @@ class EngineConfig:
         "auto", "auto: triton on CUDA; on a CPU cpu (C++ decode attention, built on first use) when a C++ compiler "
         "is there, else torch (the PyTorch reference)", ("auto", "torch", "triton", "cpu"))
     enforce_eager: bool = option(False, "CUDA: run decode steps eagerly, without CUDA graphs")
+    async_scheduling: bool = option(
+        False, "schedule the next batch while the device runs this one: its sampled tokens stay on the device and "
+        "become the next batch's inputs, so the host's work overlaps the GPU's (as vLLM's --async-scheduling); "
+        "one rank, no speculative decoding; pays on a GPU only (a CPU runs the forward in the host's own thread)")
     seed: int = option(0, "seed of the sampler for requests without a seed of their own")
     speculative_config: dict | None = option(
         None, "speculative decoding, as vLLM's JSON: {\"method\": \"ngram\", \"num_speculative_tokens\": 4, "
@@ -139,8 +143,18 @@ class EngineConfig:
         if self.distributed_executor_backend not in backends:
             raise ValueError(f"distributed_executor_backend is {self.distributed_executor_backend!r}; "
                              f"choose one of {', '.join(backends)}.")
-        if not isinstance(self.enforce_eager, bool):
-            raise ValueError(f"enforce_eager is {self.enforce_eager!r}; it must be True or False.")
+        for name in ("enforce_eager", "async_scheduling"):
+            if not isinstance(getattr(self, name), bool):
+                raise ValueError(f"{name} is {getattr(self, name)!r}; it must be True or False.")
+        if self.async_scheduling:
+            if self.tensor_parallel_size > 1 or self.pipeline_parallel_size > 1:
+                raise ValueError(f"async_scheduling with tensor_parallel_size {self.tensor_parallel_size} and "
+                                 f"pipeline_parallel_size {self.pipeline_parallel_size} is not implemented: the next "
+                                 "batch's input tokens stay on rank 0's device. Use one rank (both 1), or turn "
+                                 "async_scheduling off (pipeline stages already overlap with max_concurrent_batches).")
+            if self.speculative_config is not None:
+                raise ValueError("async_scheduling with speculative_config is not implemented (the next step's drafts "
+                                 "need this step's tokens on the host); turn one of them off.")
         if not 0 < self.gpu_memory_utilization <= 1:
             raise ValueError(f"gpu_memory_utilization is {self.gpu_memory_utilization}; it must be in (0, 1].")
         if self.speculative_config is not None:

@@ -44,3 +44,31 @@ def test_plausible_wrong_answers_are_rejected_with_the_case():
                                   r"got \[37, 17, 10, 0\]")
     rejects(pads_context_zero, NAME, r"a batch of 3 runs the graph of 4: seq_lens: expected \[10, 5, 3, 1\], "
                                      r"got \[10, 5, 3, 0\]")
+
+
+# ---------------------------------------------------------------------- 11.plan_ahead (async scheduling)
+PLAN = "11.plan_ahead"
+
+
+def no_placeholder(num_tokens, num_computed_tokens, num_in_flight):
+    """Forgets the token the batch in flight samples: a decode would never run ahead."""
+    start = num_computed_tokens + num_in_flight
+    return start, num_tokens - start
+
+
+def ignores_in_flight(num_tokens, num_computed_tokens, num_in_flight):
+    """Plans as if nothing were in flight: the next batch would recompute what the last one computes."""
+    return num_computed_tokens, num_tokens - num_computed_tokens
+
+
+def test_plan_ahead_solution_passes():
+    passes(PLAN)
+
+
+def test_plan_ahead_empty_answer_is_told_to_write_code():
+    rejects(empty, PLAN, "not written yet")
+
+
+def test_plan_ahead_wrong_answers_are_rejected_with_the_case():
+    rejects(no_placeholder, PLAN, r"a chunk of 6 in flight: it samples, 1 left: expected \(10, 1\), got \(10, 0\)")
+    rejects(ignores_in_flight, PLAN, r"a chunk of 6 in flight: it samples, 1 left: expected \(10, 1\), got \(4, 6\)")

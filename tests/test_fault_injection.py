@@ -81,6 +81,9 @@ ENGINES = {
                  preemption_mode="recompute",
                  speculative_config={"method": "ngram", "num_speculative_tokens": 3, "prompt_lookup_min": 1,
                                      "prompt_lookup_max": 2}),
+    # Async scheduling: the next batch is planned and issued (and sampled) before the one in flight is applied.
+    "async": dict(block_size=4, num_kv_blocks=16, max_num_batched_tokens=12, max_num_seqs=3,
+                  preemption_mode="recompute", async_scheduling=True),
 }
 FAULTS = ["plan", "planned", "layer", "sampler", "forward", "output"]
 # About 40 s on 2 CPU cores. No shrinking: every replay runs the model, and a failure prints its whole example,
@@ -297,6 +300,8 @@ class FaultInjection(RuleBasedStateMachine):
             self.count("prefix hit")
         if engine.scheduler.num_draft_tokens > spec_before[0]:
             self.count("drafts verified")
+        if any(engine.scheduler.in_flight.values()) and len(engine.batch_queue) == 1 and engine.async_scheduling:
+            self.count("batch in flight between steps")
         for out in outputs:
             self.check_tokens(out.request_id, out.outputs[0].token_ids, out.finished)
             if out.finished:
@@ -356,6 +361,10 @@ class FaultInjection(RuleBasedStateMachine):
 
                 def __call__(self, *args, **kwargs):
                     real(*args, **kwargs)
+                    raise exc
+
+                def sample(self, *args, **kwargs):   # async scheduling samples on the device, as it issues
+                    real.sample(*args, **kwargs)
                     raise exc
             runner.sampler = Sampler()
             return lambda: setattr(runner, "sampler", real)
@@ -479,6 +488,32 @@ def test_fault_injection_fuzzer_with_speculative_decoding(engines, prompts, refe
     # Drafts were verified; whether a random example also failed a step with drafts pending varies from run to run
     # (tests/test_spec_decode.py::test_a_failed_step_with_drafts_rolls_back does that on purpose, every time).
     assert stats.get("drafts verified"), stats
+
+
+class AsyncFaultInjection(FaultInjection):
+    """The same machine on the async-scheduling engine only: a batch stays in flight between steps, the next one
+    runs ahead of it (its input tokens still on the device), and a failed step forgets the batch it issued."""
+
+    @initialize(kind=st.just("async"), first=st.lists(REQUEST, min_size=1, max_size=4))
+    @tracked
+    def setup(self, kind, first):
+        super().setup.__wrapped__(self, kind, first)
+
+
+def test_fault_injection_fuzzer_with_async_scheduling(engines, prompts, references):
+    """Failing steps while a batch is in flight and the next one reads its tokens on the device: the same
+    rollback, integrity and outputs (seeded requests included: async scheduling draws what a synchronous step
+    draws)."""
+    stats: dict[str, int] = {}
+
+    def make():
+        machine = AsyncFaultInjection(engines, prompts, references)
+        machine.stats = stats
+        return machine
+    run_state_machine_as_test(make, settings=settings(FAULT_SETTINGS, max_examples=15))
+    print("fault injection with async scheduling:", dict(sorted(stats.items())))
+    assert stats.get("batch in flight between steps"), stats
+    assert any(k.startswith("failed at") for k in stats), stats
 
 
 # ---------------------------------------------------------------------- the old bug, brought back

@@ -79,17 +79,21 @@ def greedy(llm, n=NUM_TOKENS) -> list[list[int]]:
     return [o.outputs[0].token_ids for o in outs]
 
 
-@pytest.mark.parametrize("backend,eager,custom_ops",
-                         [("triton", False, "none"), ("triton", True, "none"), ("torch", True, "none"),
-                          ("triton", False, "all"), ("triton", True, "all")],
+@pytest.mark.parametrize("backend,eager,custom_ops,async_scheduling",
+                         [("triton", False, "none", False), ("triton", True, "none", False),
+                          ("torch", True, "none", False), ("triton", False, "all", False),
+                          ("triton", True, "all", False), ("triton", False, "all", True),
+                          ("triton", True, "all", True)],
                          ids=["triton-graphs", "triton-eager", "torch-reference", "triton-graphs-fused-norm",
-                              "triton-eager-fused-norm"])
-def test_fp32_greedy_matches_hf_token_for_token(checkpoint, hf_fp32, backend, eager, custom_ops, monkeypatch):
+                              "triton-eager-fused-norm", "triton-graphs-async", "triton-eager-async"])
+def test_fp32_greedy_matches_hf_token_for_token(checkpoint, hf_fp32, backend, eager, custom_ops, async_scheduling,
+                                                monkeypatch):
     from minivllm.model import layers
     monkeypatch.setattr(layers, "CUSTOM_OPS", layers._custom_ops(custom_ops))
     (hf, _) = hf_fp32
     with LLM(str(checkpoint), device="cuda", dtype="float32", attention_backend=backend, enforce_eager=eager,
-             num_kv_blocks=512, max_num_seqs=8, max_num_batched_tokens=128) as llm:
+             num_kv_blocks=512, max_num_seqs=8, max_num_batched_tokens=128,
+             async_scheduling=async_scheduling) as llm:
         runner = llm.llm_engine.model_runner
         assert runner.backend.name == backend and runner.kv_cache.is_cuda
         mine = greedy(llm)

@@ -52,6 +52,7 @@ def core_state(sched: Scheduler) -> dict:
             "num_preemptions": r.num_preemptions, "num_cached_tokens": r.num_cached_tokens,
             "stop_reason": r.stop_reason} for r in live},
         "priority_keys": dict(sched._keys),
+        "in_flight": {r.request_id: k for r, k in sched.in_flight.items()},     # request -> tokens in flight
         "blocks": tuple((b.ref_count, b.block_hash, b.token_ids) for b in pool.blocks),
         "clean_free": tuple(pool.clean_free),
         "cached_free": tuple(pool.cached_free.items()),     # (block, tick), LRU order
@@ -83,7 +84,8 @@ def check_rolled_back(before: dict, after: dict, written: set[int], block_size: 
     if not written & live_blocks(before):
         assert after == before, _diff(before, after)
         return
-    for key in ("running", "waiting", "priority_keys", "swap_tables", "swap_free", "counters", "pending"):
+    for key in ("running", "waiting", "priority_keys", "in_flight", "swap_tables", "swap_free", "counters",
+                "pending"):
         assert after[key] == before[key], f"{key}: {before[key]} -> {after[key]}"
     cut: dict[str, int] = {}                       # request -> index of its first distrusted block
     tails: list[int] = []

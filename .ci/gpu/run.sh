@@ -6,8 +6,9 @@
 #   there:  DEADLINE=600 bash .ci/gpu/run.sh   # ONLY="kernels e2e" runs a subset
 #
 # In one session's 15 minutes of device time, two calls fit, the machine kept warm between them (carry .gpu):
-#   1. DEADLINE=540 ONLY="setup kernels e2e ckpt profile profile_native kbench graphs_native" bash .ci/gpu/run.sh
-#   2. at once, with the time left: DEADLINE=<left - 30> ONLY="vs_hf" bash .ci/gpu/run.sh
+#   1. DEADLINE=540 ONLY="setup kernels e2e ckpt kbench graphs graphs_async" bash .ci/gpu/run.sh
+#   2. at once, with the time left: DEADLINE=<left - 30> ONLY="vs_hf" bash .ci/gpu/run.sh, with
+#      VS_HF_FLAGS=--async-scheduling if graphs_async beat graphs (async scheduling is not measured on a GPU yet)
 #
 # Measured (H200, then H100, 2026-11-26): setup 23 s, kernels 24-34 s, e2e 90-171 s, ckpt 18-31 s, profile
 # 21-34 s, kbench 9-13 s, graphs and eager 49-61 s each, vs_hf 330 s on the H100 (HF alone 276 s). With the
@@ -33,15 +34,17 @@ PT="python3 -m pytest -q -o addopts= -p no:cacheprovider -rfEs"
 [[ -n $MINIVLLM_CACHE ]] && stage setup 60 20 python3 .ci/gpu/default_model.py
 stage kernels 150 60 $PT -n 8 tests/test_kernels.py tests/test_kv_cache_fp8.py -k "not engine and (test_kernels or triton)" \
   --deselect tests/test_kernels.py::test_engine_with_triton_backend_gives_the_torch_backends_greedy_tokens
-stage e2e 200 60 $PT -s tests/test_gpu.py tests/test_cuda_graph.py \
-  tests/test_kernels.py::test_engine_with_triton_backend_gives_the_torch_backends_greedy_tokens
+stage e2e 240 60 $PT -s tests/test_gpu.py tests/test_cuda_graph.py \
+  tests/test_kernels.py::test_engine_with_triton_backend_gives_the_torch_backends_greedy_tokens \
+  tests/test_async_scheduling.py::test_on_a_gpu_the_batch_ahead_is_issued_and_sampled_without_waiting
 stage ckpt 60 30 python3 -m minivllm.model.random_checkpoint qwen3-0.6b /tmp/qwen3-0.6b
 stage profile 90 40 python3 .ci/gpu/profile_step.py /tmp/qwen3-0.6b
 stage profile_native 60 30 env MINIVLLM_CUSTOM_OPS=none python3 .ci/gpu/profile_step.py /tmp/qwen3-0.6b
 stage kbench 60 25 python3 -m minivllm.bench kernels --kernel-dtype bf16 --json "$OUT/kernels_bf16.json"
 NANO="--model /tmp/qwen3-0.6b --num-requests 256 --input-len-min 100 --input-len-max 1024 --output-len-min 100 --output-len-max 1024 --decode-batch 64"
 stage graphs 120 60 python3 -m minivllm.bench $NANO --json "$OUT/offline_graphs.json"
+stage graphs_async 120 60 python3 -m minivllm.bench $NANO --async-scheduling --json "$OUT/offline_graphs_async.json"
 stage eager 120 60 python3 -m minivllm.bench $NANO --enforce-eager --json "$OUT/offline_eager.json"
 stage graphs_native 120 60 env MINIVLLM_CUSTOM_OPS=none python3 -m minivllm.bench $NANO --json "$OUT/offline_graphs_native.json"
-stage vs_hf 400 200 python3 -m minivllm.bench $NANO --compare hf --hf-batch-size 64 --json "$OUT/offline_vs_hf.json"
+stage vs_hf 400 200 python3 -m minivllm.bench $NANO $VS_HF_FLAGS --compare hf --hf-batch-size 64 --json "$OUT/offline_vs_hf.json"
 echo "=== done in $(( $(date +%s) - T0 )) s"

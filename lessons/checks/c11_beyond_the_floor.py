@@ -100,3 +100,61 @@ def check_pad_decode_batch(fn):
     expect_equal(tokens, e["eager"], "the greedy tokens of 5 requests decoded through your padded batches")
     yield (f"inside the engine: {len(sizes_seen)} decode steps through graphs of sizes {sorted(set(sizes_seen))}, "
            f"{graphs.stats.padded_rows} padding rows, the eager path's tokens")
+
+
+def _async_engines():
+    """Greedy tokens of a few requests through a synchronous engine (chunked prefill: a 16-token budget)."""
+    if "sync_tokens" not in _ENGINE:
+        from minivllm import LLM, SamplingParams
+        prompts = [{"prompt_token_ids": [200 + i] * (5 + 9 * i)} for i in range(4)]
+        params = SamplingParams(temperature=0, max_tokens=12, ignore_eos=True)
+        kw = dict(device="cpu", dtype="float32", num_kv_blocks=64, max_num_batched_tokens=16, max_num_seqs=4)
+        with LLM(**kw) as llm:
+            tokens = [o.outputs[0].token_ids for o in llm.generate(prompts, params, use_tqdm=False)]
+        _ENGINE.update(sync_tokens=tokens, async_prompts=prompts, async_params=params, async_kw=kw)
+    return _ENGINE
+
+
+def check_plan_ahead(fn):
+    cases = [((10, 4, 6), (10, 1), "a prompt of 10, 4 computed, a chunk of 6 in flight: it samples, 1 left"),
+             ((10, 4, 3), (7, 3), "a prompt of 10, 4 computed, a chunk of 3 in flight: the rest of the prompt"),
+             ((21, 20, 0), (20, 1), "a decode with nothing in flight"),
+             ((21, 20, 1), (21, 1), "a decode whose last decode is in flight: the next one reads its token"),
+             ((30, 0, 0), (0, 30), "a new prompt of 30")]
+    for args, want, what in cases:
+        expect_equal(tuple(fn(*args)), want, what)
+    yield "start after the tokens in flight; one more token when that batch samples"
+    from minivllm.core.scheduler import plan_ahead
+    rng = random.Random(1)
+    for i in range(200):
+        num_tokens = rng.randrange(1, 60)
+        computed = rng.randrange(0, num_tokens)
+        in_flight = rng.choice([0, rng.randrange(1, num_tokens - computed + 1)])
+        expect_equal(tuple(fn(num_tokens, computed, in_flight)), plan_ahead(num_tokens, computed, in_flight),
+                     f"random case {i}: plan_ahead({num_tokens}, {computed}, {in_flight}) as minivllm's")
+    yield "200 random requests plan as minivllm's scheduler does"
+
+    import minivllm.core.scheduler as scheduler
+    from minivllm import LLM
+    e = _async_engines()
+    real = scheduler.plan_ahead
+    placeholders = []
+    scheduler.plan_ahead = lambda *a: tuple(fn(*a))            # the scheduler plans with your function
+    try:
+        with LLM(async_scheduling=True, **e["async_kw"]) as llm:
+            schedule = llm.llm_engine.scheduler.schedule
+
+            def spy():
+                out = schedule()
+                placeholders.append(len(out.num_output_placeholders))
+                return out
+            llm.llm_engine.scheduler.schedule = spy
+            tokens = [o.outputs[0].token_ids for o in llm.generate(e["async_prompts"], e["async_params"],
+                                                                     use_tqdm=False)]
+    finally:
+        scheduler.plan_ahead = real
+    if not sum(placeholders):
+        raise ExerciseFailed("no batch ran ahead of the one in flight (a bug of the check, not yours)")
+    expect_equal(tokens, e["sync_tokens"], "the greedy tokens of 4 requests scheduled ahead with your plan")
+    yield (f"inside an async engine: {sum(placeholders)} decodes read a token still on the device, "
+           f"the synchronous engine's tokens")

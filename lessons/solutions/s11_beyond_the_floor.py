@@ -13,3 +13,13 @@ def pad_decode_batch(input_ids, positions, slot_mapping, seq_lens, block_tables,
     tables = [list(t) + [0] * (width - len(t)) for t in block_tables] + [[0] * width for _ in range(pad)]
     return (size, list(input_ids) + [0] * pad, list(positions) + [0] * pad, list(slot_mapping) + [-1] * pad,
             list(seq_lens) + [1] * pad, tables)
+
+
+def plan_ahead(num_tokens, num_computed_tokens, num_in_flight):
+    """Async scheduling: where a running request's next batch starts, and how many tokens it has left to compute
+    from there, given `num_in_flight` of its tokens in a batch still on the device. If that batch computes the
+    whole sequence it also samples the next token, which is one more token to compute (its placeholder).
+    Returns (start, num_left)."""
+    start = num_computed_tokens + num_in_flight
+    placeholder = 1 if num_in_flight > 0 and start >= num_tokens else 0
+    return start, num_tokens + placeholder - start

@@ -31,6 +31,18 @@ so every stage has work (one batch would take them all, and the next would find 
     k = 2, four decoding requests:   batch 7 = [A B]  (in stage 1)     batch 8 = [C D]  (in stage 0)
                                      A, B come back with batch 7's tokens; batch 9 takes them again
 
+Async scheduling (vLLM's `async_scheduling`): the engine schedules batch N + 1 while batch N is still on the
+device, so the host's work (this plan, the inputs, applying batch N's tokens, the text) overlaps the device's. A
+request of batch N may then be scheduled again before N's token is known: `num_computed_ahead` says how many of
+its tokens batch N computes (the next batch starts after them), and `num_output_placeholders` that batch N samples
+one token for it, which the model runner takes from batch N's device tensor as the next input. Only a request
+whose sampling does not read its own output tokens (no penalties, bad words, min_tokens, grammar) and that cannot
+reach max_tokens with the pending token runs ahead; it is never preempted while in flight. If batch N's token
+stops it, its token from batch N + 1 is dropped (one wasted row, as in vLLM).
+
+    async, decoding A:   batch 7 = [A: position 20]   batch 8 = [A: position 21, input = batch 7's token for A]
+                         A is in flight in both; batch 7's output moves num_computed_tokens to 21, batch 8's to 22
+
 Preemption modes (vLLM's names):
     recompute  drop the KV; the request re-runs its prompt + outputs as one prefill when it returns
                (its full blocks stay in the prefix cache, so it often hits them)
@@ -64,6 +76,11 @@ class SchedulerOutput:
     # Speculative decoding: request_id -> the draft tokens scheduled after its last token (verified this step;
     # num_scheduled_tokens counts them).
     scheduled_spec_decode_tokens: dict[str, list[int]] = field(default_factory=dict)
+    # Async scheduling: request_id -> tokens the batch still in flight computes for it (this batch starts at
+    # num_computed_tokens + that), and -> 1 when that batch also samples its next token (this batch's input for it
+    # is that token, read on the device). Empty without async scheduling.
+    num_computed_ahead: dict[str, int] = field(default_factory=dict)
+    num_output_placeholders: dict[str, int] = field(default_factory=dict)
 
     @property
     def is_empty(self) -> bool:
@@ -81,9 +98,24 @@ class EngineCoreOutput:
     num_accepted_drafts: int = 0                    # speculative decoding: drafts the verification accepted
 
 
+def plan_ahead(num_tokens: int, num_computed_tokens: int, num_in_flight: int) -> tuple[int, int]:
+    """Where a running request's next batch starts, and how many tokens it has left to compute from there:
+    (start, num_left). `num_in_flight`: its tokens in a batch whose output has not come back (async scheduling;
+    0 otherwise). The next batch starts after them; if that batch computes the whole sequence, it also samples
+    the next token, which the next batch must compute too (its placeholder: num_left counts it).
+
+        prompt of 10, 4 computed, a chunk of 6 in flight:   start 10, 1 left (the token that chunk samples)
+        prompt of 10, 4 computed, a chunk of 3 in flight:   start 7, 3 left (the rest of the prompt)
+        decoding, 20 of 21 computed, nothing in flight:     start 20, 1 left"""
+    start = num_computed_tokens + num_in_flight
+    placeholder = int(num_in_flight > 0 and start >= num_tokens)
+    return start, num_tokens + placeholder - start
+
+
 class Scheduler:
     def __init__(self, kv_cache_manager: KVCacheManager, max_num_seqs: int, max_num_batched_tokens: int,
-                 max_model_len: int, preemption_mode: str = "recompute", max_concurrent_batches: int = 1):
+                 max_model_len: int, preemption_mode: str = "recompute", max_concurrent_batches: int = 1,
+                 async_scheduling: bool = False):
         if preemption_mode not in ("recompute", "swap"):
             raise ValueError(f"preemption_mode is {preemption_mode!r}; choose 'recompute' or 'swap'.")
         self.kv_cache_manager = kv_cache_manager
@@ -94,7 +126,9 @@ class Scheduler:
         self.max_model_len = max_model_len
         self.preemption_mode = preemption_mode
         self.max_concurrent_batches = max_concurrent_batches
-        self.in_flight: set[Request] = set()      # running requests in a batch whose output has not come back
+        self.async_scheduling = async_scheduling
+        # Running requests in a batch whose output has not come back -> their tokens scheduled in such batches.
+        self.in_flight: dict[Request, int] = {}
         self.waiting: list[Request] = []     # sorted by (priority, arrival_time, admission order)
         self.running: list[Request] = []
         self.num_preemptions = 0
@@ -161,17 +195,34 @@ class Scheduler:
         swap_in: list[tuple[int, int]] = []
         spec: dict[str, list[int]] = {}
 
+        ahead: dict[str, int] = {}
+        placeholders: dict[str, int] = {}
+
         cap = -(-min(len(self.running) + len(self.waiting), self.max_num_seqs) // self.max_concurrent_batches)
-        # 1. Running requests: decodes (1 token left to compute) before prefill chunks; not those in flight.
-        for req in sorted(self.running, key=lambda r: r.num_tokens - r.num_computed_tokens > 1):
+        # 1. Running requests: decodes (1 token left to compute) before prefill chunks; not those in flight (unless
+        #    async scheduling lets them run ahead).
+        for req in sorted(self.running, key=lambda r: self._tokens_left(r) > 1):
             if budget == 0 or len(scheduled) == cap:
                 break
-            if req.status is not RequestStatus.RUNNING or req in self.in_flight:   # preempted here, or in flight
+            if req.status is not RequestStatus.RUNNING:            # preempted in this step
                 continue
-            n = min(req.num_tokens - req.num_computed_tokens, budget)
-            drafts = req.spec_token_ids if n == 1 and req.num_computed_tokens == req.num_tokens - 1 else []
+            k = self.in_flight.get(req, 0)
+            if k and not self._can_run_ahead(req, k):
+                continue
+            start, left = plan_ahead(req.num_tokens, req.num_computed_tokens, k)
+            p = start + left - req.num_tokens                # 1: the batch in flight samples its next input
+            n = min(left, budget)
+            drafts = req.spec_token_ids if n == 1 and req.num_computed_tokens == req.num_tokens - 1 and not k else []
             drafts = drafts[:budget - n]                 # a decode verifies its drafts in the same step
             n += len(drafts)
+            if k:          # in flight: room after the tokens its batch computes, or it waits (never preempted)
+                if kv.allocate_slots(req, k + n):
+                    scheduled[req] = n
+                    budget -= n
+                    ahead[req.request_id] = k
+                    if p:
+                        placeholders[req.request_id] = p
+                continue
             while not kv.allocate_slots(req, n):
                 victim = max((r for r in self.running if r not in self.in_flight),     # lowest priority, latest
                              key=lambda r: self._keys[r.request_id])
@@ -188,9 +239,12 @@ class Scheduler:
                     spec[req.request_id] = list(drafts)
 
         # Offer the blocks this step completes to requests admitted below (same-step prefix sharing); a draft is
-        # not a token of the request yet, so its block is not offered.
+        # not a token of the request yet, so its block is not offered. Not under async scheduling: the step ends
+        # with its batch still in flight, and a request admitted on such a block would count as computed tokens
+        # whose KV is not there yet (vLLM v1 shares no blocks within a step either).
         for req, n in scheduled.items():
-            kv.register_pending(req, req.num_computed_tokens + n - len(spec.get(req.request_id, ())))
+            if not self.async_scheduling:
+                kv.register_pending(req, req.num_computed_tokens + n - len(spec.get(req.request_id, ())))
 
         # 2. Waiting requests, in priority then arrival order.
         admitted: list[str] = []
@@ -219,21 +273,24 @@ class Scheduler:
             admitted.append(req.request_id)
             scheduled[req] = n
             budget -= n
-            kv.register_pending(req, req.num_computed_tokens + n)
+            if not self.async_scheduling:
+                kv.register_pending(req, req.num_computed_tokens + n)
 
         out = SchedulerOutput(scheduled=list(scheduled),
                               num_scheduled_tokens={r.request_id: n for r, n in scheduled.items()},
                               preempted=preempted, newly_admitted=admitted,
                               blocks_to_swap_out=self._swap_out, blocks_to_swap_in=swap_in,
-                              scheduled_spec_decode_tokens=spec)
-        for req in scheduled:
-            self.in_flight.add(req)
-            j.record(lambda r=req: self.in_flight.discard(r))
+                              scheduled_spec_decode_tokens=spec, num_computed_ahead=ahead,
+                              num_output_placeholders=placeholders)
+        for req, n in scheduled.items():
+            self._set_in_flight(req, self.in_flight.get(req, 0) + n)
         for req, n in scheduled.items():
             # A decode computes the one token sampled last step (and verifies its drafts, if any); anything else is
             # (a chunk of) a prefill, including a preempted request recomputing its prompt and outputs.
             n -= len(spec.get(req.request_id, ()))
-            is_decode = n == 1 and req.num_output_tokens > 0 and req.num_computed_tokens == req.num_tokens - 1
+            p = placeholders.get(req.request_id, 0)
+            start = req.num_computed_tokens + ahead.get(req.request_id, 0)
+            is_decode = n == 1 and req.num_output_tokens + p > 0 and start == req.num_tokens + p - 1
             out.kinds[req.request_id] = "decode" if is_decode else "prefill"
             if is_decode:
                 out.num_decode_tokens += n + len(spec.get(req.request_id, ()))
@@ -241,13 +298,43 @@ class Scheduler:
                 out.num_prefill_tokens += n
         return out
 
+    def _tokens_left(self, req: Request) -> int:
+        """Tokens the request still has to run through the model, counting what its batch in flight computes."""
+        return plan_ahead(req.num_tokens, req.num_computed_tokens, self.in_flight.get(req, 0))[1]
+
+    def _can_run_ahead(self, req: Request, k: int) -> bool:
+        """Async scheduling: may a request whose batch in flight computes `k` of its tokens join the next batch?
+        The rest of a prompt may (its tokens are known). A token still being sampled may be the next input only if
+        the request's sampling reads no output tokens of its own, and that token cannot end it by length."""
+        if not self.async_scheduling:
+            return False
+        if req.num_computed_tokens + k < req.num_tokens:          # its batch computes a prefill chunk, samples nothing
+            return True
+        sp = req.sampling_params
+        return (not sp.uses_logits_processing and req.grammar is None
+                and req.num_output_tokens + 1 < sp.max_tokens and req.num_tokens + 1 < self.max_model_len)
+
+    def _set_in_flight(self, req: Request, k: int) -> None:
+        """in_flight[req] = k (0 removes it), journaled."""
+        old = self.in_flight.get(req, 0)
+        if k:
+            self.in_flight[req] = k
+        else:
+            self.in_flight.pop(req, None)
+
+        def undo() -> None:
+            if old:
+                self.in_flight[req] = old
+            else:
+                self.in_flight.pop(req, None)
+        self.journal.record(undo)
+
     def _preempt(self, req: Request) -> None:
         """Send a running request back to the waiting queue, its KV swapped out or dropped."""
         kv, j = self.kv_cache_manager, self.journal
         self._remove(self.running, req)
         if req in self.in_flight:             # (never chosen by schedule(); its batch's output would be dropped)
-            self.in_flight.remove(req)
-            j.record(lambda: self.in_flight.add(req))
+            self._set_in_flight(req, 0)
         if self.preemption_mode == "swap" and kv.can_swap_out(req):
             self._swap_out += kv.swap_out(req)
             j.set(req, "status", RequestStatus.SWAPPED)
@@ -274,9 +361,8 @@ class Scheduler:
         for req in out.scheduled:
             if req not in self.in_flight:                   # finished (aborted) while its batch was in flight
                 continue
-            self.in_flight.remove(req)
-            j.record(lambda r=req: self.in_flight.add(r))
             num_scheduled = out.num_scheduled_tokens[req.request_id]
+            self._set_in_flight(req, self.in_flight[req] - num_scheduled)   # > 0: a later batch runs ahead of it
             tokens = sampled.get(req.request_id)
             if tokens is None:                              # a prefill chunk that does not end the prompt
                 j.set(req, "num_computed_tokens", req.num_computed_tokens + num_scheduled)
@@ -369,8 +455,7 @@ class Scheduler:
         if req.status is RequestStatus.RUNNING:
             self._remove(self.running, req)
             if req in self.in_flight:                       # its batch's output will be dropped
-                self.in_flight.remove(req)
-                j.record(lambda: self.in_flight.add(req))
+                self._set_in_flight(req, 0)
         elif not req.is_finished:
             self._remove(self.waiting, req)
         if req.status is RequestStatus.SWAPPED:
@@ -402,7 +487,7 @@ class Scheduler:
                 req.status is RequestStatus.SWAPPED), f"{req}: swapped status and CPU blocks disagree"
             assert req.status is RequestStatus.SWAPPED or req.num_computed_tokens == 0, (
                 f"{req} waits with {req.num_computed_tokens} computed tokens but no KV")
-        assert self.in_flight <= set(self.running), "a request in flight is not running"
+        assert set(self.in_flight) <= set(self.running), "a request in flight is not running"
         live = self.running + self.waiting
         assert len(set(live)) == len(live), "a request is queued twice"
         assert {r.request_id for r in live} == set(self._keys), "the queues and the priority keys disagree"

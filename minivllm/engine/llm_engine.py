@@ -125,8 +125,13 @@ class LLMEngine:
         # Pipeline parallelism: up to one batch per stage in flight (vLLM v1's batch queue), oldest first.
         self.max_concurrent_batches = self.executor.max_concurrent_batches
         self.batch_queue: collections.deque[InFlightBatch] = collections.deque()
+        # Async scheduling: two batches in the queue too, but each may hold every request (the next one runs
+        # ahead of the one on the device, scheduler.py), so the scheduler plans as for one.
+        self.async_scheduling = self.executor.async_scheduling
         self.scheduler = Scheduler(self.kv_cache_manager, config.max_num_seqs, config.max_num_batched_tokens,
-                                   self.max_model_len, config.preemption_mode, self.max_concurrent_batches)
+                                   self.max_model_len, config.preemption_mode,
+                                   1 if self.async_scheduling else self.max_concurrent_batches,
+                                   self.async_scheduling)
         self.output_processor = OutputProcessor(self.tokenizer)
         eos = set(self.model_config.eos_token_id)
         if self.tokenizer.eos_token_id is not None:
@@ -272,7 +277,12 @@ class LLMEngine:
         `max_concurrent_batches` are in flight; then, if the queue is full or nothing new could be scheduled, wait
         for the oldest batch and apply its tokens. A failed step leaves the batches issued by earlier steps in
         flight (the one whose tokens it was applying keeps its logits, to be sampled again) and forgets the batch it
-        issued itself: its requests are scheduled again, and its blocks are not trusted (Scheduler.rollback_step)."""
+        issued itself: its requests are scheduled again, and its blocks are not trusted (Scheduler.rollback_step).
+
+        Async scheduling is the same step with two batches and one stage: the next batch is scheduled and issued
+        (sampled on the device, its inputs read from the batch before) and then the older batch's tokens come to the
+        host and are applied, while the device runs the newer one. A failed step also puts back the random state the
+        batch it issued drew from."""
         start = time.perf_counter()
         scheduler, sampler, queue, j = self.scheduler, self.model_runner.sampler, self.batch_queue, self.journal
         sched, issued, batch, rng_state = None, None, None, None
@@ -284,8 +294,12 @@ class LLMEngine:
                 if len(queue) < self.max_concurrent_batches:
                     sched = scheduler.schedule()
                     if not sched.is_empty:
+                        prev = None
+                        if self.async_scheduling:      # it samples as it is issued, reading the batch before
+                            rng_state = sampler.get_rng_state(sched.scheduled)
+                            prev = queue[-1] if queue else None
                         with self._sigint.open():
-                            issued = self.executor.issue(sched)
+                            issued = self.executor.issue(sched, prev, self.structured_output_manager.grammar_bitmask)
                         queue.append(issued)
                         j.record(queue.pop)
                 if not queue:
@@ -296,7 +310,8 @@ class LLMEngine:
                     # The oldest batch's tokens: wait for its logits, sample, update the core.
                     batch = queue.popleft()
                     j.record(lambda: queue.appendleft(batch))
-                    rng_state = sampler.get_rng_state(batch.sched.scheduled)
+                    if not self.async_scheduling:      # (async: sampled when it was issued)
+                        rng_state = sampler.get_rng_state(batch.sched.scheduled)
                     with self._sigint.open():
                         sampling_reqs, tokens, logprobs = self.executor.collect(
                             batch, self.structured_output_manager.grammar_bitmask)
@@ -324,8 +339,8 @@ class LLMEngine:
                     blamed = sched.scheduled
                 else:   # the plan itself failed: blame what it was working on, so no caller retries forever
                     blamed = self.scheduler.running or self.scheduler.waiting[:1]
-                self.failed_request_ids = list(dict.fromkeys(self.output_processor.external_id(r.request_id)
-                                                             for r in blamed))     # parents' ids for n > 1
+                self.failed_request_ids = list(dict.fromkeys(   # parents' ids for n > 1; not those that ended
+                    self.output_processor.external_id(r.request_id) for r in blamed if not r.is_finished))
                 raise
             # committed: the front end's share of the step (a Ctrl-C held until here is raised on leaving the guard)
             now = time.time()
@@ -418,9 +433,15 @@ class LLMEngine:
         """Assert every invariant of the core (scheduler.py, kv_cache_manager.py, block_pool.py) and that the
         request table, the queues and the output processor agree."""
         self.scheduler.check_integrity()
-        in_queue = [r for b in self.batch_queue for r in b.sched.scheduled if not r.is_finished]
-        assert len(in_queue) == len(set(in_queue)) and set(in_queue) == self.scheduler.in_flight, (
-            "the requests in flight and the batches in the queue disagree")
+        ahead: dict = collections.Counter()       # request -> its tokens in the batches of the queue
+        for b in self.batch_queue:
+            for r in b.sched.scheduled:
+                if not r.is_finished:
+                    ahead[r] += b.sched.num_scheduled_tokens[r.request_id]
+        assert ahead == self.scheduler.in_flight, "the requests in flight and the batches in the queue disagree"
+        if not self.async_scheduling:       # only async scheduling puts a request in two batches at once
+            in_queue = [r for b in self.batch_queue for r in b.sched.scheduled if not r.is_finished]
+            assert len(in_queue) == len(set(in_queue)), "a request is in two batches in flight"
         live = {r.request_id for r in self.scheduler.running + self.scheduler.waiting}
         assert live == set(self.requests), f"request table {sorted(self.requests)} but queues {sorted(live)}"
         assert live == set(self.output_processor.states), "the output processor tracks other requests"

@@ -144,12 +144,16 @@ class DecodeGraphs:
 
     @torch.inference_mode()
     def run(self, input_ids: list[int], positions: list[int], slot_mapping: list[int], seq_lens: list[int],
-            block_tables: list[list[int]]) -> torch.Tensor:
-        """One decode step through the graph of the smallest capture size that holds it.
+            block_tables: list[list[int]], prev_tokens: tuple[torch.Tensor, torch.Tensor] | None = None
+            ) -> torch.Tensor:
+        """One decode step through the graph of the smallest capture size that holds it. `prev_tokens`: (rows,
+        tokens) on the device, written over those input ids (async scheduling: tokens not on the host yet).
         Returns hidden (num_seqs, hidden_size), a view of the graph's output: use it before the next step."""
         n = len(input_ids)
         size = next(s for s in self.sizes if s >= n)
         self._fill(input_ids, positions, slot_mapping, seq_lens, block_tables, size)
+        if prev_tokens is not None:
+            self.input_ids.index_copy_(0, *prev_tokens)
         hidden = self._run_static(size, seq_lens + [1] * (size - n))
         self.stats.replays += 1
         self.stats.padded_rows += size - n

@@ -16,6 +16,13 @@ the engine can keep up to PP batches in flight (vLLM v1's batch queue, engine/ll
     rank 0, stage 0:   [issue b1: stage 0] [issue b2: stage 0] [collect b1: sample] [issue b3] [collect b2] ...
     rank 1, stage 1:                       [b1: stage 1, logits -> rank 0] [b2: stage 1 ...]
 
+Under async scheduling (one rank) `issue` also samples, on the device, without waiting: the next batch's inputs
+read those tokens there (ModelRunner.prepare_inputs), and `collect` only brings them to the host. On a GPU the
+host schedules, prepares and issues batch N + 1 and applies batch N's tokens while the device runs:
+
+    host:    [issue N] [schedule N+1, issue N+1] [collect N: tokens to host, update] [schedule N+2, issue N+2] ...
+    device:  [forward N, sample N]     [forward N+1, sample N+1 (input: N's tokens)]  [forward N+2 ...]
+
 MultiprocExecutor, one step with tp 3:
 
     driver (rank 0)                       worker 1                    worker 2
@@ -75,6 +82,7 @@ class InFlightBatch:
     logits: torch.Tensor | None = None          # (sampling rows, vocab) fp32, once received
     prompt_logits: torch.Tensor | None = None   # (prompt-logprob rows, vocab) fp32, once received
     received: bool = False
+    sampled: torch.Tensor | None = None         # async scheduling: (sampling rows,) int64 tokens, on the device
 
 
 class Executor:
@@ -85,6 +93,7 @@ class Executor:
     num_kv_blocks: int           # the same on every rank
     num_cpu_blocks: int
     max_concurrent_batches: int = 1     # batches that may be in flight at once (pipeline stages; see issue())
+    async_scheduling: bool = False      # issue() samples on the device; the next batch reads those tokens there
 
     def __init__(self) -> None:
         self._next_step_id = 0
@@ -104,28 +113,42 @@ class Executor:
         """Pipeline stages whose logits come back to rank 0 later: rank 0 runs stage 0 of a batch and is free."""
         return self.driver.pp.size > 1 and not self.driver.pp.broadcast_logits
 
-    def issue(self, sched: SchedulerOutput) -> InFlightBatch:
+    def issue(self, sched: SchedulerOutput, prev: InFlightBatch | None = None,
+              grammar_bitmask: GrammarBitmaskFn | None = None) -> InFlightBatch:
         """Send one batch into the ranks. With pipeline stages this returns once rank 0 has run stage 0 and passed
         the hidden states on: the later stages work on it while the engine schedules and issues the next batch
-        (up to `max_concurrent_batches` at once). Otherwise the whole forward is done here."""
+        (up to `max_concurrent_batches` at once). Otherwise the whole forward is done here.
+
+        Async scheduling: `prev` is the batch still in flight, whose sampled tokens are inputs of this one; the
+        batch is sampled here too (with the grammars' masks), and on a GPU this returns before any of it ran."""
         with self._failure_guard():
-            return self._issue(sched)
+            batch = self._issue(sched, prev)
+        if self.async_scheduling and batch.logits is not None:
+            logits = batch.logits
+            if grammar_bitmask is not None:
+                bitmask = grammar_bitmask(batch.sampling_requests, {})          # (rows, vocab / 32)
+                if bitmask is not None:
+                    logits = apply_grammar_bitmask(logits, bitmask)
+            batch.sampled = self.driver.sampler.sample(logits, batch.sampling_requests)
+        return batch
 
     def _failure_guard(self) -> contextlib.AbstractContextManager:
         """Around the ranks' share of a step (issue, and waiting for logits). Executors with workers stop them all
         when it raises: a rank may be stuck in a collective whose partner is gone."""
         return contextlib.nullcontext()
 
-    def _issue(self, sched: SchedulerOutput) -> InFlightBatch:
+    def _issue(self, sched: SchedulerOutput, prev: InFlightBatch | None = None) -> InFlightBatch:
         if self.driver.model is None:
             raise RuntimeError("this engine was shut down (LLM.shutdown() or the end of its with-block) and gave "
                                "its weights and KV cache back; create a new LLM.")
-        model_input, sampling_requests = self.driver.prepare_inputs(sched)
+        prev_rows = {r.request_id: i for i, r in enumerate(prev.sampling_requests)} if prev is not None else None
+        model_input, sampling_requests = self.driver.prepare_inputs(sched, prev_rows)
         self._next_step_id += 1
         model_input = dataclasses.replace(model_input, step_id=self._next_step_id)
         batch = InFlightBatch(self._next_step_id, sched, model_input, sampling_requests)
         self._send_to_workers(model_input)
-        logits, prompt_logits = self.driver.execute_model(model_input)   # (sample rows, vocab), (prompt rows, vocab)
+        logits, prompt_logits = self.driver.execute_model(                # (sample rows, vocab), (prompt rows, vocab)
+            model_input, prev.sampled if model_input.prev_token_rows else None)
         if self.pipelined:
             self._unreceived.append(batch)
         else:
@@ -145,6 +168,16 @@ class Executor:
         sched, sampling_requests = batch.sched, batch.sampling_requests
         drafts = [sched.scheduled_spec_decode_tokens.get(r.request_id, []) for r in sampling_requests]
         logits = batch.logits
+        if batch.sampled is not None:           # async scheduling: sampled when issued; now to the host (waits)
+            keep = [i for i, r in enumerate(sampling_requests) if not r.is_finished]
+            tokens = batch.sampled.tolist()
+            if len(keep) < len(sampling_requests):          # stopped or aborted since: drop their rows
+                logits = logits[keep]
+                sampling_requests, tokens = [sampling_requests[i] for i in keep], [tokens[i] for i in keep]
+            tokens = [[t] for t in tokens]
+            return sampling_requests, tokens, self._logprobs(sched, batch.model_input, sampling_requests,
+                                                             [[] for _ in tokens], tokens, logits,
+                                                             batch.prompt_logits)
         if any(r.is_finished for r in sampling_requests):       # aborted while the batch was in flight: drop its rows
             first_row = [0]
             for d in drafts:
@@ -263,6 +296,8 @@ class UniProcExecutor(Executor):
         super().__init__()
         self.driver = ModelRunner(config, model_path, model_cfg, device)
         self._allocate(self.driver.profile_num_blocks())
+        if config.async_scheduling:          # one batch on the device while the next is scheduled
+            self.async_scheduling, self.max_concurrent_batches = True, 2
 
 
 def _cpu_threads_per_rank(tp_size: int) -> int:
@@ -517,6 +552,9 @@ def make_executor(config: EngineConfig, model_path, model_cfg: ModelConfig, devi
                              f"{config.tensor_parallel_size} and pipeline_parallel_size {config.pipeline_parallel_size}"
                              f" ({world} ranks); use 'mp' or 'auto'.")
         return UniProcExecutor(config, model_path, model_cfg, device)
+    if config.async_scheduling:
+        raise ValueError(f"async_scheduling runs in one process; distributed_executor_backend {backend!r} starts "
+                         "ranks elsewhere. Use 'uni' or 'auto' with one rank, or turn async_scheduling off.")
     if backend == "mp":
         return MultiprocExecutor(config, model_path, model_cfg, device)
     if backend == "ray":

@@ -54,6 +54,9 @@ class ModelInput:
     blocks_to_swap_in: list[tuple[int, int]] = field(default_factory=list)    # (cpu block, device block)
     prompt_logprob_spans: list[PromptLogprobsSpan] = field(default_factory=list)   # rows scoring prompt tokens
     step_id: int = 0                           # which batch this is (the executor numbers them; for timelines)
+    # Async scheduling: (row of input_ids, row of the previous batch's sampled tokens). Those input ids are the
+    # tokens the previous batch samples, still on the device: the host writes 0 there and the device fills them in.
+    prev_token_rows: list[tuple[int, int]] = field(default_factory=list)
 
 
 def model_input_tensors(mi: ModelInput, device: torch.device):
@@ -242,9 +245,15 @@ class ModelRunner:
         return num_blocks
 
     # ------------------------------------------------------------------ inputs (rank 0)
-    def prepare_inputs(self, out: SchedulerOutput) -> tuple[ModelInput, list[Request]]:
-        """The flat batch of one step, and the requests that sample a token at its end (in row order)."""
+    def prepare_inputs(self, out: SchedulerOutput, prev_rows: dict[str, int] | None = None
+                       ) -> tuple[ModelInput, list[Request]]:
+        """The flat batch of one step, and the requests that sample a token at its end (in row order).
+
+        Async scheduling: a request the batch still in flight samples for (`out.num_output_placeholders`) takes
+        that token as its next input; `prev_rows` (request_id -> its row among that batch's sampled tokens) says
+        where it is."""
         bs = self.block_size
+        prev_token_rows: list[tuple[int, int]] = []
         input_ids: list[int] = []
         positions: list[int] = []
         slot_mapping: list[int] = []
@@ -256,26 +265,33 @@ class ModelRunner:
         for req in out.scheduled:
             n = out.num_scheduled_tokens[req.request_id]
             drafts = out.scheduled_spec_decode_tokens.get(req.request_id, [])
-            start, end = req.num_computed_tokens, req.num_computed_tokens + n
+            placeholders = out.num_output_placeholders.get(req.request_id, 0)
+            start = req.num_computed_tokens + out.num_computed_ahead.get(req.request_id, 0)
+            end = start + n
             # Rows at positions < num_prompt_tokens - 1 score the next prompt token. Once a request has output
             # tokens its prompt logprobs were delivered: a recompute after preemption does not score them again.
             last = min(end, req.num_prompt_tokens - 1)
             if req.sampling_params.prompt_logprobs is not None and req.num_output_tokens == 0 and start < last:
                 spans.append(PromptLogprobsSpan(req.request_id, len(input_ids), last - start, start + 1))
-            input_ids += req.all_token_ids[start:end - len(drafts)] + drafts    # drafts go after the last token
+            known = req.all_token_ids[start:end - len(drafts)]
+            if end - len(drafts) > req.num_tokens:       # async: the last input is still being sampled
+                prev_token_rows.append((len(input_ids) + len(known), prev_rows[req.request_id]))
+                known = known + [0]
+            input_ids += known + drafts                  # drafts go after the last token
             positions += range(start, end)
             table = req.block_table
             slot_mapping += [table[p // bs] * bs + p % bs for p in range(start, end)]
             q_lens.append(n)
             seq_lens.append(end)
-            if end - len(drafts) == req.num_tokens:   # the whole sequence is now computed: sample its next token
+            if end - len(drafts) == req.num_tokens + placeholders:   # all of it computed: sample the next token
                 # (with drafts: one row per draft position too; row j checks draft j, the last row gives one more)
                 sample_rows += range(len(input_ids) - len(drafts) - 1, len(input_ids))
                 sampling_requests.append(req)
         max_blocks = max((len(r.block_table) for r in out.scheduled), default=0)
         block_tables = [r.block_table + [0] * (max_blocks - len(r.block_table)) for r in out.scheduled]
         model_input = ModelInput(input_ids, positions, slot_mapping, q_lens, seq_lens, block_tables, sample_rows,
-                                 list(out.blocks_to_swap_out), list(out.blocks_to_swap_in), spans)
+                                 list(out.blocks_to_swap_out), list(out.blocks_to_swap_in), spans,
+                                 prev_token_rows=prev_token_rows)
         return model_input, sampling_requests
 
     def _to_tensors(self, mi: ModelInput):
@@ -377,23 +393,40 @@ class ModelRunner:
         index = torch.tensor(rows, dtype=torch.int64).to(self.device, non_blocking=True)
         return hidden.index_select(0, index)
 
+    def _prev_tokens(self, mi: ModelInput, prev_sampled: torch.Tensor | None
+                     ) -> tuple[torch.Tensor, torch.Tensor] | None:
+        """Async scheduling: (rows of input_ids, their tokens) to write on the device, from the previous batch's
+        sampled tokens (num_sampling,) int64 on the device. None when no input comes from there."""
+        if not mi.prev_token_rows:
+            return None
+        rows, prev = zip(*mi.prev_token_rows)
+        def t(x):
+            return torch.tensor(x, dtype=torch.int64).to(self.device, non_blocking=True)
+        return t(rows), prev_sampled.index_select(0, t(prev))
+
     @torch.inference_mode()
-    def execute_model(self, mi: ModelInput) -> tuple[torch.Tensor | None, torch.Tensor | None]:
+    def execute_model(self, mi: ModelInput, prev_sampled: torch.Tensor | None = None
+                      ) -> tuple[torch.Tensor | None, torch.Tensor | None]:
         """Run one step on this rank. Returns (logits of the sampled rows, (num_sampling, vocab) fp32, or None when
         no request samples; logits of the prompt-logprob spans' rows, (sum of num_rows, vocab) fp32, or None when
         there are none). Under TP every rank must call this with the same ModelInput: the layers' all-reduces and
-        the logits' all-gather pair up across ranks."""
+        the logits' all-gather pair up across ranks. `prev_sampled`: async scheduling's previous batch's tokens
+        (see ModelInput.prev_token_rows)."""
         self.swap_blocks(mi)
         if not mi.q_lens:
             return None, None
         if self.pp.size > 1:
             return self._execute_stage(mi)
+        prev = self._prev_tokens(mi, prev_sampled)
         if self.graphs is not None and self.graphs.can_run(mi.q_lens, mi.block_tables):
-            hidden = self.graphs.run(mi.input_ids, mi.positions, mi.slot_mapping, mi.seq_lens, mi.block_tables)
+            hidden = self.graphs.run(mi.input_ids, mi.positions, mi.slot_mapping, mi.seq_lens, mi.block_tables, prev)
         else:
             if self.graphs is not None:
                 self.graphs.stats.eager_steps += 1
-            hidden = self.forward(*self._to_tensors(mi))                        # (num_tokens, hidden)
+            input_ids, positions, meta = self._to_tensors(mi)
+            if prev is not None:
+                input_ids.index_copy_(0, *prev)
+            hidden = self.forward(input_ids, positions, meta)                  # (num_tokens, hidden)
         prompt_rows = [r for s in mi.prompt_logprob_spans for r in range(s.first_row, s.first_row + s.num_rows)]
         if not mi.sample_rows and not prompt_rows:
             return None, None

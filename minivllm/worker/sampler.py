@@ -58,13 +58,18 @@ class Sampler:
         return self._shared_generator(device)
 
     def __call__(self, logits: torch.Tensor, requests: list[Request]) -> list[int]:
-        # logits (num_rows, vocab_size) fp32, one row per request that samples this step
+        return self.sample(logits, requests).tolist()
+
+    def sample(self, logits: torch.Tensor, requests: list[Request]) -> torch.Tensor:
+        """logits (num_rows, vocab_size) fp32, one row per request that samples this step -> (num_rows,) int64
+        token ids where the logits are. Waits for nothing on a GPU (async scheduling feeds the result to the next
+        batch on the device); `__call__` returns them as a list."""
         params = [r.sampling_params for r in requests]
         if any(p.uses_logits_processing for p in params):
             logits = apply_penalties_and_filters(logits, requests)
         greedy = torch.tensor([p.greedy for p in params])
         if bool(greedy.all()):
-            return logits.argmax(dim=-1).tolist()
+            return logits.argmax(dim=-1)
 
         device = logits.device
         probs = sampling_probs(logits, params)                              # (num_rows, vocab)
@@ -83,7 +88,7 @@ class Sampler:
         sampled = draw_from(probs, uniforms)
         if bool(greedy.any()):                                  # a mixed batch: greedy rows keep their argmax
             sampled = torch.where(greedy.to(device), logits.argmax(dim=-1), sampled)
-        return sampled.tolist()
+        return sampled
 
 
 def draw_from(weights: torch.Tensor, uniforms: torch.Tensor) -> torch.Tensor:

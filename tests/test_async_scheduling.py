@@ -1,0 +1,213 @@
+"""Async scheduling (vLLM's `async_scheduling`): the next batch is planned and issued while the one before it is
+still in flight, its decodes reading that batch's sampled tokens on the device. It must change no output: greedy
+equals Hugging Face token for token; sampled, seeded, logprobs, stop strings, penalties, n > 1, preemption and
+aborts equal the synchronous engine's; and each test shows that batches really ran ahead (the scheduler gave
+requests output placeholders, and two batches were in the queue at once). A failed step rolls back with a batch in
+flight: tests/test_fault_injection.py::test_fault_injection_fuzzer_with_async_scheduling."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from minivllm import LLM, SamplingParams
+from tests.oracle import PROMPTS, hf_greedy
+
+NUM_TOKENS = 24
+
+
+class Spy:
+    """Counts what async scheduling did in an engine: placeholder decodes, prefill chunks run ahead of their batch,
+    the most batches in the queue at once, and which requests ever ran ahead."""
+
+    def __init__(self, llm: LLM):
+        self.engine = engine = llm.llm_engine
+        self.placeholders = self.chunks_ahead = self.max_queue = 0
+        self.ran_ahead: set[str] = set()
+        schedule, step = engine.scheduler.schedule, engine.step
+
+        def spy_schedule():
+            out = schedule()
+            self.placeholders += len(out.num_output_placeholders)
+            self.chunks_ahead += len(set(out.num_computed_ahead) - set(out.num_output_placeholders))
+            self.ran_ahead |= set(out.num_computed_ahead)
+            return out
+
+        def spy_step():
+            outputs = step()
+            self.max_queue = max(self.max_queue, len(engine.batch_queue))
+            engine.check_integrity()
+            return outputs
+        engine.scheduler.schedule, engine.step = spy_schedule, spy_step
+
+
+def make(model_dir, async_scheduling: bool, **kw) -> LLM:
+    return LLM(str(model_dir), device="cpu", dtype="float32", async_scheduling=async_scheduling, **kw)
+
+
+@pytest.fixture(scope="module")
+def prompt_ids(tokenizer):
+    return [tokenizer.encode(p, add_special_tokens=False) for p in PROMPTS]
+
+
+@pytest.fixture(scope="module")
+def hf_reference(hf_model, prompt_ids):
+    return [hf_greedy(hf_model, p, NUM_TOKENS) for p in prompt_ids]
+
+
+def drained(engine) -> None:
+    """No request left, every block back in the pool, the core consistent."""
+    engine.check_integrity()
+    assert not engine.has_unfinished_requests()
+    assert engine.kv_cache_manager.num_free_blocks == engine.kv_cache_manager.num_blocks
+    assert not engine.scheduler.in_flight
+
+
+def test_greedy_equals_hf_token_for_token_with_the_next_batch_always_ahead(model_dir, prompt_ids, hf_reference):
+    """Chunked prefill (a 32-token budget) and decodes: every decode after the first runs ahead of its batch."""
+    llm = make(model_dir, True, max_num_batched_tokens=32, max_num_seqs=6, num_kv_blocks=64)
+    spy = Spy(llm)
+    outs = llm.generate([{"prompt_token_ids": p} for p in prompt_ids],
+                        SamplingParams(temperature=0, max_tokens=NUM_TOKENS, ignore_eos=True), use_tqdm=False)
+    for i, (out, want) in enumerate(zip(outs, hf_reference)):
+        assert out.outputs[0].token_ids == want, f"prompt {i} diverges from HF"
+    assert spy.max_queue == 2
+    assert spy.placeholders >= len(prompt_ids) * (NUM_TOKENS - 3), spy.placeholders    # nearly every decode
+    assert spy.chunks_ahead > 0                # the long prompt's next chunk went in before the last came back
+    drained(llm.llm_engine)
+    llm.shutdown()
+
+
+def run_both(model_dir, prompts, params, **kw):
+    """The same requests through a synchronous and an async engine of the same config: (sync, async, async spy)."""
+    results = []
+    for a in (False, True):
+        llm = make(model_dir, a, **kw)
+        spy = Spy(llm)
+        results.append((llm.generate(prompts, params, use_tqdm=False), spy))
+        drained(llm.llm_engine)
+        llm.shutdown()
+    (sync, _), (asyn, spy) = results
+    return sync, asyn, spy
+
+
+def same_outputs(sync, asyn) -> None:
+    for a, b in zip(sync, asyn):
+        assert len(a.outputs) == len(b.outputs)
+        for x, y in zip(a.outputs, b.outputs):
+            assert (x.token_ids, x.text, x.finish_reason, x.stop_reason) == (y.token_ids, y.text, y.finish_reason,
+                                                                             y.stop_reason), a.request_id
+            if x.logprobs is not None:
+                assert [sorted(d) for d in x.logprobs] == [sorted(d) for d in y.logprobs]
+                for dx, dy in zip(x.logprobs, y.logprobs):
+                    for t in dx:
+                        assert abs(dx[t].logprob - dy[t].logprob) < 1e-4
+
+
+def test_seeded_sampling_logprobs_stops_and_n_equal_the_synchronous_engine(model_dir):
+    """Seeded sampling draws from each request's own generator, so async scheduling draws the same tokens; stop
+    strings and stop tokens end a request one batch late on the device, and that extra token is dropped."""
+    prompts = PROMPTS[:4]
+    params = [SamplingParams(temperature=0.8, top_p=0.9, seed=7, max_tokens=20, logprobs=2),
+              SamplingParams(temperature=1.0, seed=3, max_tokens=20, n=2),
+              SamplingParams(temperature=0, max_tokens=30, stop=[" the"]),
+              SamplingParams(temperature=0.7, seed=11, max_tokens=25, min_p=0.05)]
+    sync, asyn, spy = run_both(model_dir, prompts, params, max_num_seqs=8)
+    same_outputs(sync, asyn)
+    assert sync[2].outputs[0].finish_reason == "stop" and sync[2].outputs[0].stop_reason == " the"
+    assert spy.placeholders > 0 and spy.max_queue == 2
+    assert len(spy.ran_ahead) == 5                # every request, n = 2's two samples included
+
+
+def test_requests_whose_sampling_reads_their_outputs_never_run_ahead(model_dir):
+    """Penalties and min_tokens read the request's own output tokens, which the host does not have yet for a
+    placeholder: those requests wait for their batch (and still equal the synchronous engine), the others run ahead."""
+    prompts = PROMPTS[:3]
+    params = [SamplingParams(temperature=0, max_tokens=16, repetition_penalty=1.3),
+              SamplingParams(temperature=0.8, seed=5, max_tokens=16, presence_penalty=0.5, min_tokens=4),
+              SamplingParams(temperature=0, max_tokens=16)]
+    sync, asyn, spy = run_both(model_dir, prompts, params)
+    same_outputs(sync, asyn)
+    ids = {o.prompt: o.request_id for o in asyn}
+    assert spy.ran_ahead == {ids[PROMPTS[2]]}
+
+
+def test_preemption_and_prefix_hits_give_the_synchronous_engines_tokens(model_dir, prompt_ids):
+    """A pool too small for the batch: requests are preempted (never one in flight) and come back through the prefix
+    cache; greedy tokens equal the synchronous engine's."""
+    prompts = [{"prompt_token_ids": p} for p in prompt_ids] * 2
+    params = SamplingParams(temperature=0, max_tokens=40, ignore_eos=True)
+    sync, asyn, spy = run_both(model_dir, prompts, params, num_kv_blocks=24, max_num_seqs=8,
+                               max_num_batched_tokens=64)
+    same_outputs(sync, asyn)
+    stats = spy.engine.get_stats()
+    assert stats.num_preemptions > 0 and stats.prefix_cache_hits > 0
+    assert spy.placeholders > 0
+
+
+def test_aborting_a_request_whose_batch_is_in_flight(model_dir, prompt_ids, hf_reference):
+    """Between steps a batch stays on the device (the victim's decode in it ran ahead of the batch before). Abort
+    the victim then: its row is dropped when the batch comes back, its blocks are freed once, the others still
+    equal HF."""
+    llm = make(model_dir, True, num_kv_blocks=64)
+    engine = llm.llm_engine
+    params = SamplingParams(temperature=0, max_tokens=NUM_TOKENS, ignore_eos=True)
+    reqs = [engine.add_request({"prompt_token_ids": p}, params) for p in prompt_ids[:3]]
+    victim = reqs[1]
+    outputs = {}
+    while not (engine.batch_queue and victim in engine.batch_queue[-1].sched.scheduled
+               and victim.request_id in engine.batch_queue[-1].sched.num_output_placeholders):
+        for o in engine.step():
+            outputs[o.request_id] = o
+    num_tokens = victim.num_output_tokens
+    engine.abort_request(victim.request_id)
+    assert victim not in engine.scheduler.in_flight
+    engine.check_integrity()
+    while engine.has_unfinished_requests():
+        for o in engine.step():
+            outputs[o.request_id] = o
+            assert o.request_id != victim.request_id
+    assert victim.num_output_tokens == num_tokens             # its in-flight token was dropped
+    for i in (0, 2):
+        assert outputs[reqs[i].request_id].outputs[0].token_ids == hf_reference[i]
+    drained(engine)
+    llm.shutdown()
+
+
+@pytest.mark.parametrize("kw, words", [
+    (dict(tensor_parallel_size=2), "tensor_parallel_size 2"),
+    (dict(pipeline_parallel_size=2), "pipeline_parallel_size 2"),
+    (dict(speculative_config={"method": "ngram", "num_speculative_tokens": 2}), "speculative_config"),
+    (dict(async_scheduling="yes"), "it must be True or False"),
+])
+def test_what_async_scheduling_cannot_do_is_refused_with_the_reason(kw, words):
+    from minivllm.config import EngineConfig
+    with pytest.raises(ValueError, match=words):
+        EngineConfig.from_kwargs(async_scheduling=kw.pop("async_scheduling", True), **kw)
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="host syncs are a GPU matter")
+@pytest.mark.parametrize("enforce_eager", [True, False])
+def test_on_a_gpu_the_batch_ahead_is_issued_and_sampled_without_waiting(model_dir, enforce_eager):
+    """What async scheduling is for: planning, issuing and sampling the next decode batch queues GPU work and waits
+    for none of it (its inputs come from the batch before, on the device); the one wait is `collect` bringing the
+    older batch's tokens to the host."""
+    with LLM(str(model_dir), device="cuda", enforce_eager=enforce_eager, max_num_seqs=8,
+             async_scheduling=True) as llm:
+        engine = llm.llm_engine
+        for i, prompt in enumerate(PROMPTS[:4]):
+            engine.add_request(prompt, SamplingParams(temperature=0, max_tokens=16, ignore_eos=True),
+                               request_id=f"s{i}")
+        while not (engine.batch_queue and len(engine.batch_queue[-1].sched.num_output_placeholders) == 4):
+            engine.step()
+        engine.scheduler.begin_step()
+        sched = engine.scheduler.schedule()               # the batch after the one on the device, by hand
+        assert len(sched.num_output_placeholders) == 4    # every decode reads a token the device has not given yet
+        torch.cuda.synchronize()
+        torch.cuda.set_sync_debug_mode("error")
+        try:
+            batch = engine.executor.issue(sched, engine.batch_queue[-1])
+        finally:
+            torch.cuda.set_sync_debug_mode(0)
+            engine.scheduler.rollback_step()
+        assert batch.sampled is not None and batch.sampled.is_cuda
