@@ -512,18 +512,17 @@ for async_scheduling in (False, True):
     with LLM(num_kv_blocks=64, async_scheduling=async_scheduling) as demo:
         demo_engine = demo.llm_engine
         counts = {"placeholders": 0, "most batches in flight": 0}
-        schedule, step = demo_engine.scheduler.schedule, demo_engine.step
+        schedule, issue = demo_engine.scheduler.schedule, demo_engine.executor.issue
 
         def spy_schedule():
             out = schedule()
             counts["placeholders"] += len(out.num_output_placeholders)
             return out
 
-        def spy_step():
-            outputs = step()
-            counts["most batches in flight"] = max(counts["most batches in flight"], len(demo_engine.batch_queue))
-            return outputs
-        demo_engine.scheduler.schedule, demo_engine.step = spy_schedule, spy_step
+        def spy_issue(*args, **kwargs):          # the batch issued, and those still in flight
+            counts["most batches in flight"] = max(counts["most batches in flight"], len(demo_engine.batch_queue) + 1)
+            return issue(*args, **kwargs)
+        demo_engine.scheduler.schedule, demo_engine.executor.issue = spy_schedule, spy_issue
         t0 = time.perf_counter()
         async_tokens[async_scheduling] = [o.outputs[0].token_ids for o in demo.generate(prompts, params,
                                                                                       use_tqdm=False)]
@@ -561,7 +560,7 @@ def self_check():
     # 6. async scheduling: the same tokens, and decodes really ran ahead of their batch
     assert async_tokens[True] == async_tokens[False]
     assert async_counts[True]["placeholders"] > 0 and async_counts[True]["most batches in flight"] == 2
-    assert async_counts[False]["placeholders"] == 0
+    assert async_counts[False]["placeholders"] == 0 and async_counts[False]["most batches in flight"] == 1
     return "all checks passed"
 
 

@@ -24,7 +24,7 @@ class Spy:
         self.engine = engine = llm.llm_engine
         self.placeholders = self.chunks_ahead = self.max_queue = 0
         self.ran_ahead: set[str] = set()
-        schedule, step = engine.scheduler.schedule, engine.step
+        schedule, step, issue = engine.scheduler.schedule, engine.step, engine.executor.issue
 
         def spy_schedule():
             out = schedule()
@@ -33,12 +33,15 @@ class Spy:
             self.ran_ahead |= set(out.num_computed_ahead)
             return out
 
+        def spy_issue(*args, **kwargs):          # the batch issued, and those still in flight
+            self.max_queue = max(self.max_queue, len(engine.batch_queue) + 1)
+            return issue(*args, **kwargs)
+
         def spy_step():
             outputs = step()
-            self.max_queue = max(self.max_queue, len(engine.batch_queue))
             engine.check_integrity()
             return outputs
-        engine.scheduler.schedule, engine.step = spy_schedule, spy_step
+        engine.scheduler.schedule, engine.step, engine.executor.issue = spy_schedule, spy_step, spy_issue
 
 
 def make(model_dir, async_scheduling: bool, **kw) -> LLM:
@@ -172,6 +175,46 @@ def test_aborting_a_request_whose_batch_is_in_flight(model_dir, prompt_ids, hf_r
         assert outputs[reqs[i].request_id].outputs[0].token_ids == hf_reference[i]
     drained(engine)
     llm.shutdown()
+
+
+def test_the_serving_engine_streams_hfs_tokens_with_async_scheduling(model_dir, prompt_ids, hf_reference):
+    """The server's AsyncLLMEngine over an async-scheduling engine: concurrent streams, one token per delta, HF's
+    greedy tokens; a stream left early aborts its request while its batch is in flight, and nothing leaks."""
+    import asyncio
+
+    from minivllm.config import EngineConfig
+    from minivllm.core.sampling_params import RequestOutputKind
+    from minivllm.engine.async_llm import AsyncLLMEngine
+    from minivllm.engine.llm_engine import LLMEngine
+
+    engine = LLMEngine(EngineConfig(model=str(model_dir), device="cpu", dtype="float32", num_kv_blocks=64,
+                                    async_scheduling=True))
+    spy = Spy(type("L", (), {"llm_engine": engine})())
+    ae = AsyncLLMEngine(engine)
+    params = SamplingParams(temperature=0, max_tokens=NUM_TOKENS, ignore_eos=True, output_kind=RequestOutputKind.DELTA)
+
+    async def stream(ids):
+        return [o async for o in ae.generate({"prompt_token_ids": ids}, params)]
+
+    async def leave_early():
+        gen = ae.generate({"prompt_token_ids": prompt_ids[4]}, params)
+        async for _ in gen:
+            break
+        await gen.aclose()
+
+    async def main():
+        return await asyncio.gather(*(stream(p) for p in prompt_ids[:4]), leave_early())
+
+    try:
+        results = asyncio.run(main())[:4]
+    finally:
+        ae.shutdown(shutdown_engine=False)
+    for outs, want in zip(results, hf_reference):
+        assert [t for o in outs for t in o.outputs[0].token_ids] == want
+        assert outs[-1].finished
+    assert spy.placeholders > 0
+    drained(engine)
+    engine.shutdown()
 
 
 @pytest.mark.parametrize("kw, words", [

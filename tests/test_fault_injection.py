@@ -615,7 +615,7 @@ def test_a_sigint_at_any_line_of_a_steps_bookkeeping_leaves_a_working_engine(eng
         "scheduler.py", "kv_cache_manager.py", "block_pool.py", "swap_space.py", "journal.py", "request.py")) + (
         os.path.join("minivllm", "engine", "llm_engine.py"), os.path.join("minivllm", "engine", "output_processor.py"))
 
-    def issue(sched):
+    def issue(sched, prev=None, grammar_bitmask=None):
         sampling = [r for r in sched.scheduled
                     if r.num_computed_tokens + sched.num_scheduled_tokens[r.request_id] == r.num_tokens]
         return InFlightBatch(0, sched, None, sampling, received=True)

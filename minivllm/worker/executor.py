@@ -106,7 +106,7 @@ class Executor:
         """The requests that sample this step, their new tokens (one each, or with speculative decoding the accepted
         drafts and one more), and (when any request asked for sample or prompt logprobs) the step's logprobs by
         request id (logprobs.py)."""
-        return self.collect(self.issue(sched), grammar_bitmask)
+        return self.collect(self.issue(sched, None, grammar_bitmask), grammar_bitmask)
 
     @property
     def pipelined(self) -> bool:
@@ -147,8 +147,9 @@ class Executor:
         model_input = dataclasses.replace(model_input, step_id=self._next_step_id)
         batch = InFlightBatch(self._next_step_id, sched, model_input, sampling_requests)
         self._send_to_workers(model_input)
-        logits, prompt_logits = self.driver.execute_model(                # (sample rows, vocab), (prompt rows, vocab)
-            model_input, prev.sampled if model_input.prev_token_rows else None)
+        # (sample rows, vocab), (prompt rows, vocab); async scheduling: some inputs are the previous batch's tokens
+        logits, prompt_logits = (self.driver.execute_model(model_input, prev.sampled) if model_input.prev_token_rows
+                                 else self.driver.execute_model(model_input))
         if self.pipelined:
             self._unreceived.append(batch)
         else:
