@@ -24,7 +24,14 @@ class Spy:
         self.engine = engine = llm.llm_engine
         self.placeholders = self.chunks_ahead = self.max_queue = 0
         self.ran_ahead: set[str] = set()
+        self.swapped_out = 0
         schedule, step, issue = engine.scheduler.schedule, engine.step, engine.executor.issue
+        swap_out = engine.kv_cache_manager.swap_out
+
+        def spy_swap_out(request):
+            self.swapped_out += 1
+            return swap_out(request)
+        engine.kv_cache_manager.swap_out = spy_swap_out
 
         def spy_schedule():
             out = schedule()
@@ -81,6 +88,25 @@ def test_greedy_equals_hf_token_for_token_with_the_next_batch_always_ahead(model
     llm.shutdown()
 
 
+def test_decodes_through_the_cuda_graph_buffers_read_the_previous_batchs_tokens(model_dir, prompt_ids, hf_reference):
+    """The graph path's half of async scheduling, rehearsed on a CPU (DecodeGraphs with capture=False runs the same
+    static buffers eagerly): the tokens still on the device are written into the static input ids after the host's
+    copy, and the greedy tokens stay HF's."""
+    from minivllm.worker.cuda_graph import DecodeGraphs
+    llm = make(model_dir, True, num_kv_blocks=64, max_num_seqs=8)
+    engine = llm.llm_engine
+    runner = engine.model_runner
+    runner.graphs = graphs = DecodeGraphs(runner.forward, 8, engine.max_model_len, runner.block_size, runner.device,
+                                          capture=False)
+    spy = Spy(llm)
+    outs = llm.generate([{"prompt_token_ids": p} for p in prompt_ids],
+                        SamplingParams(temperature=0, max_tokens=NUM_TOKENS, ignore_eos=True), use_tqdm=False)
+    assert [o.outputs[0].token_ids for o in outs] == hf_reference
+    assert graphs.stats.replays > NUM_TOKENS // 2 and spy.placeholders > 0
+    runner.graphs = None
+    llm.shutdown()
+
+
 def run_both(model_dir, prompts, params, **kw):
     """The same requests through a synchronous and an async engine of the same config: (sync, async, async spy)."""
     results = []
@@ -110,41 +136,56 @@ def same_outputs(sync, asyn) -> None:
 def test_seeded_sampling_logprobs_stops_and_n_equal_the_synchronous_engine(model_dir):
     """Seeded sampling draws from each request's own generator, so async scheduling draws the same tokens; stop
     strings and stop tokens end a request one batch late on the device, and that extra token is dropped."""
-    prompts = PROMPTS[:4]
+    prompts = PROMPTS[:4] + [PROMPTS[5]]
     params = [SamplingParams(temperature=0.8, top_p=0.9, seed=7, max_tokens=20, logprobs=2),
               SamplingParams(temperature=1.0, seed=3, max_tokens=20, n=2),
               SamplingParams(temperature=0, max_tokens=30, stop=[" the"]),
-              SamplingParams(temperature=0.7, seed=11, max_tokens=25, min_p=0.05)]
-    sync, asyn, spy = run_both(model_dir, prompts, params, max_num_seqs=8)
+              SamplingParams(temperature=0.7, seed=11, max_tokens=25, min_p=0.05),
+              SamplingParams(temperature=0, max_tokens=8, prompt_logprobs=1)]   # a long prompt, in chunks
+    sync, asyn, spy = run_both(model_dir, prompts, params, max_num_seqs=8, max_num_batched_tokens=16)
     same_outputs(sync, asyn)
     assert sync[2].outputs[0].finish_reason == "stop" and sync[2].outputs[0].stop_reason == " the"
-    assert spy.placeholders > 0 and spy.max_queue == 2
-    assert len(spy.ran_ahead) == 5                # every request, n = 2's two samples included
+    want, got = sync[4].prompt_logprobs, asyn[4].prompt_logprobs
+    assert len(want) == len(got) > 16 and want[0] is None and got[0] is None
+    for a, b in zip(want[1:], got[1:]):
+        assert sorted(a) == sorted(b) and all(abs(a[t].logprob - b[t].logprob) < 1e-4 for t in a)
+    assert spy.placeholders > 0 and spy.max_queue == 2 and spy.chunks_ahead > 0
+    assert len(spy.ran_ahead) == 6                # every request, n = 2's two samples included
 
 
 def test_requests_whose_sampling_reads_their_outputs_never_run_ahead(model_dir):
-    """Penalties and min_tokens read the request's own output tokens, which the host does not have yet for a
-    placeholder: those requests wait for their batch (and still equal the synchronous engine), the others run ahead."""
-    prompts = PROMPTS[:3]
+    """Penalties and min_tokens read the request's own output tokens, and a grammar's mask needs its last token,
+    which the host does not have yet for a placeholder: those requests wait for their batch (and still equal the
+    synchronous engine, the grammar's output matching its regex), the others run ahead."""
+    import re
+
+    from minivllm import StructuredOutputsParams
+    prompts = PROMPTS[:4]
+    pattern = r"[a-z]+( [a-z]+){2,5}\."
     params = [SamplingParams(temperature=0, max_tokens=16, repetition_penalty=1.3),
               SamplingParams(temperature=0.8, seed=5, max_tokens=16, presence_penalty=0.5, min_tokens=4),
-              SamplingParams(temperature=0, max_tokens=16)]
+              SamplingParams(temperature=0, max_tokens=16),
+              SamplingParams(temperature=0.8, seed=2, max_tokens=40,
+                             structured_outputs=StructuredOutputsParams(regex=pattern))]
     sync, asyn, spy = run_both(model_dir, prompts, params)
     same_outputs(sync, asyn)
+    assert re.fullmatch(pattern, asyn[3].outputs[0].text), asyn[3].outputs[0].text
     ids = {o.prompt: o.request_id for o in asyn}
     assert spy.ran_ahead == {ids[PROMPTS[2]]}
 
 
-def test_preemption_and_prefix_hits_give_the_synchronous_engines_tokens(model_dir, prompt_ids):
-    """A pool too small for the batch: requests are preempted (never one in flight) and come back through the prefix
-    cache; greedy tokens equal the synchronous engine's."""
+@pytest.mark.parametrize("mode", ["recompute", "swap"])
+def test_preemption_and_prefix_hits_give_the_synchronous_engines_tokens(model_dir, prompt_ids, mode):
+    """A pool too small for the batch: requests are preempted (never one in flight), swapped out or dropped, and
+    come back (through the prefix cache, when dropped); greedy tokens equal the synchronous engine's."""
     prompts = [{"prompt_token_ids": p} for p in prompt_ids] * 2
     params = SamplingParams(temperature=0, max_tokens=40, ignore_eos=True)
     sync, asyn, spy = run_both(model_dir, prompts, params, num_kv_blocks=24, max_num_seqs=8,
-                               max_num_batched_tokens=64)
+                               max_num_batched_tokens=64, preemption_mode=mode)
     same_outputs(sync, asyn)
     stats = spy.engine.get_stats()
     assert stats.num_preemptions > 0 and stats.prefix_cache_hits > 0
+    assert (spy.swapped_out > 0) == (mode == "swap")
     assert spy.placeholders > 0
 
 
