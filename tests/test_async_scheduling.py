@@ -270,18 +270,25 @@ def test_what_async_scheduling_cannot_do_is_refused_with_the_reason(kw, words):
         EngineConfig.from_kwargs(async_scheduling=kw.pop("async_scheduling", True), **kw)
 
 
+SAMPLED = [SamplingParams(temperature=0.8, top_p=0.9, max_tokens=16, ignore_eos=True),
+           SamplingParams(temperature=0.7, seed=3, min_p=0.05, max_tokens=16, ignore_eos=True),
+           SamplingParams(temperature=1.0, top_k=20, max_tokens=16, ignore_eos=True),
+           SamplingParams(temperature=0, max_tokens=16, ignore_eos=True)]
+
+
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="host syncs are a GPU matter")
 @pytest.mark.parametrize("enforce_eager", [True, False])
-def test_on_a_gpu_the_batch_ahead_is_issued_and_sampled_without_waiting(model_dir, enforce_eager):
+@pytest.mark.parametrize("sampled", [False, True], ids=["greedy", "sampled"])
+def test_on_a_gpu_the_batch_ahead_is_issued_and_sampled_without_waiting(model_dir, enforce_eager, sampled):
     """What async scheduling is for: planning, issuing and sampling the next decode batch queues GPU work and waits
-    for none of it (its inputs come from the batch before, on the device); the one wait is `collect` bringing the
-    older batch's tokens to the host."""
+    for none of it (its inputs come from the batch before, on the device; the sampler's small tensors are copied
+    without a stream sync); the one wait is `collect` bringing the older batch's tokens to the host."""
     with LLM(str(model_dir), device="cuda", enforce_eager=enforce_eager, max_num_seqs=8,
              async_scheduling=True) as llm:
         engine = llm.llm_engine
         for i, prompt in enumerate(PROMPTS[:4]):
-            engine.add_request(prompt, SamplingParams(temperature=0, max_tokens=16, ignore_eos=True),
-                               request_id=f"s{i}")
+            params = SAMPLED[i] if sampled else SamplingParams(temperature=0, max_tokens=16, ignore_eos=True)
+            engine.add_request(prompt, params, request_id=f"s{i}")
         while not (engine.batch_queue and len(engine.batch_queue[-1].sched.num_output_placeholders) == 4):
             engine.step()
         engine.scheduler.begin_step()

@@ -36,7 +36,7 @@ stage kernels 150 60 $PT -n 8 tests/test_kernels.py tests/test_kv_cache_fp8.py -
   --deselect tests/test_kernels.py::test_engine_with_triton_backend_gives_the_torch_backends_greedy_tokens
 stage e2e 240 60 $PT -s tests/test_gpu.py tests/test_cuda_graph.py \
   tests/test_kernels.py::test_engine_with_triton_backend_gives_the_torch_backends_greedy_tokens \
-  tests/test_async_scheduling.py::test_on_a_gpu_the_batch_ahead_is_issued_and_sampled_without_waiting
+  "tests/test_async_scheduling.py::test_on_a_gpu_the_batch_ahead_is_issued_and_sampled_without_waiting"
 stage ckpt 60 30 python3 -m minivllm.model.random_checkpoint qwen3-0.6b /tmp/qwen3-0.6b
 stage profile 90 40 python3 .ci/gpu/profile_step.py /tmp/qwen3-0.6b
 stage profile_native 60 30 env MINIVLLM_CUSTOM_OPS=none python3 .ci/gpu/profile_step.py /tmp/qwen3-0.6b

@@ -83,6 +83,8 @@ class InFlightBatch:
     prompt_logits: torch.Tensor | None = None   # (prompt-logprob rows, vocab) fp32, once received
     received: bool = False
     sampled: torch.Tensor | None = None         # async scheduling: (sampling rows,) int64 tokens, on the device
+    sampled_host: torch.Tensor | None = None    # ... their copy on the host (pinned), filled once `ready` fired
+    ready: "torch.cuda.Event | None" = None     # ... recorded right after that copy (None on a CPU: nothing to wait)
 
 
 class Executor:
@@ -130,6 +132,7 @@ class Executor:
                 if bitmask is not None:
                     logits = apply_grammar_bitmask(logits, bitmask)
             batch.sampled = self.driver.sampler.sample(logits, batch.sampling_requests)
+            batch.sampled_host, batch.ready = _copy_to_host(batch.sampled)
         return batch
 
     def _failure_guard(self) -> contextlib.AbstractContextManager:
@@ -170,10 +173,13 @@ class Executor:
         drafts = [sched.scheduled_spec_decode_tokens.get(r.request_id, []) for r in sampling_requests]
         logits = batch.logits
         if batch.sampled is not None:           # async scheduling: sampled when issued; now to the host (waits)
+            if batch.ready is not None:
+                batch.ready.synchronize()       # for this batch's tokens only, not for the batch issued after it
+            tokens = batch.sampled_host.tolist()
             keep = [i for i, r in enumerate(sampling_requests) if not r.is_finished]
-            tokens = batch.sampled.tolist()
             if len(keep) < len(sampling_requests):          # stopped or aborted since: drop their rows
-                logits = logits[keep]
+                if any(sampling_requests[i].sampling_params.logprobs is not None for i in keep):
+                    logits = logits[keep]
                 sampling_requests, tokens = [sampling_requests[i] for i in keep], [tokens[i] for i in keep]
             tokens = [[t] for t in tokens]
             return sampling_requests, tokens, self._logprobs(sched, batch.model_input, sampling_requests,
@@ -290,6 +296,21 @@ class Executor:
 
     def shutdown(self) -> None:
         self.driver.release_memory()
+
+
+def _copy_to_host(tokens: torch.Tensor) -> tuple[torch.Tensor, "torch.cuda.Event | None"]:
+    """Start copying a batch's sampled tokens to the host without waiting: (pinned host tensor, the event recorded
+    after the copy) on a GPU, (the tensor itself, None) on a CPU. The copy is queued right behind the sampling and
+    ahead of the next batch's forward, so waiting for the event waits for this batch alone; `tokens.tolist()` would
+    wait for everything queued on the stream by then, the next batch's forward included (vLLM copies on a stream
+    of its own for the same reason)."""
+    if tokens.device.type != "cuda":
+        return tokens, None
+    host = torch.empty(tokens.shape, dtype=tokens.dtype, pin_memory=True)
+    host.copy_(tokens, non_blocking=True)
+    ready = torch.cuda.Event()
+    ready.record()
+    return host, ready
 
 
 class UniProcExecutor(Executor):

@@ -79,7 +79,7 @@ class Sampler:
         uniforms = torch.empty(len(requests), dtype=torch.float64, device=device)
         shared = [i for i, r in enumerate(requests) if r.generator is None]
         if shared:
-            uniforms[shared] = torch.rand(len(shared), dtype=torch.float64, device=device,
+            uniforms[_device_tensor(shared, device)] = torch.rand(len(shared), dtype=torch.float64, device=device,
                                           generator=self._shared_generator(device))
         for i, r in enumerate(requests):
             if r.generator is not None:
@@ -87,8 +87,15 @@ class Sampler:
                                          generator=self._request_generator(r, device))[0]
         sampled = draw_from(probs, uniforms)
         if bool(greedy.any()):                                  # a mixed batch: greedy rows keep their argmax
-            sampled = torch.where(greedy.to(device), logits.argmax(dim=-1), sampled)
+            sampled = torch.where(greedy.to(device, non_blocking=True), logits.argmax(dim=-1), sampled)
         return sampled
+
+
+def _device_tensor(values, device: torch.device, dtype: torch.dtype | None = None) -> torch.Tensor:
+    """A small tensor of host values on `device`, copied without waiting for the device. (`torch.tensor(values,
+    device="cuda")` waits for everything queued on the stream: under async scheduling that is the forward the
+    sampler is about to read.)"""
+    return torch.tensor(values, dtype=dtype).to(device, non_blocking=True)
 
 
 def draw_from(weights: torch.Tensor, uniforms: torch.Tensor) -> torch.Tensor:
@@ -107,7 +114,7 @@ def sampling_probs(logits: torch.Tensor, params: list) -> torch.Tensor:
     """The distribution each row samples from: softmax of logits / temperature after min-p, top-k and top-p
     (greedy rows: temperature 1, their argmax is kept). (rows, vocab) fp32."""
     device = logits.device
-    temperature = torch.tensor([p.temperature if not p.greedy else 1.0 for p in params], device=device)
+    temperature = _device_tensor([p.temperature if not p.greedy else 1.0 for p in params], device)
     logits = logits / temperature[:, None]
     min_p = [p.min_p for p in params]
     if any(m > 0 for m in min_p):
@@ -133,8 +140,8 @@ def apply_top_k_top_p(logits: torch.Tensor, top_k: list[int], top_p: list[float]
     way. On a GPU the full sort is cheap, and deciding which rows to redo would wait for the device."""
     vocab = logits.shape[1]
     k_list = [kk if 0 < kk < vocab else vocab for kk in top_k]
-    k = torch.tensor(k_list, device=logits.device)
-    p = torch.tensor(top_p, device=logits.device, dtype=logits.dtype)
+    k = _device_tensor(k_list, logits.device)
+    p = _device_tensor(top_p, logits.device, logits.dtype)
     log_total = logits.logsumexp(dim=-1)                                      # (rows,) the whole row's
     width = min(vocab, max([TOP_CANDIDATES] + [kk for kk in k_list if kk < vocab]))
     if logits.device.type != "cpu":
@@ -179,7 +186,7 @@ def _top_k_top_p_prefix(sorted_logits: torch.Tensor, k: torch.Tensor, p: torch.T
 def apply_min_p(logits: torch.Tensor, min_p: list[float]) -> torch.Tensor:
     """Set logits whose probability is below min_p x the row's top probability to -inf (min_p 0 keeps all)."""
     probs = logits.softmax(dim=-1)                                           # (rows, vocab)
-    threshold = torch.tensor(min_p, device=logits.device, dtype=probs.dtype)[:, None] * probs.amax(-1, keepdim=True)
+    threshold = _device_tensor(min_p, logits.device, probs.dtype)[:, None] * probs.amax(-1, keepdim=True)
     return logits.masked_fill(probs < threshold, float("-inf"))
 
 
@@ -199,7 +206,7 @@ def _padded(rows: list[list[int]], pad: int, device: torch.device, left: bool = 
     """A (len(rows), longest) int64 tensor of the rows, padded with `pad` (on the left when `left`)."""
     width = max((len(r) for r in rows), default=0)
     out = [([pad] * (width - len(r)) + r) if left else (r + [pad] * (width - len(r))) for r in rows]
-    return torch.tensor(out, dtype=torch.long, device=device).reshape(len(rows), width)
+    return _device_tensor(out, device, torch.long).reshape(len(rows), width)
 
 
 def apply_penalties_and_filters(logits: torch.Tensor, requests: list[Request]) -> torch.Tensor:
@@ -220,15 +227,15 @@ def apply_penalties_and_filters(logits: torch.Tensor, requests: list[Request]) -
         mask[restricted] = True
         rows = [i for i in restricted for _ in params[i].allowed_token_ids]
         cols = [t for i in restricted for t in params[i].allowed_token_ids]
-        mask[torch.tensor(rows, device=device), torch.tensor(cols, device=device)] = False
+        mask[_device_tensor(rows, device), _device_tensor(cols, device)] = False
         logits.masked_fill_(mask, neg_inf)
 
     # bad_words: a word's last token is banned when the output ends with the word's other tokens.
     words = [(i, w) for i, r in enumerate(requests) for w in r.bad_words_token_ids]
     if words:
         prefix_len = max(len(w) for _, w in words) - 1
-        word_rows = torch.tensor([i for i, _ in words], device=device)
-        last = torch.tensor([w[-1] for _, w in words], device=device)
+        word_rows = _device_tensor([i for i, _ in words], device)
+        last = _device_tensor([w[-1] for _, w in words], device)
         if prefix_len == 0:
             match = torch.ones(len(words), dtype=torch.bool, device=device)
         else:
@@ -243,15 +250,15 @@ def apply_penalties_and_filters(logits: torch.Tensor, requests: list[Request]) -
              for t in set(r.sampling_params.stop_token_ids) | (set() if r.sampling_params.ignore_eos
                                                                  else set(r.eos_token_ids))]
     if stops:
-        logits[torch.tensor([i for i, _ in stops], device=device),
-               torch.tensor([t for _, t in stops], device=device)] = neg_inf
+        logits[_device_tensor([i for i, _ in stops], device),
+               _device_tensor([t for _, t in stops], device)] = neg_inf
 
     # logit_bias: added to the logits.
     bias = [(i, t, b) for i, p in enumerate(params) if p.logit_bias for t, b in p.logit_bias.items()]
     if bias:
-        logits.index_put_((torch.tensor([i for i, _, _ in bias], device=device),
-                           torch.tensor([t for _, t, _ in bias], device=device)),
-                          torch.tensor([b for _, _, b in bias], device=device, dtype=logits.dtype), accumulate=True)
+        logits.index_put_((_device_tensor([i for i, _, _ in bias], device),
+                           _device_tensor([t for _, t, _ in bias], device)),
+                          _device_tensor([b for _, _, b in bias], device, logits.dtype), accumulate=True)
 
     # Penalties. counts[i, t]: how often token t is in row i's output; seen: in its prompt or output.
     penalized = [p.repetition_penalty != 1 or p.presence_penalty != 0 or p.frequency_penalty != 0 for p in params]
@@ -260,8 +267,8 @@ def apply_penalties_and_filters(logits: torch.Tensor, requests: list[Request]) -
         counts = torch.zeros(num_rows, vocab + 1, device=device, dtype=logits.dtype)  # +1: the padding column
         counts.scatter_add_(1, outputs, torch.ones(outputs.shape, device=device, dtype=logits.dtype))
         counts = counts[:, :vocab]                                                     # (rows, vocab)
-        rep = torch.tensor([p.repetition_penalty for p in params], device=device, dtype=logits.dtype)[:, None]
-        if bool((rep != 1).any()):
+        rep = _device_tensor([p.repetition_penalty for p in params], device, logits.dtype)[:, None]
+        if any(p.repetition_penalty != 1 for p in params):
             prompts = _padded([r.prompt_token_ids if p.repetition_penalty != 1 else []
                                for r, p in zip(requests, params)], vocab, device)
             seen = torch.zeros(num_rows, vocab + 1, dtype=torch.bool, device=device)
@@ -269,7 +276,7 @@ def apply_penalties_and_filters(logits: torch.Tensor, requests: list[Request]) -
             seen = seen[:, :vocab] | (counts > 0)
             factor = torch.where(seen, rep, torch.ones_like(rep))                     # (rows, vocab)
             logits = torch.where(logits > 0, logits / factor, logits * factor)
-        freq = torch.tensor([p.frequency_penalty for p in params], device=device, dtype=logits.dtype)[:, None]
-        presence = torch.tensor([p.presence_penalty for p in params], device=device, dtype=logits.dtype)[:, None]
+        freq = _device_tensor([p.frequency_penalty for p in params], device, logits.dtype)[:, None]
+        presence = _device_tensor([p.presence_penalty for p in params], device, logits.dtype)[:, None]
         logits = logits - freq * counts - presence * (counts > 0).to(logits.dtype)
     return logits
