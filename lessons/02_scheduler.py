@@ -357,7 +357,8 @@ print("step 1, by the scheduler:", plan.num_scheduled_tokens)
 # for the blocks of every scheduled token (`allocate_slots`) and preempts someone when there are none (lesson
 # 03), admits nobody in a step that preempted, brings back swapped requests (lesson 03), offers the blocks a
 # step fills to the requests admitted after them (lesson 01), adds the draft tokens of speculative decoding
-# (lesson 09), and with pipeline parallelism shares the requests between the batches in flight (`cap`).
+# (lesson 09), with pipeline parallelism shares the requests between the batches in flight (`cap`), and with
+# async scheduling lets a request whose batch is still in flight join the next one (`plan_ahead`, lesson 11).
 # `num_cached` is the prefix-cache hit of a waiting request (0 here).
 
 # %%

@@ -28,7 +28,7 @@
 #   │ logit_bias, repetition, frequency and presence  worker/sampler.py   apply_penalties_and_filters
 #   │ greedy rows: argmax, done
 #   │ / temperature, then min_p, top_k and top_p      worker/sampler.py   apply_min_p, apply_top_k_top_p
-#   │ softmax, then one uniform per row: inverse CDF   worker/sampler.py   Sampler.__call__, draw_from
+#   │ softmax, then one uniform per row: inverse CDF   worker/sampler.py   Sampler.sample, draw_from
 #   ▼
 # token id ──> incremental detokenization ──> text    engine/detokenizer.py  detokenize_incrementally
 # ```
@@ -158,13 +158,14 @@ plt.show()
 # %% [markdown]
 # ## 2. The sampler, and temperature
 #
-# Here is the whole `Sampler.__call__`: it gets the batch's logits and the requests, one row each, and
-# returns one token id per row. Penalties and filters first (section 4), then greedy rows are done; the others
+# Here is the whole `Sampler.sample`: it gets the batch's logits and the requests, one row each, and
+# returns one token id per row, as a tensor where the logits are (`Sampler.__call__` returns them as a list;
+# async scheduling, lesson 11, keeps them on the GPU as the next batch's inputs). Penalties and filters first (section 4), then greedy rows are done; the others
 # are divided by their temperature, cut by min-p, top-k and top-p, and drawn (section 5).
 
 # %%
 # NBVAL_IGNORE_OUTPUT
-print(inspect.getsource(Sampler.__call__))
+print(inspect.getsource(Sampler.sample))
 
 # %% [markdown]
 # **Temperature** divides the logits before the softmax: `softmax(logits / T)`. Below 1 it sharpens the
