@@ -446,11 +446,12 @@ class FaultInjection(RuleBasedStateMachine):
             self.taken.remove()
 
 
-def run_fuzzer(engines, prompts, references, settings_) -> dict[str, int]:
+def run_fuzzer(engines, prompts, references, settings_, machine_class=None) -> dict[str, int]:
+    """Run the state machine (FaultInjection, or a subclass that fixes the engine) and return what happened."""
     stats: dict[str, int] = {}
 
     def make():
-        machine = FaultInjection(engines, prompts, references)
+        machine = (machine_class or FaultInjection)(engines, prompts, references)
         machine.stats = stats
         return machine
     run_state_machine_as_test(make, settings=settings_)
@@ -477,13 +478,7 @@ class SpecFaultInjection(FaultInjection):
 
 def test_fault_injection_fuzzer_with_speculative_decoding(engines, prompts, references):
     """Failing steps with drafts scheduled, verified, partly rejected: the same rollback, integrity and outputs."""
-    stats: dict[str, int] = {}
-
-    def make():
-        machine = SpecFaultInjection(engines, prompts, references)
-        machine.stats = stats
-        return machine
-    run_state_machine_as_test(make, settings=settings(FAULT_SETTINGS, max_examples=15))
+    stats = run_fuzzer(engines, prompts, references, settings(FAULT_SETTINGS, max_examples=15), SpecFaultInjection)
     print("fault injection with speculation:", dict(sorted(stats.items())))
     # Drafts were verified; whether a random example also failed a step with drafts pending varies from run to run
     # (tests/test_spec_decode.py::test_a_failed_step_with_drafts_rolls_back does that on purpose, every time).
@@ -504,13 +499,7 @@ def test_fault_injection_fuzzer_with_async_scheduling(engines, prompts, referenc
     """Failing steps while a batch is in flight and the next one reads its tokens on the device: the same
     rollback, integrity and outputs (seeded requests included: async scheduling draws what a synchronous step
     draws)."""
-    stats: dict[str, int] = {}
-
-    def make():
-        machine = AsyncFaultInjection(engines, prompts, references)
-        machine.stats = stats
-        return machine
-    run_state_machine_as_test(make, settings=settings(FAULT_SETTINGS, max_examples=15))
+    stats = run_fuzzer(engines, prompts, references, settings(FAULT_SETTINGS, max_examples=15), AsyncFaultInjection)
     print("fault injection with async scheduling:", dict(sorted(stats.items())))
     assert stats.get("batch in flight between steps"), stats
     assert any(k.startswith("failed at") for k in stats), stats
