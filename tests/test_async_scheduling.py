@@ -25,6 +25,7 @@ class Spy:
         self.placeholders = self.chunks_ahead = self.max_queue = 0
         self.ran_ahead: set[str] = set()
         self.swapped_out = 0
+        self.scored_ahead = 0            # batches whose logprobs were scored on the device as they were sampled
         schedule, step, issue = engine.scheduler.schedule, engine.step, engine.executor.issue
         swap_out = engine.kv_cache_manager.swap_out
 
@@ -42,7 +43,9 @@ class Spy:
 
         def spy_issue(*args, **kwargs):          # the batch issued, and those still in flight
             self.max_queue = max(self.max_queue, len(engine.batch_queue) + 1)
-            return issue(*args, **kwargs)
+            batch = issue(*args, **kwargs)
+            self.scored_ahead += batch.logprobs_ahead is not None
+            return batch
 
         def spy_step():
             outputs = step()
@@ -130,7 +133,7 @@ def same_outputs(sync, asyn) -> None:
                 assert [sorted(d) for d in x.logprobs] == [sorted(d) for d in y.logprobs]
                 for dx, dy in zip(x.logprobs, y.logprobs):
                     for t in dx:
-                        assert abs(dx[t].logprob - dy[t].logprob) < 1e-4
+                        assert dx[t].logprob == dy[t].logprob or abs(dx[t].logprob - dy[t].logprob) < 1e-4  # -inf
 
 
 def test_seeded_sampling_logprobs_stops_and_n_equal_the_synchronous_engine(model_dir):
@@ -151,12 +154,14 @@ def test_seeded_sampling_logprobs_stops_and_n_equal_the_synchronous_engine(model
         assert sorted(a) == sorted(b) and all(abs(a[t].logprob - b[t].logprob) < 1e-4 for t in a)
     assert spy.placeholders > 0 and spy.max_queue == 2 and spy.chunks_ahead > 0
     assert len(spy.ran_ahead) == 6                # every request, n = 2's two samples included
+    assert spy.scored_ahead >= 20                 # logprobs (and prompt logprobs) scored on the device, not collect
 
 
 def test_requests_whose_sampling_reads_their_outputs_never_run_ahead(model_dir):
     """Penalties and min_tokens read the request's own output tokens, and a grammar's mask needs its last token,
     which the host does not have yet for a placeholder: those requests wait for their batch (and still equal the
-    synchronous engine, the grammar's output matching its regex), the others run ahead."""
+    synchronous engine, the grammar's output matching its regex), the others run ahead. The grammar's logprobs are
+    scored on the masked logits it sampled from, in both engines (vLLM's too)."""
     import re
 
     from minivllm import StructuredOutputsParams
@@ -165,10 +170,12 @@ def test_requests_whose_sampling_reads_their_outputs_never_run_ahead(model_dir):
     params = [SamplingParams(temperature=0, max_tokens=16, repetition_penalty=1.3),
               SamplingParams(temperature=0.8, seed=5, max_tokens=16, presence_penalty=0.5, min_tokens=4),
               SamplingParams(temperature=0, max_tokens=16),
-              SamplingParams(temperature=0.8, seed=2, max_tokens=40,
+              SamplingParams(temperature=0.8, seed=2, max_tokens=40, logprobs=3,
                              structured_outputs=StructuredOutputsParams(regex=pattern))]
     sync, asyn, spy = run_both(model_dir, prompts, params)
     same_outputs(sync, asyn)
+    first = asyn[3].outputs[0].logprobs[0]          # masked: only tokens the regex allows first (lower-case words)
+    assert len(first) >= 3 and all(re.fullmatch("[a-z]+", lp.decoded_token) for lp in first.values()), first
     assert re.fullmatch(pattern, asyn[3].outputs[0].text), asyn[3].outputs[0].text
     ids = {o.prompt: o.request_id for o in asyn}
     assert spy.ran_ahead == {ids[PROMPTS[2]]}
@@ -278,16 +285,19 @@ SAMPLED = [SamplingParams(temperature=0.8, top_p=0.9, max_tokens=16, ignore_eos=
 
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="host syncs are a GPU matter")
 @pytest.mark.parametrize("enforce_eager", [True, False])
-@pytest.mark.parametrize("sampled", [False, True], ids=["greedy", "sampled"])
+@pytest.mark.parametrize("sampled", ["greedy", "sampled", "logprobs"])
 def test_on_a_gpu_the_batch_ahead_is_issued_and_sampled_without_waiting(model_dir, enforce_eager, sampled):
     """What async scheduling is for: planning, issuing and sampling the next decode batch queues GPU work and waits
     for none of it (its inputs come from the batch before, on the device; the sampler's small tensors are copied
-    without a stream sync); the one wait is `collect` bringing the older batch's tokens to the host."""
+    without a stream sync; logprobs are scored there too); the one wait is `collect` bringing the older batch's
+    tokens (and scores) to the host."""
     with LLM(str(model_dir), device="cuda", enforce_eager=enforce_eager, max_num_seqs=8,
              async_scheduling=True) as llm:
         engine = llm.llm_engine
         for i, prompt in enumerate(PROMPTS[:4]):
-            params = SAMPLED[i] if sampled else SamplingParams(temperature=0, max_tokens=16, ignore_eos=True)
+            params = (SAMPLED[i] if sampled == "sampled" else
+                      SamplingParams(temperature=0, max_tokens=16, ignore_eos=True,
+                                     logprobs=2 if sampled == "logprobs" and i % 2 else None))
             engine.add_request(prompt, params, request_id=f"s{i}")
         while not (engine.batch_queue and len(engine.batch_queue[-1].sched.num_output_placeholders) == 4):
             engine.step()
@@ -302,3 +312,4 @@ def test_on_a_gpu_the_batch_ahead_is_issued_and_sampled_without_waiting(model_di
             torch.cuda.set_sync_debug_mode(0)
             engine.scheduler.rollback_step()
         assert batch.sampled is not None and batch.sampled.is_cuda
+        assert (batch.logprobs_ahead is not None) == (sampled == "logprobs")

@@ -125,6 +125,22 @@ class LlamaAttention(nn.Module):
         return self.o_proj(o.reshape(n, q_size))                              # (n, hidden)
 
 
+# A CPU's last-level cache is tens of MB; a 4,096-token prefill's gate/up activation of the default model is
+# 4,096 x 3,072 x 4 bytes = 50 MB, written by one matmul and read back by the next from memory. In slices of at
+# most this many bytes it stays in the cache. Measured on a 2-core AMD EPYC (Zen 3, 32 MB L3), a prefill step of
+# 32 x 128 tokens, fp32, four alternating rounds: 7.3 s whole -> 6.8 s in 1,024-row slices (2,048 and 512 alike).
+CPU_SLICE_BYTES = 12 << 20
+
+
+def cpu_slice_rows(x: torch.Tensor, width: int) -> int:
+    """How many rows of x to run at a time when the widest activation has `width` columns of x's dtype: all of
+    them off the CPU (a GPU's kernels want the whole batch), else a multiple of 256 within CPU_SLICE_BYTES."""
+    if x.device.type != "cpu":
+        return x.shape[0]
+    rows = CPU_SLICE_BYTES // (width * x.element_size())
+    return max(256, rows // 256 * 256)
+
+
 class LlamaMLP(nn.Module):
     def __init__(self, cfg: ModelConfig, tp: TPGroup):
         super().__init__()
@@ -133,6 +149,14 @@ class LlamaMLP(nn.Module):
         self.act_fn = SiluAndMul()
 
     def forward(self, x):
+        """x (n, hidden) -> (n, hidden). A long prefill on a CPU runs in row slices (`cpu_slice_rows`): the same
+        rows and weights, so the same result, with the (rows, 2 * intermediate) activation kept in the cache."""
+        rows = cpu_slice_rows(x, sum(self.gate_up_proj.out_sizes))           # gate_up: (rows, 2 * intermediate / tp)
+        if rows >= x.shape[0]:
+            return self._forward(x)
+        return torch.cat([self._forward(part) for part in x.split(rows)])
+
+    def _forward(self, x):
         gate_up = self.gate_up_proj(x)                                        # (n, 2 * intermediate / tp)
         return self.down_proj(self.act_fn(gate_up))                           # silu(gate) * up: (n, intermediate / tp)
 

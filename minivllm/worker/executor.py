@@ -60,7 +60,8 @@ from minivllm.worker.distributed import (destroy_distributed, get_open_port, ini
                                          make_groups, tp_device)
 from minivllm.model.layers import TPGroup
 from minivllm.model.llama import ModelConfig
-from minivllm.worker.logprobs import StepLogprobs, compute_logprobs, compute_prompt_logprobs
+from minivllm.worker.logprobs import (RowScores, StepLogprobs, compute_logprobs, compute_prompt_logprobs, prompt_targets,
+                                      score_rows, split_by_span, unpack_scores)
 from minivllm.worker.model_runner import ModelInput, ModelRunner
 from minivllm.worker.sampler import apply_grammar_bitmask
 from minivllm.core.request import Request
@@ -83,8 +84,31 @@ class InFlightBatch:
     prompt_logits: torch.Tensor | None = None   # (prompt-logprob rows, vocab) fp32, once received
     received: bool = False
     sampled: torch.Tensor | None = None         # async scheduling: (sampling rows,) int64 tokens, on the device
-    sampled_host: torch.Tensor | None = None    # ... their copy on the host (pinned), filled once `ready` fired
+    logprobs_ahead: LogprobsAhead | None = None     # ... and the logprobs asked for, scored there too
+    host: list[torch.Tensor] | None = None      # ... both copied to the host (pinned): [sampled, *scores' tensors]
     ready: "torch.cuda.Event | None" = None     # ... recorded right after that copy (None on a CPU: nothing to wait)
+
+
+@dataclass
+class LogprobsAhead:
+    """Async scheduling: a batch's logprobs, scored on the device when it was sampled (`Executor.issue`), so that
+    reading them waits for that batch alone, as reading its tokens does."""
+    rows: list[int]                   # rows of sampling_requests that asked for logprobs
+    num_logprobs: list[int]           # ... and their k
+    sample: RowScores | None          # their scores, or None if no row asked
+    prompt_tokens: list[int]          # the prompt tokens scored by the batch's prompt-logprob rows
+    prompt_ks: list[int]
+    prompt: RowScores | None          # their scores, or None if the batch has no prompt-logprob rows
+
+    def tensors(self) -> list[torch.Tensor]:
+        return [t for s in (self.sample, self.prompt) if s is not None for t in s.tensors()]
+
+    def with_tensors(self, tensors: list[torch.Tensor]) -> "LogprobsAhead":
+        """The same scores read from `tensors` (the host's copies, in tensors()' order)."""
+        it = iter(tensors)
+        sample = RowScores(*(next(it) for _ in range(4))) if self.sample is not None else None
+        prompt = RowScores(*(next(it) for _ in range(4))) if self.prompt is not None else None
+        return dataclasses.replace(self, sample=sample, prompt=prompt)
 
 
 class Executor:
@@ -132,7 +156,9 @@ class Executor:
                 if bitmask is not None:
                     logits = apply_grammar_bitmask(logits, bitmask)
             batch.sampled = self.driver.sampler.sample(logits, batch.sampling_requests)
-            batch.sampled_host, batch.ready = _copy_to_host(batch.sampled)
+            batch.logprobs_ahead = self._score_ahead(batch, logits)
+            extra = batch.logprobs_ahead.tensors() if batch.logprobs_ahead is not None else []
+            batch.host, batch.ready = _copy_to_host([batch.sampled] + extra)
         return batch
 
     def _failure_guard(self) -> contextlib.AbstractContextManager:
@@ -178,16 +204,11 @@ class Executor:
         if batch.sampled is not None:           # async scheduling: sampled when issued; now to the host (waits)
             if batch.ready is not None:
                 batch.ready.synchronize()       # for this batch's tokens only, not for the batch issued after it
-            tokens = batch.sampled_host.tolist()
-            keep = [i for i, r in enumerate(sampling_requests) if not r.is_finished]
-            if len(keep) < len(sampling_requests):          # stopped or aborted since: drop their rows
-                if any(sampling_requests[i].sampling_params.logprobs is not None for i in keep):
-                    logits = logits[keep]
-                sampling_requests, tokens = [sampling_requests[i] for i in keep], [tokens[i] for i in keep]
-            tokens = [[t] for t in tokens]
-            return sampling_requests, tokens, self._logprobs(sched, batch.model_input, sampling_requests,
-                                                             [[] for _ in tokens], tokens, logits,
-                                                             batch.prompt_logits)
+            tokens = batch.host[0].tolist()
+            logprobs = self._logprobs_ahead(batch, tokens)
+            keep = [i for i, r in enumerate(sampling_requests) if not r.is_finished]   # stopped or aborted since:
+            sampling_requests, tokens = [sampling_requests[i] for i in keep], [[tokens[i]] for i in keep]  # dropped
+            return sampling_requests, tokens, logprobs
         if any(r.is_finished for r in sampling_requests):       # aborted while the batch was in flight: drop its rows
             first_row = [0]
             for d in drafts:
@@ -204,6 +225,48 @@ class Executor:
         tokens = self._sample(logits, sampling_requests, drafts) if sampling_requests else []
         return sampling_requests, tokens, self._logprobs(sched, batch.model_input, sampling_requests, drafts, tokens,
                                                          logits, batch.prompt_logits)
+
+    def _score_ahead(self, batch: InFlightBatch, logits: torch.Tensor) -> LogprobsAhead | None:
+        """Async scheduling: score the batch's logprobs on the device right after it is sampled (no host sync), from
+        the logits it sampled (grammar masks applied, as the synchronous path scores). None if nobody asked."""
+        requests, spans = batch.sampling_requests, batch.model_input.prompt_logprob_spans
+        asked = [r.sampling_params.logprobs for r in requests]
+        rows = [i for i, k in enumerate(asked) if k is not None]
+        if not rows and not spans:
+            return None
+        sample = None
+        if rows:
+            index = torch.tensor(rows).to(logits.device, non_blocking=True)     # (no sync)
+            sample = score_rows(logits[index], batch.sampled[index], max(asked[i] for i in rows))
+        prompt_tokens, prompt_ks, prompt = [], [], None
+        if spans:
+            reqs = {r.request_id: r for r in batch.sched.scheduled}
+            prompt_tokens, prompt_ks = prompt_targets(
+                spans, [reqs[s.request_id].prompt_token_ids for s in spans],
+                [reqs[s.request_id].sampling_params.prompt_logprobs for s in spans])
+            targets = torch.tensor(prompt_tokens).to(logits.device, non_blocking=True)         # (prompt rows,)
+            prompt = score_rows(batch.prompt_logits, targets, max(prompt_ks))
+        return LogprobsAhead(rows, [asked[i] for i in rows], sample, prompt_tokens, prompt_ks, prompt)
+
+    @staticmethod
+    def _logprobs_ahead(batch: InFlightBatch, tokens: list[int]) -> StepLogprobs | None:
+        """The StepLogprobs of a batch scored when it was sampled, read from the host's copies. `tokens`: the batch's
+        sampled tokens, by row. Requests that finished since it was issued get none."""
+        ahead = batch.logprobs_ahead
+        if ahead is None:
+            return None
+        ahead = ahead.with_tensors(batch.host[1:])
+        requests = batch.sampling_requests
+        sample = {}
+        if ahead.sample is not None:
+            scored = unpack_scores(ahead.sample, [tokens[i] for i in ahead.rows], ahead.num_logprobs)
+            sample = {requests[i].request_id: [lp] for i, lp in zip(ahead.rows, scored)
+                      if not requests[i].is_finished}
+        prompt = {}
+        if ahead.prompt is not None:
+            prompt = split_by_span(batch.model_input.prompt_logprob_spans,
+                                   unpack_scores(ahead.prompt, ahead.prompt_tokens, ahead.prompt_ks))
+        return StepLogprobs(sample, prompt)
 
     def discard(self, batch: InFlightBatch) -> None:
         """An issued batch nobody will sample (its step was rolled back): wait for its logits and drop them."""
@@ -301,19 +364,22 @@ class Executor:
         self.driver.release_memory()
 
 
-def _copy_to_host(tokens: torch.Tensor) -> tuple[torch.Tensor, "torch.cuda.Event | None"]:
-    """Start copying a batch's sampled tokens to the host without waiting: (pinned host tensor, the event recorded
-    after the copy) on a GPU, (the tensor itself, None) on a CPU. The copy is queued right behind the sampling and
-    ahead of the next batch's forward, so waiting for the event waits for this batch alone; `tokens.tolist()` would
-    wait for everything queued on the stream by then, the next batch's forward included (vLLM copies on a stream
-    of its own for the same reason)."""
-    if tokens.device.type != "cuda":
-        return tokens, None
-    host = torch.empty(tokens.shape, dtype=tokens.dtype, pin_memory=True)
-    host.copy_(tokens, non_blocking=True)
+def _copy_to_host(tensors: list[torch.Tensor]) -> tuple[list[torch.Tensor], "torch.cuda.Event | None"]:
+    """Start copying a batch's sampled tokens (and scores) to the host without waiting: (pinned host tensors, the
+    event recorded after the copies) on a GPU, (the tensors themselves, None) on a CPU. The copies are queued right
+    behind the sampling and ahead of the next batch's forward, so waiting for the event waits for this batch alone;
+    `tokens.tolist()` would wait for everything queued on the stream by then, the next batch's forward included
+    (vLLM copies on a stream of its own for the same reason)."""
+    if not tensors or tensors[0].device.type != "cuda":
+        return tensors, None
+    hosts = []
+    for t in tensors:
+        host = torch.empty(t.shape, dtype=t.dtype, pin_memory=True)
+        host.copy_(t, non_blocking=True)
+        hosts.append(host)
     ready = torch.cuda.Event()
     ready.record()
-    return host, ready
+    return hosts, ready
 
 
 class UniProcExecutor(Executor):

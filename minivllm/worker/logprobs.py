@@ -51,18 +51,44 @@ class StepLogprobs:
     prompt: dict[str, PromptLogprobs]
 
 
+@dataclass
+class RowScores:
+    """`score_rows`' tensors, on the logits' device until copied to the host (async scheduling copies them with the
+    sampled tokens, so reading them waits for that batch only)."""
+    chosen: torch.Tensor      # (rows,) fp32: each row's token's logprob
+    ranks: torch.Tensor       # (rows,) int64: 1 + how many tokens the row finds likelier than it
+    top_lp: torch.Tensor      # (rows, k) fp32, most likely first
+    top_ids: torch.Tensor     # (rows, k) int64
+
+    def tensors(self) -> list[torch.Tensor]:
+        return [self.chosen, self.ranks, self.top_lp, self.top_ids]
+
+
+def score_rows(logits: torch.Tensor, tokens: torch.Tensor, k: int) -> RowScores:
+    """logits (rows, vocab), tokens (rows,) int64 on the same device, k the most top entries any row wants.
+    Only device work: nothing here waits for the device."""
+    lp = logits.float().log_softmax(dim=-1)                                         # (rows, vocab)
+    chosen = lp.gather(1, tokens[:, None])                                          # (rows, 1)
+    ranks = (lp > chosen).sum(dim=-1) + 1
+    top_lp, top_ids = lp.topk(k, dim=-1) if k > 0 else (lp[:, :0], lp[:, :0].long())   # (rows, k)
+    return RowScores(chosen[:, 0], ranks, top_lp, top_ids)
+
+
+def unpack_scores(scores: RowScores, tokens: list[int], num_logprobs: list[int]) -> list[SampleLogprobs]:
+    """Row i of `scores` as SampleLogprobs for tokens[i], with its num_logprobs[i] most likely tokens (.tolist():
+    waits for the device if the scores are still there)."""
+    chosen, ranks = scores.chosen.tolist(), scores.ranks.tolist()
+    top_lp, top_ids = scores.top_lp.tolist(), scores.top_ids.tolist()
+    return [SampleLogprobs([tokens[i]] + top_ids[i][:n], [chosen[i]] + top_lp[i][:n],
+                           [ranks[i]] + list(range(1, n + 1))) for i, n in enumerate(num_logprobs)]
+
+
 def _score(logits: torch.Tensor, tokens: list[int], num_logprobs: list[int]) -> list[SampleLogprobs]:
     """Every row of logits (rows, vocab) scored at tokens[i], with its num_logprobs[i] most likely tokens."""
     if not tokens:
         return []
-    lp = logits.float().log_softmax(dim=-1)                                         # (rows, vocab)
-    chosen = lp.gather(1, torch.tensor(tokens, device=lp.device)[:, None])          # (rows, 1)
-    ranks = ((lp > chosen).sum(dim=-1) + 1).tolist()
-    k = max(num_logprobs)
-    top_lp, top_ids = lp.topk(k, dim=-1) if k > 0 else (lp[:, :0], lp[:, :0].long())   # (rows, k)
-    chosen, top_lp, top_ids = chosen[:, 0].tolist(), top_lp.tolist(), top_ids.tolist()
-    return [SampleLogprobs([tokens[i]] + top_ids[i][:n], [chosen[i]] + top_lp[i][:n],
-                           [ranks[i]] + list(range(1, n + 1))) for i, n in enumerate(num_logprobs)]
+    scores = score_rows(logits, torch.tensor(tokens, device=logits.device), max(num_logprobs))
+    return unpack_scores(scores, tokens, num_logprobs)
 
 
 def compute_logprobs(logits: torch.Tensor, sampled: list[int],
@@ -76,17 +102,28 @@ def compute_logprobs(logits: torch.Tensor, sampled: list[int],
     return result
 
 
-def compute_prompt_logprobs(logits: torch.Tensor, spans: list[PromptLogprobsSpan], prompts: list[list[int]],
-                            num_logprobs: list[int]) -> dict[str, PromptLogprobs]:
-    """logits (sum of num_rows, vocab): the spans' rows, concatenated in span order; prompts[i] and num_logprobs[i]
-    are span i's request's prompt token ids and its SamplingParams.prompt_logprobs."""
+def prompt_targets(spans: list[PromptLogprobsSpan], prompts: list[list[int]], num_logprobs: list[int]
+                   ) -> tuple[list[int], list[int]]:
+    """The prompt token each row of the spans scores, and the row's k (span i's request's prompt_logprobs)."""
     tokens, ks = [], []
     for span, prompt, k in zip(spans, prompts, num_logprobs):
         tokens += prompt[span.first_token:span.first_token + span.num_rows]
         ks += [k] * span.num_rows
-    scored = _score(logits, tokens, ks)
+    return tokens, ks
+
+
+def split_by_span(spans: list[PromptLogprobsSpan], scored: list[SampleLogprobs]) -> dict[str, PromptLogprobs]:
+    """The scored rows of the spans (concatenated in span order) as each request's chunk."""
     out, start = {}, 0
     for span in spans:
         out[span.request_id] = PromptLogprobs(span.first_token, scored[start:start + span.num_rows])
         start += span.num_rows
     return out
+
+
+def compute_prompt_logprobs(logits: torch.Tensor, spans: list[PromptLogprobsSpan], prompts: list[list[int]],
+                            num_logprobs: list[int]) -> dict[str, PromptLogprobs]:
+    """logits (sum of num_rows, vocab): the spans' rows, concatenated in span order; prompts[i] and num_logprobs[i]
+    are span i's request's prompt token ids and its SamplingParams.prompt_logprobs."""
+    tokens, ks = prompt_targets(spans, prompts, num_logprobs)
+    return split_by_span(spans, _score(logits, tokens, ks))
