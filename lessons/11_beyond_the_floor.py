@@ -457,6 +457,22 @@ for name, ms in timings.items():
 # against Hugging Face). One MLP alone, 4,096 rows: 185 ms whole, 141-153 ms in 1,024-row slices. A prefill
 # step of 32 x 128 tokens: 7.3 s -> 6.8-7.1 s (four alternating rounds each way). A GPU gets the whole batch:
 # its kernels want as many rows as they can get, and its caches are not what bounds them.
+#
+# The cell runs layer 0's MLP of the lesson's model on 4,096 rows both ways (one thread, as the whole lesson).
+
+# %%
+# NBVAL_IGNORE_OUTPUT
+from minivllm.model import llama
+
+mlp = runner.model.layers[0].mlp
+rows = llama.cpu_slice_rows(torch.empty(0), sum(mlp.gate_up_proj.out_sizes))
+x = torch.randn(4096, cfg.hidden_size) * 0.5
+with torch.no_grad():
+    whole, sliced = mlp._forward(x), mlp(x)
+    assert torch.equal(whole, sliced) or torch.allclose(whole, sliced, rtol=1e-6, atol=1e-6)
+    t_whole, t_sliced = per_op_ms(lambda: mlp._forward(x), n=5), per_op_ms(lambda: mlp(x), n=5)
+print(f"4,096 rows, gate/up activation {4096 * sum(mlp.gate_up_proj.out_sizes) * ITEMSIZE / 1e6:.0f} MB: "
+      f"whole {t_whole:.0f} ms, in slices of {rows} rows {t_sliced:.0f} ms")
 
 # %% [markdown]
 # ## 6. Async scheduling: the host's work behind the GPU's
