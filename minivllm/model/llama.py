@@ -134,7 +134,8 @@ CPU_SLICE_BYTES = 12 << 20
 
 def cpu_slice_rows(x: torch.Tensor, width: int) -> int:
     """How many rows of x to run at a time when the widest activation has `width` columns of x's dtype: all of
-    them off the CPU (a GPU's kernels want the whole batch), else a multiple of 256 within CPU_SLICE_BYTES."""
+    them off the CPU (a GPU's kernels want the whole batch), else the most rows, a multiple of 256, whose activation
+    fits in CPU_SLICE_BYTES (and never fewer than 256)."""
     if x.device.type != "cpu":
         return x.shape[0]
     rows = CPU_SLICE_BYTES // (width * x.element_size())

@@ -226,7 +226,8 @@ class Executor:
         return sampling_requests, tokens, self._logprobs(sched, batch.model_input, sampling_requests, drafts, tokens,
                                                          logits, batch.prompt_logits)
 
-    def _score_ahead(self, batch: InFlightBatch, logits: torch.Tensor) -> LogprobsAhead | None:
+    @staticmethod
+    def _score_ahead(batch: InFlightBatch, logits: torch.Tensor) -> LogprobsAhead | None:
         """Async scheduling: score the batch's logprobs on the device right after it is sampled (no host sync), from
         the logits it sampled (grammar masks applied, as the synchronous path scores). None if nobody asked."""
         requests, spans = batch.sampling_requests, batch.model_input.prompt_logprob_spans
