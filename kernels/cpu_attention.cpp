@@ -43,12 +43,12 @@
 #include <limits>
 #include <vector>
 
+#include "cpu_dtype.h"
+
 namespace {
 
-inline float to_float(float x) { return x; }
-inline float to_float(c10::BFloat16 x) { return static_cast<float>(x); }
-inline float to_float(c10::Half x) { return static_cast<float>(x); }
-inline float to_float(c10::Float8_e4m3fn x) { return static_cast<float>(x); }
+using minivllm_cpu::from_float;
+using minivllm_cpu::to_float;
 
 // Eight fp32 lanes: one AVX2 register (two on NEON). GCC's and Clang's vector extension, so the same source
 // compiles to whatever -march=native offers; `a += b * c` becomes one fused multiply-add per register.
@@ -240,7 +240,7 @@ void decode(const Q* query, const C* key_cache, const C* value_cache, const int3
       Q* o = out + (seq * num_heads + kv_head0 * group) * head_dim;
       for (int64_t r = 0; r < rows; ++r) {
         const float norm = v_scale / total[r];                  // an fp8 cache holds V / v_scale
-        for (int64_t d = 0; d < head_dim; ++d) o[r * head_dim + d] = static_cast<Q>(acc[r * head_dim + d] * norm);
+        for (int64_t d = 0; d < head_dim; ++d) o[r * head_dim + d] = from_float<Q>(acc[r * head_dim + d] * norm);
       }
     }
   });
@@ -340,7 +340,7 @@ void prefill(const T* query, const T* key, const T* value, const int64_t* starts
           std::fill(acc.begin(), acc.end(), 0.f);
           accumulate_values(scores.data(), v_h, i + 1, v_stride, acc.data(), head_dim);
           T* o = out + ((start + i) * num_heads + head) * head_dim;
-          for (int64_t d = 0; d < head_dim; ++d) o[d] = static_cast<T>(acc[d] / total);
+          for (int64_t d = 0; d < head_dim; ++d) o[d] = from_float<T>(acc[d] / total);
         }
       }
     }

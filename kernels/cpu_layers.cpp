@@ -21,15 +21,13 @@
 #include <cmath>
 #include <tuple>
 
+#include "cpu_dtype.h"
+
 namespace {
 
-inline float to_float(float x) { return x; }
-inline float to_float(c10::BFloat16 x) { return static_cast<float>(x); }
-inline float to_float(c10::Half x) { return static_cast<float>(x); }
-
-// Rounds through the model's dtype, as the PyTorch code's `.to(dtype)` does (a no-op for fp32).
-template <typename T>
-inline float round_to(float x) { return to_float(static_cast<T>(x)); }
+using minivllm_cpu::from_float;
+using minivllm_cpu::round_to;
+using minivllm_cpu::to_float;
 
 constexpr int64_t kRowsPerTask = 8;   // rows per at::parallel_for chunk: a decode batch still uses both cores
 
@@ -42,21 +40,24 @@ void rms_norm_rows(const T* x, const T* residual, const T* weight, T* out, T* re
       T* o = out + r * size;
       T* s = residual_out ? residual_out + r * size : nullptr;
       float sum_sq = 0.f;
-      // x + residual in the model's dtype (the PyTorch code adds before upcasting), kept as the new residual.
-      for (int64_t i = 0; i < size; ++i) {
-        float v = to_float(xr[i]);
-        if (residual) {
-          const T added = static_cast<T>(v + to_float(residual[r * size + i]));
-          s[i] = added;
-          v = to_float(added);
+      if (residual) {
+        // x + residual in the model's dtype (the PyTorch code adds before upcasting), kept as the new residual.
+        const T* res = residual + r * size;
+#pragma omp simd reduction(+ : sum_sq)
+        for (int64_t i = 0; i < size; ++i) {
+          const float v = round_to<T>(to_float(xr[i]) + to_float(res[i]));
+          s[i] = from_float<T>(v);                                  // exact: v is already in T
+          sum_sq += v * v;
         }
-        sum_sq += v * v;
+      } else {
+#pragma omp simd reduction(+ : sum_sq)
+        for (int64_t i = 0; i < size; ++i) sum_sq += to_float(xr[i]) * to_float(xr[i]);
       }
       const float inv = 1.f / std::sqrt(sum_sq / static_cast<float>(size) + eps);
       const T* src = residual ? s : xr;
 #pragma omp simd
       for (int64_t i = 0; i < size; ++i) {
-        o[i] = static_cast<T>(round_to<T>(to_float(src[i]) * inv) * to_float(weight[i]));
+        o[i] = from_float<T>(round_to<T>(to_float(src[i]) * inv) * to_float(weight[i]));
       }
     }
   });
@@ -94,7 +95,7 @@ void silu_and_mul_rows(const T* x, T* out, int64_t rows, int64_t n) {
 #pragma omp simd
       for (int64_t i = 0; i < n; ++i) {
         const float g = to_float(gate[i]);
-        o[i] = static_cast<T>(round_to<T>(g / (1.f + std::exp(-g))) * to_float(up[i]));   // silu(g), rounded, * up
+        o[i] = from_float<T>(round_to<T>(g / (1.f + std::exp(-g))) * to_float(up[i]));   // silu(g), rounded, * up
       }
     }
   });
@@ -127,8 +128,8 @@ void rotate(const T* x, T* out, const int64_t* positions, const float* cos, cons
 #pragma omp simd
         for (int64_t i = 0; i < half; ++i) {
           const float x1 = to_float(xi[i]), x2 = to_float(xi[i + half]);
-          o[i] = static_cast<T>(x1 * c[i] - x2 * s[i]);
-          o[i + half] = static_cast<T>(x2 * c[i] + x1 * s[i]);
+          o[i] = from_float<T>(x1 * c[i] - x2 * s[i]);
+          o[i + half] = from_float<T>(x2 * c[i] + x1 * s[i]);
         }
       }
     }

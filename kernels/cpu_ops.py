@@ -1,5 +1,5 @@
-"""The CPU kernels, in C++ (`cpu_attention.cpp`, `cpu_layers.cpp`), built on first use with the machine's
-C++ compiler.
+"""The CPU kernels, in C++ (`cpu_attention.cpp`, `cpu_layers.cpp`, and the dtype conversions both include,
+`cpu_dtype.h`), built on first use with the machine's C++ compiler.
 
     paged_decode_attention   same signature as reference.paged_decode_attention / triton_ops'; reads K and V
                              straight from the paged cache (no gather), a sequence per work item
@@ -25,6 +25,7 @@ from pathlib import Path
 import torch
 
 _SOURCES = [Path(__file__).with_name(name) for name in ("cpu_attention.cpp", "cpu_layers.cpp")]
+_HEADERS = [Path(__file__).with_name("cpu_dtype.h")]        # included by both; part of the build's name
 # -ffast-math lets GCC vectorize expf (glibc's SIMD exp) and reorder fp32 sums; it is a compile flag only, never
 # a link flag: linked into a shared library it would set flush-to-zero for the whole process (a test checks).
 _CFLAGS = ["-O3", "-march=native", "-fopenmp", "-ffast-math"]
@@ -36,7 +37,7 @@ def _build_name() -> str:
     flags = ""
     if Path("/proc/cpuinfo").exists():
         flags = next((line for line in Path("/proc/cpuinfo").read_text().splitlines() if line.startswith("flags")), "")
-    key = b"".join(p.read_bytes() for p in _SOURCES) + " ".join(_CFLAGS + [flags, platform.machine()]).encode()
+    key = b"".join(p.read_bytes() for p in _SOURCES + _HEADERS) + " ".join(_CFLAGS + [flags, platform.machine()]).encode()
     digest = hashlib.sha1(key).hexdigest()[:10]
     return f"minivllm_cpu_{digest}"
 

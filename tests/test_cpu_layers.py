@@ -36,6 +36,26 @@ def test_rms_norm_with_and_without_residual_equals_forward_native(dtype, rows):
     torch.testing.assert_close(got, want, **_ulps(dtype))
 
 
+def test_bf16_rounding_is_pytorchs_on_every_bf16_value():
+    """kernels/cpu_dtype.h rounds fp32 to bf16 with integer arithmetic (so loops vectorise), not c10's
+    conversion. The residual add rounds x + residual once, so it shows that rounding bit for bit: every one of
+    the 65,536 bf16 values (inf, NaN, subnormals included) plus residuals that make exact ties (round to even,
+    both ways), overflow to inf and inf - inf."""
+    every = torch.arange(-(1 << 15), 1 << 15, dtype=torch.int32).to(torch.int16).view(torch.bfloat16)
+    residuals = torch.tensor([0.0, 2.0 ** -8, 3 * 2.0 ** -8, -(2.0 ** -9), 1e-40, 3.0e38, float("-inf"), 1.0],
+                             dtype=torch.bfloat16)
+    x = every.repeat(len(residuals)).view(len(residuals), -1).contiguous()       # rows: one residual each
+    residual = residuals[:, None].expand_as(x).contiguous()
+    _, got = cpu_ops.rms_norm(x, torch.ones(x.shape[1], dtype=torch.bfloat16), 1e-5, residual)
+    want = (x.float() + residual.float()).to(torch.bfloat16)
+    assert torch.equal(got.isnan(), want.isnan())
+    assert want.isnan().any() and want.isinf().any() and (want.float().abs() < 1.2e-38).any()
+    finite = ~want.isnan()
+    assert torch.equal(got[finite].view(torch.int16), want[finite].view(torch.int16))   # bits, so -0 != +0
+    rounded = (x.float() + residual.float()) != want.float()
+    assert rounded.sum() > 10_000                              # the sums needed rounding, many times over
+
+
 @pytest.mark.parametrize("dtype", DTYPES)
 @pytest.mark.parametrize("rows", [1, 33])
 def test_silu_and_mul_equals_forward_native(dtype, rows):
