@@ -3,6 +3,7 @@
 //                           layouts; kernels/__init__.py lists them)
 //   prefill_attention       fresh prompts (no cached context) attending causally to this step's own K and V
 //                           (below paged_decode_attention)
+//   store_kv_cache          this step's K and V into their cache slots (the reference's store, in one pass)
 //
 // Why a kernel: reference.paged_decode_attention gathers every sequence's blocks into a contiguous buffer
 // (index_select) and then calls PyTorch's attention, so each step reads the whole KV context twice and
@@ -287,6 +288,51 @@ at::Tensor paged_decode_attention(const at::Tensor& query, const at::Tensor& key
   return out;
 }
 
+// ---- store_kv_cache: this step's new K and V into their cache slots ----
+//
+//   key, value    (num_tokens, num_kv_heads, head_dim)   the cache's dtype; heads contiguous, rows may be
+//                                                         strided (views of the qkv projection)
+//   key_cache     (num_blocks, block_size, num_kv_heads, head_dim), value_cache the same
+//   slot_mapping  (num_tokens,) int64: token t goes to slot s = block * block_size + offset; -1 is padding
+//
+// The reference (kernels/reference.py) does this with index_copy_, after asking whether any slot is -1 (a sync
+// with the host and three more ops, per layer). Here it is one pass that skips -1 slots, as vLLM's
+// reshape_and_cache does on its CPU backend.
+void store_kv_cache(const at::Tensor& key, const at::Tensor& value, at::Tensor& key_cache, at::Tensor& value_cache,
+                    const at::Tensor& slot_mapping) {
+  TORCH_CHECK(key.dim() == 3 && value.sizes() == key.sizes() && key_cache.dim() == 4 &&
+              value_cache.sizes() == key_cache.sizes(), "store_kv_cache: key, value (num_tokens, num_kv_heads, "
+              "head_dim) and caches (num_blocks, block_size, num_kv_heads, head_dim) expected");
+  TORCH_CHECK(key.stride(2) == 1 && key.stride(1) == key.size(2) && value.stride(2) == 1 &&
+              value.stride(1) == value.size(2), "store_kv_cache: each row's heads must be contiguous");
+  TORCH_CHECK(key_cache.is_contiguous() && value_cache.is_contiguous(), "store_kv_cache: contiguous caches expected");
+  TORCH_CHECK(key.size(1) == key_cache.size(2) && key.size(2) == key_cache.size(3),
+              "store_kv_cache: key rows do not match the cache's (num_kv_heads, head_dim)");
+  TORCH_CHECK(key.scalar_type() == key_cache.scalar_type() && value.scalar_type() == key_cache.scalar_type() &&
+              value_cache.scalar_type() == key_cache.scalar_type(), "store_kv_cache: key, value and caches must "
+              "share one dtype (an fp8 cache goes through the reference, which quantizes)");
+  TORCH_CHECK(slot_mapping.scalar_type() == at::kLong && slot_mapping.is_contiguous() &&
+              slot_mapping.numel() == key.size(0), "store_kv_cache: slot_mapping must be int64 (num_tokens,)");
+  const int64_t num_slots = key_cache.size(0) * key_cache.size(1);
+  const int64_t row_bytes = key.size(1) * key.size(2) * key.element_size();
+  const int64_t* slots = slot_mapping.data_ptr<int64_t>();
+  for (int64_t t = 0; t < key.size(0); ++t)
+    TORCH_CHECK(slots[t] < num_slots, "store_kv_cache: slot ", slots[t], " of token ", t, " is past the cache's ",
+                num_slots, " slots");
+  const char* k = static_cast<const char*>(key.data_ptr());
+  const char* v = static_cast<const char*>(value.data_ptr());
+  char* kc = static_cast<char*>(key_cache.data_ptr());
+  char* vc = static_cast<char*>(value_cache.data_ptr());
+  const int64_t k_stride = key.stride(0) * key.element_size(), v_stride = value.stride(0) * value.element_size();
+  at::parallel_for(0, key.size(0), 64, [&](int64_t begin, int64_t end) {
+    for (int64_t t = begin; t < end; ++t) {
+      if (slots[t] < 0) continue;                                // padding
+      std::memcpy(kc + slots[t] * row_bytes, k + t * k_stride, row_bytes);
+      std::memcpy(vc + slots[t] * row_bytes, v + t * v_stride, row_bytes);
+    }
+  });
+}
+
 // ---- prefill_attention: fresh prompts, attending causally to this step's own K and V ----
 //
 //   query        (num_tokens, num_heads, head_dim)      this step's rows, the model's dtype; heads contiguous,
@@ -383,9 +429,12 @@ TORCH_LIBRARY_FRAGMENT(minivllm_cpu, m) {
         "Tensor seq_lens, float scale, float k_scale, float v_scale) -> Tensor");
   m.def("prefill_attention(Tensor query, Tensor key, Tensor value, Tensor starts, Tensor lens, float scale) "
         "-> Tensor");
+  m.def("store_kv_cache(Tensor key, Tensor value, Tensor(a!) key_cache, Tensor(b!) value_cache, "
+        "Tensor slot_mapping) -> ()");
 }
 
 TORCH_LIBRARY_IMPL(minivllm_cpu, CPU, m) {
   m.impl("paged_decode_attention", &paged_decode_attention);
   m.impl("prefill_attention", &prefill_attention);
+  m.impl("store_kv_cache", &store_kv_cache);
 }

@@ -1,12 +1,14 @@
-"""The CPU kernels, in C++ (`cpu_attention.cpp`, `cpu_layers.cpp`, and the dtype conversions both include,
-`cpu_dtype.h`), built on first use with the machine's C++ compiler.
+"""The CPU kernels, in C++ (`cpu_attention.cpp`, `cpu_layers.cpp`, `cpu_sampling.cpp`, and the dtype
+conversions they include, `cpu_dtype.h`), built on first use with the machine's C++ compiler.
 
     paged_decode_attention   same signature as reference.paged_decode_attention / triton_ops'; reads K and V
                              straight from the paged cache (no gather), a sequence per work item
     prefill_attention        fresh prompts (no cached context), causal over this step's own K and V
+    store_kv_cache           reference.store_kv_cache for a cache in the model's dtype, in one pass
     rms_norm                 layers.RMSNorm (with the residual add), one pass per row
     silu_and_mul             layers.SiluAndMul: silu(gate) * up
     rotary_embedding         layers.RotaryEmbedding's rotation of q and k
+    argmax_rows              torch.argmax(logits, dim=-1) for the sampler's greedy rows
 
 `load()` compiles the sources once per machine with torch's cpp_extension (about 12 s here; cached under
 TORCH_EXTENSIONS_DIR, ~/.cache/torch_extensions by default) and registers `torch.ops.minivllm_cpu`.
@@ -24,7 +26,7 @@ from pathlib import Path
 
 import torch
 
-_SOURCES = [Path(__file__).with_name(name) for name in ("cpu_attention.cpp", "cpu_layers.cpp")]
+_SOURCES = [Path(__file__).with_name(name) for name in ("cpu_attention.cpp", "cpu_layers.cpp", "cpu_sampling.cpp")]
 _HEADERS = [Path(__file__).with_name("cpu_dtype.h")]        # included by both; part of the build's name
 # -ffast-math lets GCC vectorize expf (glibc's SIMD exp) and reorder fp32 sums; it is a compile flag only, never
 # a link flag: linked into a shared library it would set flush-to-zero for the whole process (a test checks).
@@ -93,6 +95,18 @@ def prefill_attention(query: torch.Tensor, key: torch.Tensor, value: torch.Tenso
     fp32 inside; rows in no sequence are left unwritten."""
     return load().prefill_attention(query, key, value, torch.tensor(starts, dtype=torch.int64),
                                     torch.tensor(lens, dtype=torch.int64), float(scale))
+
+
+def store_kv_cache(key: torch.Tensor, value: torch.Tensor, key_cache: torch.Tensor, value_cache: torch.Tensor,
+                   slot_mapping: torch.Tensor) -> None:
+    """As reference.store_kv_cache, for caches in key's dtype (not fp8): slots of -1 are skipped."""
+    load().store_kv_cache(key, value, key_cache, value_cache, slot_mapping.to(torch.int64).contiguous())
+
+
+def argmax_rows(logits: torch.Tensor) -> torch.Tensor:
+    """logits (rows, vocab) fp32 -> (rows,) int64, torch.argmax(logits, dim=-1)'s answer (first index of the
+    maximum; a row with NaN gives its first NaN)."""
+    return load().argmax_rows(logits)
 
 
 def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float, residual: torch.Tensor | None = None):

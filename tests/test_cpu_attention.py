@@ -99,10 +99,12 @@ def test_the_cpu_default_serves_through_the_kernel_and_matches_hf_and_the_refere
     Hugging Face's and the PyTorch reference backend's, token for token."""
     from minivllm import LLM, SamplingParams
 
-    calls = []
-    real = cpu_ops.paged_decode_attention
+    calls, stores, argmaxes = [], [], []
+    real, real_store, real_argmax = cpu_ops.paged_decode_attention, cpu_ops.store_kv_cache, cpu_ops.argmax_rows
     monkeypatch.setattr(cpu_ops, "paged_decode_attention",
                         lambda q, *a, **kw: calls.append(q.shape[0]) or real(q, *a, **kw))
+    monkeypatch.setattr(cpu_ops, "store_kv_cache", lambda k, *a: stores.append(k.shape[0]) or real_store(k, *a))
+    monkeypatch.setattr(cpu_ops, "argmax_rows", lambda x: argmaxes.append(x.shape[0]) or real_argmax(x))
     params = SamplingParams(temperature=0, max_tokens=24)
     outs = {}
     for backend in ("auto", "torch"):
@@ -112,8 +114,11 @@ def test_the_cpu_default_serves_through_the_kernel_and_matches_hf_and_the_refere
         llm.shutdown()
         if backend == "auto":
             assert max(calls) == len(PROMPTS)          # the batched decode steps ran in C++
-            seen = len(calls)
-    assert len(calls) == seen                          # ...and the reference backend never called it
+            assert len(stores) >= 30 * 24 and max(stores) > len(PROMPTS)   # every layer's store, prefill's too
+            seen, stored = len(calls), len(stores)
+    assert len(calls) == seen                          # ...and the reference backend never called them
+    assert len(stores) == stored
+    assert len(argmaxes) >= 2 * 24 and max(argmaxes) == len(PROMPTS)   # greedy rows, both backends (the sampler)
     assert outs["auto"] == outs["torch"]
     from transformers import AutoTokenizer
     tokenizer = AutoTokenizer.from_pretrained(model_dir)
@@ -253,3 +258,26 @@ def test_prefill_kernel_refuses_bad_input_with_a_clear_error():
         cpu_ops.prefill_attention(q, k.double(), v, [0], [10], 0.125)
     with pytest.raises(RuntimeError, match="heads must be contiguous"):
         cpu_ops.prefill_attention(q.transpose(1, 2), k, v, [0], [10], 0.125)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16])
+def test_store_kv_cache_equals_the_reference_and_skips_padding(dtype):
+    """Strided K and V (views of a fused qkv row, as the model passes them), scattered slots and -1 padding:
+    the caches end up byte for byte as the reference's index_copy_ leaves them."""
+    torch.manual_seed(0)
+    num_blocks, block_size, kv_heads, head_dim, tokens = 12, 16, 3, 64, 40
+    qkv = torch.randn(tokens, (9 + 2 * kv_heads) * head_dim).to(dtype)
+    _, k, v = qkv.split([9 * head_dim, kv_heads * head_dim, kv_heads * head_dim], dim=-1)
+    k, v = k.view(tokens, kv_heads, head_dim), v.view(tokens, kv_heads, head_dim)
+    slots = torch.randperm(num_blocks * block_size)[:tokens]
+    slots[[3, 17, 39]] = -1
+    caches = [torch.randn(num_blocks, block_size, kv_heads, head_dim).to(dtype) for _ in range(2)]
+    want = [c.clone() for c in caches]
+    kernels.reference.store_kv_cache(k, v, want[0], want[1], slots)
+    cpu_ops.store_kv_cache(k, v, caches[0], caches[1], slots)
+    assert torch.equal(caches[0], want[0]) and torch.equal(caches[1], want[1])
+    assert not torch.equal(want[0], torch.zeros_like(want[0]))
+    with pytest.raises(RuntimeError, match="slot 192 of token 0 is past the cache's 192 slots"):
+        cpu_ops.store_kv_cache(k, v, caches[0], caches[1], torch.full((tokens,), num_blocks * block_size))
+    with pytest.raises(RuntimeError, match="share one dtype"):
+        cpu_ops.store_kv_cache(k.float() if dtype != torch.float32 else k.double(), v, caches[0], caches[1], slots)

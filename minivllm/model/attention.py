@@ -70,8 +70,7 @@ class TorchAttentionBackend(AttentionBackend):
         return self.kv_buffer
 
     def forward(self, q, k, v, key_cache, value_cache, meta, scale, k_scale=1.0, v_scale=1.0):
-        ref = kernels.reference
-        ref.store_kv_cache(k, v, key_cache, value_cache, meta.slot_mapping, k_scale, v_scale)
+        self._store_kv(k, v, key_cache, value_cache, meta.slot_mapping, k_scale, v_scale)
         scales = dict(k_scale=k_scale, v_scale=v_scale)
         if meta.is_pure_decode:
             return self._decode(q, key_cache, value_cache, meta.block_tables, meta.seq_lens, meta.seq_lens_cpu,
@@ -102,6 +101,11 @@ class TorchAttentionBackend(AttentionBackend):
             meta.seq_lens[multi_seqs], scale, multi_q_lens, [meta.seq_lens_cpu[i] for i in multis], **scales)
         return out
 
+    @staticmethod
+    def _store_kv(k, v, key_cache, value_cache, slot_mapping, k_scale, v_scale):
+        """This step's K and V (num_tokens, num_kv_heads, head_dim) into their slots (-1: padding, skipped)."""
+        kernels.reference.store_kv_cache(k, v, key_cache, value_cache, slot_mapping, k_scale, v_scale)
+
     def _prefill(self, q, k, v, key_cache, value_cache, block_tables, cu_seqlens_q, seq_lens, scale, q_lens_cpu,
                  seq_lens_cpu, k_scale, v_scale):
         """Prefill chunks (q_len > 1): each sequence's queries against its whole KV, read from the cache
@@ -131,12 +135,21 @@ class TorchAttentionBackend(AttentionBackend):
 
 
 class CpuAttentionBackend(TorchAttentionBackend):
-    """The CPU serving path: the reference's KV store, decode attention in C++ reading K and V straight from the
+    """The CPU serving path: the KV store in one pass, decode attention in C++ reading K and V straight from the
     paged cache (no per-layer gather of the context), and fresh prompts attended in C++ from this step's own K
-    and V (no gather, no mask), both in kernels/cpu_attention.cpp; prefill with cached context stays the
+    and V (no gather, no mask), all in kernels/cpu_attention.cpp; prefill with cached context stays the
     reference's."""
 
     name = "cpu"
+
+    @staticmethod
+    def _store_kv(k, v, key_cache, value_cache, slot_mapping, k_scale, v_scale):
+        """The same copies as the reference's, in one C++ pass with no host sync (the reference asks the host
+        whether any slot is -1, per layer). An fp8 cache keeps the reference's, which quantizes."""
+        if key_cache.dtype != k.dtype:
+            TorchAttentionBackend._store_kv(k, v, key_cache, value_cache, slot_mapping, k_scale, v_scale)
+        else:
+            kernels.cpu_ops.store_kv_cache(k, v, key_cache, value_cache, slot_mapping)
 
     def _decode(self, q, key_cache, value_cache, block_tables, seq_lens, seq_lens_cpu, scale, k_scale, v_scale):
         return kernels.cpu_ops.paged_decode_attention(q, key_cache, value_cache, block_tables, seq_lens, scale,

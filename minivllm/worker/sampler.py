@@ -21,6 +21,9 @@ from __future__ import annotations
 import torch
 
 from minivllm.core.request import Request
+from minivllm.model._kernels import kernels
+
+cpu_ops = kernels.cpu_ops
 
 
 class Sampler:
@@ -69,7 +72,7 @@ class Sampler:
             logits = apply_penalties_and_filters(logits, requests)
         greedy = torch.tensor([p.greedy for p in params])
         if bool(greedy.all()):
-            return logits.argmax(dim=-1)
+            return argmax(logits)
 
         device = logits.device
         probs = sampling_probs(logits, params)                              # (num_rows, vocab)
@@ -87,8 +90,17 @@ class Sampler:
                                          generator=self._request_generator(r, device))[0]
         sampled = draw_from(probs, uniforms)
         if bool(greedy.any()):                                  # a mixed batch: greedy rows keep their argmax
-            sampled = torch.where(greedy.to(device, non_blocking=True), logits.argmax(dim=-1), sampled)
+            sampled = torch.where(greedy.to(device, non_blocking=True), argmax(logits), sampled)
         return sampled
+
+
+def argmax(logits: torch.Tensor) -> torch.Tensor:
+    """logits (rows, vocab) fp32 -> (rows,) int64, the greedy tokens. On a CPU with the C++ kernels built, their
+    argmax_rows (kernels/cpu_sampling.cpp: torch.argmax's answer, ties and NaN included, 1.2 -> 0.1 ms at 32 x
+    49,152); elsewhere torch.argmax."""
+    if logits.device.type == "cpu" and logits.dtype == torch.float32 and logits.dim() == 2 and cpu_ops.available():
+        return cpu_ops.argmax_rows(logits.contiguous())
+    return logits.argmax(dim=-1)
 
 
 def _device_tensor(values, device: torch.device, dtype: torch.dtype | None = None) -> torch.Tensor:
