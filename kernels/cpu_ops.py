@@ -27,7 +27,7 @@ from pathlib import Path
 import torch
 
 _SOURCES = [Path(__file__).with_name(name) for name in ("cpu_attention.cpp", "cpu_layers.cpp", "cpu_sampling.cpp")]
-_HEADERS = [Path(__file__).with_name("cpu_dtype.h")]        # included by both; part of the build's name
+_HEADERS = [Path(__file__).with_name("cpu_dtype.h")]        # included by the sources; part of the build's name
 # -ffast-math lets GCC vectorize expf (glibc's SIMD exp) and reorder fp32 sums; it is a compile flag only, never
 # a link flag: linked into a shared library it would set flush-to-zero for the whole process (a test checks).
 _CFLAGS = ["-O3", "-march=native", "-fopenmp", "-ffast-math"]

@@ -96,7 +96,7 @@ class Sampler:
 
 def argmax(logits: torch.Tensor) -> torch.Tensor:
     """logits (rows, vocab) fp32 -> (rows,) int64, the greedy tokens. On a CPU with the C++ kernels built, their
-    argmax_rows (kernels/cpu_sampling.cpp: torch.argmax's answer, ties and NaN included, 1.2 -> 0.1 ms at 32 x
+    argmax_rows (kernels/cpu_sampling.cpp: torch.argmax's answer, ties and NaN included, 1.24 -> 0.19 ms at 32 x
     49,152); elsewhere torch.argmax."""
     if logits.device.type == "cpu" and logits.dtype == torch.float32 and logits.dim() == 2 and cpu_ops.available():
         return cpu_ops.argmax_rows(logits.contiguous())
