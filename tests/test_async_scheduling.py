@@ -166,17 +166,20 @@ def test_requests_whose_sampling_reads_their_outputs_never_run_ahead(model_dir):
 
     from minivllm import StructuredOutputsParams
     prompts = PROMPTS[:4]
-    pattern = r"[a-z]+( [a-z]+){2,5}\."
+    # At most 6 words of at most 8 letters: the grammar ends within 54 characters, so within max_tokens whatever
+    # the draw (an unbounded word length let a seeded draw on one CPU spell 90 letters and stop at the limit).
+    pattern = r"[a-z]{1,8}( [a-z]{1,8}){2,5}\."
     params = [SamplingParams(temperature=0, max_tokens=16, repetition_penalty=1.3),
               SamplingParams(temperature=0.8, seed=5, max_tokens=16, presence_penalty=0.5, min_tokens=4),
               SamplingParams(temperature=0, max_tokens=16),
-              SamplingParams(temperature=0.8, seed=2, max_tokens=40, logprobs=3,
+              SamplingParams(temperature=0.8, seed=2, max_tokens=60, logprobs=3,
                              structured_outputs=StructuredOutputsParams(regex=pattern))]
     sync, asyn, spy = run_both(model_dir, prompts, params)
     same_outputs(sync, asyn)
     first = asyn[3].outputs[0].logprobs[0]          # masked: only tokens the regex allows first (lower-case words)
     assert len(first) >= 3 and all(re.fullmatch("[a-z]+", lp.decoded_token) for lp in first.values()), first
     assert re.fullmatch(pattern, asyn[3].outputs[0].text), asyn[3].outputs[0].text
+    assert asyn[3].outputs[0].finish_reason == "stop"           # the grammar ended it, not max_tokens
     ids = {o.prompt: o.request_id for o in asyn}
     assert spy.ran_ahead == {ids[PROMPTS[2]]}
 
