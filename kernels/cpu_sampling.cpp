@@ -17,14 +17,13 @@
 
 #include <cstdint>
 #include <cstring>
-#include <limits>
 
 namespace {
 
 inline bool is_nan_bits(uint32_t bits) { return (bits & 0x7fffffffu) > 0x7f800000u; }
 
 int64_t argmax_row(const float* x, int64_t n) {
-  float m = -std::numeric_limits<float>::infinity();
+  float m = x[0];             // not -inf: -ffast-math lets the compiler assume no value is infinite
   uint32_t nan_seen = 0;
 #pragma omp simd reduction(max : m) reduction(| : nan_seen)
   for (int64_t i = 0; i < n; ++i) {
@@ -38,7 +37,7 @@ int64_t argmax_row(const float* x, int64_t n) {
     std::memcpy(&b, x + i, sizeof b);
     if (nan_seen ? is_nan_bits(b) : x[i] == m) return i;
   }
-  return 0;   // unreachable for n >= 1: some x[i] is the maximum (a row of -inf: index 0, as torch gives)
+  return 0;   // unreachable for n >= 1: some x[i] is the maximum
 }
 
 at::Tensor argmax_rows(const at::Tensor& logits) {
