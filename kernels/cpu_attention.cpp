@@ -38,6 +38,7 @@
 #include <atomic>
 #include <cstring>
 #include <numeric>
+#include <type_traits>
 #if defined(__AVX__)
 #include <immintrin.h>
 #endif
@@ -106,61 +107,6 @@ inline void axpy(float p, const C* v, float* acc, int64_t head_dim) {
 // for the next block's token while it reads the current block's.
 inline void prefetch(const void* p, int64_t bytes) {
   for (int64_t off = 0; off < bytes; off += 64) __builtin_prefetch(static_cast<const char*>(p) + off);
-}
-
-// out[t] = the sum of a[t]'s lanes, for 8 vectors at once: the transpose-and-add that turns 8 dot products'
-// partial sums into 8 scores. On x86 with AVX, six horizontal adds and two lane swaps; elsewhere, lane by lane.
-inline vec8 sum_lanes(const vec8* a) {
-#if defined(__AVX__)
-  const __m256 s01 = _mm256_hadd_ps(a[0], a[1]), s23 = _mm256_hadd_ps(a[2], a[3]);
-  const __m256 s45 = _mm256_hadd_ps(a[4], a[5]), s67 = _mm256_hadd_ps(a[6], a[7]);
-  const __m256 s0123 = _mm256_hadd_ps(s01, s23);   // 128-bit halves: a0..a3's sums of lanes 0-3 | of lanes 4-7
-  const __m256 s4567 = _mm256_hadd_ps(s45, s67);
-  return vec8(_mm256_permute2f128_ps(s0123, s4567, 0x20)) + vec8(_mm256_permute2f128_ps(s0123, s4567, 0x31));
-#else
-  vec8 out;
-  for (int64_t t = 0; t < kLanes; ++t) out[t] = hsum(a[t]);
-  return out;
-#endif
-}
-
-// s[t] = q . k[t] for 8 keys at once (q in fp32): one accumulator per key, so eight independent multiply-adds
-// per loaded q register, and one sum_lanes instead of eight reductions.
-template <typename C>
-inline vec8 dot8(const float* q, const C* const* k, int64_t head_dim) {
-  vec8 a[kLanes] = {};
-  int64_t d = 0;
-  for (; d + kLanes <= head_dim; d += kLanes) {
-    const vec8 qd = load8(q + d);
-#pragma GCC unroll 8
-    for (int64_t t = 0; t < kLanes; ++t) a[t] += qd * load8(k[t] + d);
-  }
-  vec8 s = sum_lanes(a);
-  for (; d < head_dim; ++d)                                   // the dims left when head_dim % 8 != 0
-    for (int64_t t = 0; t < kLanes; ++t) s[t] += q[d] * to_float(k[t][d]);
-  return s;
-}
-
-// acc += sum_i p[i] * v(i) for n value rows v(i) = v + i * stride. A tile of up to 64 dims of acc stays in
-// registers (eight accumulators) for all n rows, instead of a load and a store per row and register.
-template <typename C>
-void accumulate_values(const float* p, const C* v, int64_t n, int64_t stride, float* acc, int64_t head_dim) {
-  constexpr int64_t kTile = 8;
-  int64_t d = 0;
-  for (; d + kTile * kLanes <= head_dim; d += kTile * kLanes) {
-    vec8 a[kTile];
-#pragma GCC unroll 8
-    for (int64_t c = 0; c < kTile; ++c) a[c] = load8(acc + d + c * kLanes);
-    for (int64_t i = 0; i < n; ++i) {
-      const C* row = v + i * stride + d;
-#pragma GCC unroll 8
-      for (int64_t c = 0; c < kTile; ++c) a[c] += p[i] * load8(row + c * kLanes);
-    }
-#pragma GCC unroll 8
-    for (int64_t c = 0; c < kTile; ++c) std::memcpy(acc + d + c * kLanes, &a[c], sizeof(vec8));
-  }
-  if (d < head_dim)                                            // the last head_dim % 64 dims
-    for (int64_t i = 0; i < n; ++i) axpy(p[i], v + i * stride + d, acc + d, head_dim - d);
 }
 
 template <typename Q, typename C>
@@ -341,52 +287,215 @@ void store_kv_cache(const at::Tensor& key, const at::Tensor& value, at::Tensor& 
 //                (positions 0 ... lens[s] - 1): query row i attends to key rows 0 ... i of its sequence
 //   returns      (num_tokens, num_heads, head_dim): the sequences' rows; any other row is left unwritten
 //
-// PyTorch's CPU flash attention, called per sequence, ran at about 36 GFLOP/s on the default model's 64-192
-// token prompts (0.5 s of a 32-prompt, 7 s prefill step). Here a work item is (sequence, KV head); for each
-// query row, the scores of 8 keys at a time (dot8), an exact softmax, then the values with the output tile
-// held in registers (accumulate_values). K and V of one item (at most a few hundred KB) stay in L2, so this is
-// arithmetic, not bandwidth. The cost of an item grows as lens^2, so items are handed out longest first, one
-// at a time, rather than split evenly by count between the threads.
-template <typename T>
+// A prefill's attention is two small matrix products per (sequence, head): scores = Q K^T, out = P V. Done one
+// query row at a time (a dot product per key, a horizontal sum per score) it ran at about 40 GFLOP/s here, as
+// did PyTorch's CPU flash attention called per prompt (the default model's prompts are 64-256 tokens: nine heads
+// of one short prompt are too little work for one call). This kernel computes both products as register tiles,
+// the way a matrix-multiply kernel does, with kTileLanes fp32 lanes per register (16 with AVX-512, 8 with AVX2):
+//
+//   scores  kTileRows query rows by kTileLanes keys: one accumulator register per query row; for each d, one load
+//           of K^T[d][keys] and kTileRows multiply-adds by a broadcast q[row][d]. K^T is written once per item.
+//   softmax per query row over its keys 0 ... its position (the causal mask), exact: max, exp, sum, in fp32.
+//   values  kValueRows query rows by kDimRegs registers of output dims: for each key j, kDimRegs loads of
+//           V[j][dims] and kValueRows * kDimRegs multiply-adds by a broadcast p[row][j].
+//
+// Every multiply-add is a whole register of useful work (no horizontal sum per score), and each loaded register
+// is used several times. Everything is fp32 inside, as in the reference; only the order of the sums differs.
+// The query rows of a tile are (row, head) pairs of one KV head's `group` query heads, row by row, so the heads
+// that share K and V share each loaded register of it. A work item is (sequence, KV head, block of kBlockRows
+// rows): its K^T and V (keys 0 ... the block's last row), written once in the layouts above, at most a few
+// hundred KB, stay in L2. Its cost grows with its last row, so items are handed out costliest first from a
+// shared counter. bf16 on a CPU with AVX-512 BF16 takes its scores from the bf16 values (score_tile_bf16).
+#if defined(__AVX512F__)
+constexpr int64_t kTileLanes = 16;
+#else
+constexpr int64_t kTileLanes = 8;
+#endif
+typedef float vreg __attribute__((vector_size(kTileLanes * sizeof(float))));
+constexpr int64_t kTileRows = 12;             // query rows of a score tile (accumulators)
+constexpr int64_t kDimRegs = kTileLanes == 16 ? 4 : 2;   // output registers per query row in a value tile
+constexpr int64_t kValueRows = 6;             // query rows of a value tile: 6 x kDimRegs accumulators
+constexpr int64_t kBlockRows = 64;            // prompt rows per work item
+constexpr int64_t kPrefetchRows = 8;          // K and V rows are asked for this many rows ahead of their copy
+
+inline vreg load_reg(const float* p) {
+  vreg v;
+  std::memcpy(&v, p, sizeof v);
+  return v;
+}
+inline void store_reg(float* p, vreg v) { std::memcpy(p, &v, sizeof v); }
+
+// s[t][j0 ... j0 + kTileLanes - 1] = q[t] . k[j] for the tile's kTileRows query rows q (fp32, row-major,
+// head_dim apart) and K^T kt[d][key] (key_pitch apart).
+inline void score_tile(const float* q, const float* kt, int64_t key_pitch, int64_t j0, int64_t head_dim,
+                       float* s, int64_t s_pitch) {
+  vreg acc[kTileRows] = {};
+  for (int64_t d = 0; d < head_dim; ++d) {
+    const vreg k = load_reg(kt + d * key_pitch + j0);
+#pragma GCC unroll 16
+    for (int64_t t = 0; t < kTileRows; ++t) acc[t] += q[t * head_dim + d] * k;
+  }
+#pragma GCC unroll 16
+  for (int64_t t = 0; t < kTileRows; ++t) store_reg(s + t * s_pitch + j0, acc[t]);
+}
+
+// o[t][d0 ... d0 + kDimRegs * kTileLanes - 1] = sum over keys j < n of p[t][j] * v[j][d] for kValueRows rows of p
+// (s_pitch apart) and v (fp32, row-major, v_pitch apart).
+inline void value_tile(const float* p, int64_t s_pitch, const float* v, int64_t v_pitch, int64_t n, int64_t d0,
+                       float* o, int64_t o_pitch) {
+  vreg acc[kValueRows][kDimRegs] = {};
+  for (int64_t j = 0; j < n; ++j) {
+    vreg vj[kDimRegs];
+#pragma GCC unroll 8
+    for (int64_t c = 0; c < kDimRegs; ++c) vj[c] = load_reg(v + j * v_pitch + d0 + c * kTileLanes);
+#pragma GCC unroll 8
+    for (int64_t t = 0; t < kValueRows; ++t) {
+      const float pj = p[t * s_pitch + j];
+#pragma GCC unroll 8
+      for (int64_t c = 0; c < kDimRegs; ++c) acc[t][c] += pj * vj[c];
+    }
+  }
+#pragma GCC unroll 8
+  for (int64_t t = 0; t < kValueRows; ++t)
+#pragma GCC unroll 8
+    for (int64_t c = 0; c < kDimRegs; ++c) store_reg(o + t * o_pitch + d0 + c * kTileLanes, acc[t][c]);
+}
+
+#if defined(__AVX512BF16__)
+// bf16 models on a CPU with AVX-512 BF16: the scores straight from the bf16 values, with vdpbf16ps (16 lanes,
+// each adds the products of two bf16 pairs to an fp32 sum). A product of two bf16 values is exact in fp32, so
+// this is the fp32 score tile's arithmetic, summed in pairs, at twice its rate, and no conversion of K or Q.
+// q: the tile's query rows as bf16 pairs (a 32-bit word each), half_dim words apart; kt: K^T by pairs,
+// kt[p][key] = key's dims 2p and 2p + 1 (key_pitch words apart). The scale is applied to the fp32 sums.
+inline void score_tile_bf16(const uint32_t* q, const uint32_t* kt, int64_t key_pitch, int64_t j0, int64_t half_dim,
+                            float scale, float* s, int64_t s_pitch) {
+  __m512 acc[kTileRows];
+#pragma GCC unroll 16
+  for (int64_t t = 0; t < kTileRows; ++t) acc[t] = _mm512_setzero_ps();
+  for (int64_t p = 0; p < half_dim; ++p) {
+    const __m512bh k = (__m512bh)_mm512_loadu_si512(kt + p * key_pitch + j0);
+#pragma GCC unroll 16
+    for (int64_t t = 0; t < kTileRows; ++t)
+      acc[t] = _mm512_dpbf16_ps(acc[t], (__m512bh)_mm512_set1_epi32(static_cast<int>(q[t * half_dim + p])), k);
+  }
+#pragma GCC unroll 16
+  for (int64_t t = 0; t < kTileRows; ++t) _mm512_storeu_ps(s + t * s_pitch + j0, acc[t] * scale);
+}
+constexpr bool kBf16Scores = true;
+#else
+constexpr bool kBf16Scores = false;
+#endif
+
+template <typename T, bool kTryPairs = true>
 void prefill(const T* query, const T* key, const T* value, const int64_t* starts, const int64_t* lens, T* out,
              int64_t num_seqs, int64_t num_heads, int64_t num_kv_heads, int64_t head_dim, int64_t q_stride,
              int64_t k_stride, int64_t v_stride, float scale) {
   const int64_t group = num_heads / num_kv_heads;
-  std::vector<int64_t> order(num_seqs);                        // sequences, longest first
-  std::iota(order.begin(), order.end(), 0);
-  std::stable_sort(order.begin(), order.end(), [&](int64_t a, int64_t b) { return lens[a] > lens[b]; });
-  const int64_t num_items = num_seqs * num_kv_heads;
+  constexpr int64_t kValueDims = kDimRegs * kTileLanes;
+  const int64_t v_pitch = (head_dim + kValueDims - 1) / kValueDims * kValueDims;   // whole value tiles
+  struct Item { int64_t seq, kv_head, row0, row1; };               // prompt rows row0 ... row1 - 1
+  std::vector<Item> items;
+  for (int64_t s = 0; s < num_seqs; ++s)
+    for (int64_t r0 = 0; r0 < lens[s]; r0 += kBlockRows)
+      for (int64_t h = 0; h < num_kv_heads; ++h) items.push_back({s, h, r0, std::min(lens[s], r0 + kBlockRows)});
+  std::stable_sort(items.begin(), items.end(), [](const Item& a, const Item& b) { return a.row1 > b.row1; });
+  // bf16 with AVX-512 BF16 and an even head_dim: scores from bf16 pairs.
+  constexpr bool kPairs = kTryPairs && kBf16Scores && std::is_same_v<T, c10::BFloat16>;
+  const int64_t half_dim = head_dim / 2;
+  if constexpr (kPairs)
+    if (head_dim % 2 != 0)
+      return prefill<T, false>(query, key, value, starts, lens, out, num_seqs, num_heads, num_kv_heads,
+                               head_dim, q_stride, k_stride, v_stride, scale);
   std::atomic<int64_t> next_item{0};
   at::parallel_for(0, at::get_num_threads(), 1, [&](int64_t, int64_t) {
-    std::vector<float> q(head_dim), acc(head_dim), scores;
-    for (int64_t item; (item = next_item.fetch_add(1)) < num_items;) {
-      const int64_t seq = order[item / num_kv_heads], h = item % num_kv_heads;
-      const int64_t start = starts[seq], len = lens[seq];
-      const T* k_h = key + start * k_stride + h * head_dim;    // key j of the sequence: k_h + j * k_stride
-      const T* v_h = value + start * v_stride + h * head_dim;
-      scores.resize(len);
-      for (int64_t i = 0; i < len; ++i) {
-        for (int64_t head = h * group; head < (h + 1) * group; ++head) {
-          const T* q_in = query + (start + i) * q_stride + head * head_dim;
-          for (int64_t d = 0; d < head_dim; ++d) q[d] = to_float(q_in[d]) * scale;
-          // Scores of keys 0 ... i, 8 at a time; the last tile repeats key i and drops the extra scores.
-          for (int64_t j0 = 0; j0 <= i; j0 += kLanes) {
-            const T* k[kLanes];
-            for (int64_t t = 0; t < kLanes; ++t) k[t] = k_h + std::min(j0 + t, i) * k_stride;
-            const vec8 s = dot8(q.data(), k, head_dim);
-            for (int64_t t = 0; t < std::min(kLanes, i + 1 - j0); ++t) scores[j0 + t] = s[t];
+    std::vector<float> q32, kt, v32, s, o;
+    std::vector<uint32_t> q_pairs, kt_pairs;
+    for (int64_t index; (index = next_item.fetch_add(1)) < static_cast<int64_t>(items.size());) {
+      const Item& item = items[index];
+      const int64_t start = starts[item.seq], num_keys = item.row1;   // its rows see keys < row1 at most
+      const int64_t key_pitch = (num_keys + kTileLanes - 1) / kTileLanes * kTileLanes;
+      // The item's query rows as (row, head) pairs, row by row: q32[(i - row0) * group + g] is row i of query
+      // head kv_head * group + g (those heads are adjacent in a query row), times the scale; padded with zero
+      // rows to whole score tiles.
+      const int64_t num_rows = (item.row1 - item.row0) * group;
+      const int64_t padded_rows = (num_rows + kTileRows - 1) / kTileRows * kTileRows;
+      if constexpr (kPairs) {
+        // bf16 pairs: q_pairs[r][p] = dims 2p, 2p + 1 of (row, head) pair r; K^T by pairs, kt_pairs[p][key].
+        q_pairs.assign(padded_rows * half_dim, 0u);
+        for (int64_t i = item.row0; i < item.row1; ++i)              // the group's heads are adjacent
+          std::memcpy(q_pairs.data() + (i - item.row0) * group * half_dim,
+                      query + (start + i) * q_stride + item.kv_head * group * head_dim, group * head_dim * sizeof(T));
+        kt_pairs.assign(half_dim * key_pitch, 0u);
+        for (int64_t j = 0; j < num_keys; ++j) {
+          const T* k = key + (start + j) * k_stride + item.kv_head * head_dim;
+          if (j + kPrefetchRows < num_keys) prefetch(k + kPrefetchRows * k_stride, head_dim * sizeof(T));
+          for (int64_t p = 0; p < half_dim; ++p) std::memcpy(&kt_pairs[p * key_pitch + j], k + 2 * p, 4);
+        }
+      } else {
+        q32.assign(padded_rows * head_dim, 0.f);
+        for (int64_t i = item.row0; i < item.row1; ++i) {
+          const T* q = query + (start + i) * q_stride + item.kv_head * group * head_dim;
+          float* dst = q32.data() + (i - item.row0) * group * head_dim;
+          for (int64_t e = 0; e < group * head_dim; ++e) dst[e] = to_float(q[e]) * scale;
+        }
+        // K^T (head_dim, key_pitch) of this KV head in fp32; zero in the padding.
+        kt.assign(head_dim * key_pitch, 0.f);
+        for (int64_t j = 0; j < num_keys; ++j) {
+          const T* k = key + (start + j) * k_stride + item.kv_head * head_dim;
+          if (j + kPrefetchRows < num_keys) prefetch(k + kPrefetchRows * k_stride, head_dim * sizeof(T));
+          for (int64_t d = 0; d < head_dim; ++d) kt[d * key_pitch + j] = to_float(k[d]);
+        }
+      }
+      // V (num_keys, v_pitch) of this KV head in fp32; zero in the padding.
+      v32.assign(num_keys * v_pitch, 0.f);
+      for (int64_t j = 0; j < num_keys; ++j) {
+        const T* v = value + (start + j) * v_stride + item.kv_head * head_dim;
+        if (j + kPrefetchRows < num_keys) prefetch(v + kPrefetchRows * v_stride, head_dim * sizeof(T));
+        float* v_row = v32.data() + j * v_pitch;
+        for (int64_t d = 0; d < head_dim; ++d) v_row[d] = to_float(v[d]);
+      }
+      s.resize(kTileRows * key_pitch);
+      o.resize(kTileRows * v_pitch);
+      for (int64_t r0 = 0; r0 < num_rows; r0 += kTileRows) {
+        // Tile rows r0 ... r0 + kTileRows - 1; (row, head) pair r is prompt row row0 + r / group, which sees
+        // keys 0 ... that row. The tile's last real pair sees the most keys: n.
+        const int64_t last = std::min(r0 + kTileRows, num_rows) - 1;
+        const int64_t n = item.row0 + last / group + 1;
+        for (int64_t j0 = 0; j0 < n; j0 += kTileLanes) {
+#if defined(__AVX512BF16__)
+          if constexpr (kPairs) {
+            score_tile_bf16(q_pairs.data() + r0 * half_dim, kt_pairs.data(), key_pitch, j0, half_dim, scale,
+                            s.data(), key_pitch);
+            continue;
           }
-          const float m = *std::max_element(scores.data(), scores.data() + i + 1);
-          float total = 0.f;
-#pragma omp simd reduction(+ : total)
-          for (int64_t j = 0; j <= i; ++j) {
-            scores[j] = std::exp(scores[j] - m);
-            total += scores[j];
+#endif
+          score_tile(q32.data() + r0 * head_dim, kt.data(), key_pitch, j0, head_dim, s.data(), key_pitch);
+        }
+        float total[kTileRows];
+        for (int64_t t = 0; t < kTileRows; ++t) {
+          float* st = s.data() + t * key_pitch;
+          const int64_t keys = r0 + t < num_rows ? item.row0 + (r0 + t) / group + 1 : n;   // this row's
+          float m = st[0];
+          for (int64_t j = 1; j < keys; ++j) m = std::max(m, st[j]);
+          float sum = 0.f;
+#pragma omp simd reduction(+ : sum)
+          for (int64_t j = 0; j < keys; ++j) {
+            st[j] = std::exp(st[j] - m);
+            sum += st[j];
           }
-          std::fill(acc.begin(), acc.end(), 0.f);
-          accumulate_values(scores.data(), v_h, i + 1, v_stride, acc.data(), head_dim);
-          T* o = out + ((start + i) * num_heads + head) * head_dim;
-          for (int64_t d = 0; d < head_dim; ++d) o[d] = from_float<T>(acc[d] / total);
+          for (int64_t j = keys; j < n; ++j) st[j] = 0.f;          // masked: later keys weigh nothing
+          total[t] = sum;
+        }
+        for (int64_t t0 = 0; t0 < kTileRows; t0 += kValueRows)
+          for (int64_t d0 = 0; d0 < v_pitch; d0 += kValueDims)
+            value_tile(s.data() + t0 * key_pitch, key_pitch, v32.data(), v_pitch, n, d0,
+                       o.data() + t0 * v_pitch, v_pitch);
+        for (int64_t t = 0; t < kTileRows && r0 + t < num_rows; ++t) {
+          const int64_t i = item.row0 + (r0 + t) / group, head = item.kv_head * group + (r0 + t) % group;
+          T* dst = out + ((start + i) * num_heads + head) * head_dim;
+          const float* src = o.data() + t * v_pitch;
+          const float inv = 1.f / total[t];
+          for (int64_t d = 0; d < head_dim; ++d) dst[d] = from_float<T>(src[d] * inv);
         }
       }
     }

@@ -157,14 +157,11 @@ class CpuAttentionBackend(TorchAttentionBackend):
 
     def _prefill(self, q, k, v, key_cache, value_cache, block_tables, cu_seqlens_q, seq_lens, scale, q_lens_cpu,
                  seq_lens_cpu, k_scale, v_scale):
-        """Sequences with no cached context (fresh prompts: q_len == seq_len) attend causally to this step's own K
-        and V: the same values the cache holds (not for an fp8 cache, which rounds them), without gathering their
-        blocks back or building a mask. fp32 and fp16 models: all of them in one C++ call (kernels/
-        cpu_attention.cpp, prefill_attention; fp32 inside, only the order of the sums differs from the
-        reference). bf16: PyTorch's causal SDPA per prompt, the reference's own numbers bit for bit (the C++
-        kernel's different fp32 sums, rounded to bf16, moved the worst logprob further from fp32 than
-        tests/test_bf16.py allows). Sequences with context (a prefix-cache hit, a later chunk) take the
-        reference's path."""
+        """Sequences with no cached context (fresh prompts: q_len == seq_len) attend causally to this step's own K and
+        V: the same values the cache holds (not for an fp8 cache, which rounds them), without gathering their
+        blocks back or building a mask, all of them in one C++ call (kernels/cpu_attention.cpp,
+        prefill_attention: register tiles, fp32 inside; only the order of the sums differs from the reference).
+        Sequences with context (a prefix-cache hit, a later chunk) take the reference's path."""
         if key_cache.dtype != k.dtype:                                   # fp8: attend to the rounded cache
             return super()._prefill(q, k, v, key_cache, value_cache, block_tables, cu_seqlens_q, seq_lens, scale,
                                     q_lens_cpu, seq_lens_cpu, k_scale, v_scale)
@@ -172,17 +169,11 @@ class CpuAttentionBackend(TorchAttentionBackend):
         for q_len in q_lens_cpu[:-1]:
             starts.append(starts[-1] + q_len)
         fresh = [i for i, (q_len, seq_len) in enumerate(zip(q_lens_cpu, seq_lens_cpu)) if q_len == seq_len]
-        if fresh and q.dtype != torch.bfloat16:
+        if fresh:
             out = kernels.cpu_ops.prefill_attention(q, k, v, [starts[i] for i in fresh],
                                                     [q_lens_cpu[i] for i in fresh], scale)
         else:
             out = torch.empty_like(q)
-            for i in fresh:
-                rows = slice(starts[i], starts[i] + q_lens_cpu[i])
-                qi, ki, vi = (t[rows].float().transpose(0, 1)[None] for t in (q, k, v))   # (1, heads, q_len, d)
-                o = torch.nn.functional.scaled_dot_product_attention(qi, ki, vi, is_causal=True, scale=scale,
-                                                                     enable_gqa=q.shape[1] != k.shape[1])[0]
-                out[rows] = o.transpose(0, 1).to(q.dtype)
         for i, (start, q_len, seq_len) in enumerate(zip(starts, q_lens_cpu, seq_lens_cpu)):
             if q_len != seq_len:
                 rows = slice(start, start + q_len)
