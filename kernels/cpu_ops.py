@@ -1,5 +1,5 @@
-"""The CPU kernels, in C++ (`cpu_attention.cpp`, `cpu_layers.cpp`, `cpu_sampling.cpp`, and the dtype
-conversions they include, `cpu_dtype.h`), built on first use with the machine's C++ compiler.
+"""The CPU kernels, in C++ (`cpu_attention.cpp`, `cpu_layers.cpp`, `cpu_sampling.cpp`, `cpu_gemm.cpp`, and the
+dtype conversions they include, `cpu_dtype.h`), built on first use with the machine's C++ compiler.
 
     paged_decode_attention   same signature as reference.paged_decode_attention / triton_ops'; reads K and V
                              straight from the paged cache (no gather), a sequence per work item
@@ -9,6 +9,7 @@ conversions they include, `cpu_dtype.h`), built on first use with the machine's 
     silu_and_mul             layers.SiluAndMul: silu(gate) * up
     rotary_embedding         layers.RotaryEmbedding's rotation of q and k
     argmax_rows              torch.argmax(logits, dim=-1) for the sampler's greedy rows
+    bf16_linear              F.linear in bf16 from a weight packed once (pack_bf16_linear); AVX-512 BF16 only
 
 `load()` compiles the sources once per machine with torch's cpp_extension (about 12 s here; cached under
 TORCH_EXTENSIONS_DIR, ~/.cache/torch_extensions by default) and registers `torch.ops.minivllm_cpu`.
@@ -26,7 +27,8 @@ from pathlib import Path
 
 import torch
 
-_SOURCES = [Path(__file__).with_name(name) for name in ("cpu_attention.cpp", "cpu_layers.cpp", "cpu_sampling.cpp")]
+_SOURCES = [Path(__file__).with_name(name)
+            for name in ("cpu_attention.cpp", "cpu_layers.cpp", "cpu_sampling.cpp", "cpu_gemm.cpp")]
 _HEADERS = [Path(__file__).with_name("cpu_dtype.h")]        # included by the sources; part of the build's name
 # -ffast-math lets GCC vectorize expf (glibc's SIMD exp) and reorder fp32 sums; it is a compile flag only, never
 # a link flag: linked into a shared library it would set flush-to-zero for the whole process (a test checks).
@@ -128,3 +130,21 @@ def rotary_embedding(positions: torch.Tensor, q: torch.Tensor, k: torch.Tensor, 
                      sin: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     """q (tokens, heads, d), k (tokens, kv_heads, d) rotated at `positions`; cos, sin fp32 (max_position, d / 2)."""
     return load().rotary_embedding(positions.long().contiguous(), q, k, cos, sin)
+
+
+def bf16_linear_available() -> bool:
+    """Whether bf16_linear is in this build: the kernels load and the CPU has AVX-512 BF16 (-march=native)."""
+    return available() and bool(load().bf16_linear_available())
+
+
+def pack_bf16_linear(weight: torch.Tensor) -> torch.Tensor:
+    """weight (out, in) bf16, `in` even -> its packed layout for bf16_linear (int32 words: bf16 pairs)."""
+    return load().pack_bf16_linear(weight)
+
+
+def bf16_linear(x: torch.Tensor, packed: torch.Tensor, out_features: int,
+                bias: torch.Tensor | None = None) -> torch.Tensor:
+    """x (..., in) bf16 -> x @ weight.T + bias, (..., out_features) bf16, from pack_bf16_linear(weight)."""
+    shape = x.shape
+    y = load().bf16_linear(x.reshape(-1, shape[-1]), packed, int(out_features), bias)
+    return y.view(*shape[:-1], out_features)

@@ -17,6 +17,11 @@ The plain weight stays on the layer (the checkpoint loader, TP tests and lessons
 costs one more copy of the linear weights in memory. Results equal `F.linear`'s to rounding (about 1e-6
 relative in fp32: a different summation order), so greedy outputs match Hugging Face's as before; the parity
 tests run with packing on.
+
+bf16 on a CPU with AVX-512 BF16 packs for minivllm's own kernel instead (kernels/cpu_gemm.cpp, bf16_linear:
+48-column panels of bf16 pairs for vdpbf16ps, streamed in storage order). oneDNN ran a 32-row decode step's
+matmuls at about 60% of this CPU's bf16 peak with the weights coming from memory; this runs them about 25%
+faster, and 1-row steps at the memory's bandwidth (README, "Measured"). MINIVLLM_CPU_BF16_GEMM=0 keeps oneDNN.
 """
 
 from __future__ import annotations
@@ -26,6 +31,8 @@ import os
 
 import torch
 import torch.nn.functional as F
+
+from minivllm.model._kernels import kernels
 
 PACKED_DTYPES = (torch.float32, torch.bfloat16)
 BATCH_HINT = 32          # the rows oneDNN tunes the layout for (a full decode batch); any row count works
@@ -41,10 +48,21 @@ def onednn_available() -> bool:
 
 def gemm(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None,
          packed: torch.Tensor | None) -> torch.Tensor:
-    """y = x @ weight.T + bias. x (rows, in) -> (rows, out); `packed` is weight prepacked for oneDNN, or None."""
+    """y = x @ weight.T + bias. x (rows, in) -> (rows, out); `packed` is `prepack(weight)`: oneDNN's layout (the
+    weight's dtype), minivllm's bf16 panels (int32 words), or None."""
+    if packed is not None and packed.dtype == torch.int32 and x.dtype == torch.bfloat16:
+        return kernels.cpu_ops.bf16_linear(x, packed, weight.shape[0], bias)
     if packed is None or x.dtype != packed.dtype:
         return F.linear(x, weight, bias)
     return torch.ops.mkldnn._linear_pointwise(x, packed, bias, "none", [], "")
+
+
+@functools.lru_cache(maxsize=None)
+def own_bf16_gemm() -> bool:
+    """bf16 weights go to kernels/cpu_gemm.cpp: its build has AVX-512 BF16, and MINIVLLM_CPU_BF16_GEMM is not 0."""
+    if os.environ.get("MINIVLLM_CPU_BF16_GEMM", "1") == "0":
+        return False
+    return kernels.cpu_ops.bf16_linear_available()
 
 
 @functools.lru_cache(maxsize=None)
@@ -63,9 +81,14 @@ def packable(dtype: torch.dtype) -> bool:
 
 
 def prepack(weight: torch.Tensor) -> torch.Tensor | None:
-    """oneDNN's layout of a (out, in) CPU weight, or None where packing does not apply (not a CPU fp32/bf16
-    matrix, or a dtype this CPU's oneDNN cannot pack)."""
-    if weight.device.type != "cpu" or weight.dim() != 2 or not packable(weight.dtype):
+    """A (out, in) CPU weight's packed layout: minivllm's bf16 panels (bf16 with an even `in`, where
+    `own_bf16_gemm()`), else oneDNN's; None where packing does not apply (not a CPU fp32/bf16 matrix, or a dtype
+    this CPU's oneDNN cannot pack)."""
+    if weight.device.type != "cpu" or weight.dim() != 2:
+        return None
+    if weight.dtype == torch.bfloat16 and weight.shape[1] % 2 == 0 and own_bf16_gemm():
+        return kernels.cpu_ops.pack_bf16_linear(weight.detach())
+    if not packable(weight.dtype):
         return None
     return torch.ops.mkldnn._reorder_linear_weight(weight.detach().contiguous(), BATCH_HINT)
 
