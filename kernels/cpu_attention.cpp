@@ -109,6 +109,155 @@ inline void prefetch(const void* p, int64_t bytes) {
   for (int64_t off = 0; off < bytes; off += 64) __builtin_prefetch(static_cast<const char*>(p) + off);
 }
 
+#if defined(__AVX512F__)
+// ---- the AVX-512 decode path: a (sequence, KV head) per work item, its rows' vectors in registers ----
+//
+// For fp32 and bf16 caches with head_dim 32, 64 or 128 and the GQA groups listed in try_decode_tiled (the
+// default model: 3 x 64). A work item is one sequence's one KV head, so it reads only that head's slice of
+// each block (two cache lines a token at head_dim 64 in bf16). Pass 1 converts each key row to fp32 once, into NC registers of 16 lanes, and
+// multiplies it by all G query rows (held in registers); pass 2 converts each value row once and adds it into
+// G x NC accumulator registers, which stay in registers for the whole sequence. The other decode path
+// (below) converts each row once per query head and keeps its accumulators in memory. Measured on 30 layers'
+// bf16 caches at batch 32 (contexts 64-512, 211 MB of K and V, 2 cores, AMD EPYC Zen 4): 25.5-28.6 ms with
+// that path, 18.1-19.8 ms with this one (7.4-8.3 against 10.6-11.6 GB/s). Its remaining cost is waiting for
+// rows from memory, so the slices are asked for kAheadBlocks blocks ahead, and the first value blocks during
+// the last key blocks. Items are handed out longest first from a shared counter.
+typedef float v16 __attribute__((vector_size(64)));
+constexpr int64_t kAheadBlocks = 2;            // a block's slice is asked for this many blocks ahead
+
+template <typename C>
+inline v16 load16(const C* p) {
+  if constexpr (std::is_same_v<C, float>) {
+    v16 v;
+    std::memcpy(&v, p, sizeof v);
+    return v;
+  } else {                                     // bf16: the top half of an fp32
+    typedef uint16_t u16x16 __attribute__((vector_size(32)));
+    typedef uint32_t u32x16 __attribute__((vector_size(64)));
+    u16x16 h;
+    std::memcpy(&h, p, sizeof h);
+    const u32x16 w = __builtin_convertvector(h, u32x16) << 16;
+    v16 v;
+    std::memcpy(&v, &w, sizeof v);
+    return v;
+  }
+}
+
+inline float sum16(v16 v) { return _mm512_reduce_add_ps(v); }
+
+template <typename Q, typename C, int G, int NC>
+void decode_tiled(const Q* query, const C* key_cache, const C* value_cache, const int32_t* block_tables,
+                  const int32_t* seq_lens, Q* out, int64_t num_seqs, int64_t num_heads, int64_t num_kv_heads,
+                  int64_t block_size, int64_t max_blocks, float scale, float v_scale) {
+  constexpr int64_t head_dim = 16 * NC;
+  const int64_t token_stride = num_kv_heads * head_dim, block_stride = block_size * token_stride;
+  std::vector<int64_t> order(num_seqs * num_kv_heads);          // items (seq, kv head), longest first
+  std::iota(order.begin(), order.end(), 0);
+  std::stable_sort(order.begin(), order.end(), [&](int64_t a, int64_t b) {
+    return seq_lens[a / num_kv_heads] > seq_lens[b / num_kv_heads];
+  });
+  std::atomic<int64_t> next_item{0};
+  at::parallel_for(0, at::get_num_threads(), 1, [&](int64_t, int64_t) {
+    std::vector<float> scores;
+    for (int64_t index; (index = next_item.fetch_add(1)) < static_cast<int64_t>(order.size());) {
+      const int64_t seq = order[index] / num_kv_heads, h = order[index] % num_kv_heads;
+      const int64_t len = seq_lens[seq], num_blocks = (len + block_size - 1) / block_size;
+      const int32_t* table = block_tables + seq * max_blocks;
+      v16 q[G][NC];                                              // the G query rows, times the scale
+      for (int g = 0; g < G; ++g)
+        for (int c = 0; c < NC; ++c) {
+          const Q* row = query + (seq * num_heads + h * G + g) * head_dim + 16 * c;
+          float lanes[16];
+          for (int l = 0; l < 16; ++l) lanes[l] = to_float(row[l]) * scale;
+          std::memcpy(&q[g][c], lanes, sizeof lanes);
+        }
+      scores.resize(G * len);                                    // scores[g * len + t]
+      // Pass 1: scores, block by block; a key row is converted once for all G rows.
+      for (int64_t b = 0; b < num_blocks; ++b) {
+        const C* block = key_cache + table[b] * block_stride + h * head_dim;
+        // asks for the block kAheadBlocks on (past the last key block: the first value blocks)
+        const int64_t ahead = b + kAheadBlocks;
+        const C* next = ahead < num_blocks ? key_cache + table[ahead] * block_stride + h * head_dim
+                                           : value_cache + table[std::min(ahead - num_blocks, num_blocks - 1)] *
+                                                 block_stride + h * head_dim;
+        const int64_t t0 = b * block_size, n = std::min(block_size, len - t0);
+        for (int64_t i = 0; i < n; ++i) {
+          prefetch(next + i * token_stride, head_dim * sizeof(C));
+          v16 k[NC];
+          for (int c = 0; c < NC; ++c) k[c] = load16(block + i * token_stride + 16 * c);
+          for (int g = 0; g < G; ++g) {
+            v16 a = q[g][0] * k[0];
+            for (int c = 1; c < NC; ++c) a += q[g][c] * k[c];
+            scores[g * len + t0 + i] = sum16(a);
+          }
+        }
+      }
+      float total[G];
+      for (int g = 0; g < G; ++g) {                              // softmax: p = exp(s - max), sum
+        float* s = scores.data() + g * len;
+        const float m = *std::max_element(s, s + len);
+        float sum = 0.f;
+#pragma omp simd reduction(+ : sum)
+        for (int64_t t = 0; t < len; ++t) {
+          s[t] = std::exp(s[t] - m);
+          sum += s[t];
+        }
+        total[g] = sum;
+      }
+      // Pass 2: acc[g] = sum_t p[g][t] * v_t; a value row is converted once for all G rows.
+      v16 acc[G][NC] = {};
+      for (int64_t b = 0; b < num_blocks; ++b) {
+        const C* block = value_cache + table[b] * block_stride + h * head_dim;
+        const C* next = b + kAheadBlocks < num_blocks
+                            ? value_cache + table[b + kAheadBlocks] * block_stride + h * head_dim : nullptr;
+        const int64_t t0 = b * block_size, n = std::min(block_size, len - t0);
+        for (int64_t i = 0; i < n; ++i) {
+          if (next != nullptr) prefetch(next + i * token_stride, head_dim * sizeof(C));
+          v16 v[NC];
+          for (int c = 0; c < NC; ++c) v[c] = load16(block + i * token_stride + 16 * c);
+          for (int g = 0; g < G; ++g) {
+            const float p = scores[g * len + t0 + i];
+            for (int c = 0; c < NC; ++c) acc[g][c] += p * v[c];
+          }
+        }
+      }
+      for (int g = 0; g < G; ++g) {
+        Q* o = out + (seq * num_heads + h * G + g) * head_dim;
+        const float norm = v_scale / total[g];
+        for (int c = 0; c < NC; ++c) {
+          float lanes[16];
+          std::memcpy(lanes, &acc[g][c], sizeof lanes);
+          for (int l = 0; l < 16; ++l) o[16 * c + l] = from_float<Q>(lanes[l] * norm);
+        }
+      }
+    }
+  });
+}
+
+// Runs decode_tiled when it covers this shape (and returns true), else returns false.
+template <typename Q, typename C>
+bool try_decode_tiled(const Q* query, const C* key_cache, const C* value_cache, const int32_t* block_tables,
+                      const int32_t* seq_lens, Q* out, int64_t num_seqs, int64_t num_heads, int64_t num_kv_heads,
+                      int64_t head_dim, int64_t block_size, int64_t max_blocks, float scale, float v_scale) {
+  if constexpr (!std::is_same_v<Q, C> || !(std::is_same_v<C, float> || std::is_same_v<C, c10::BFloat16>)) {
+    return false;
+  } else {
+    const int64_t group = num_heads / num_kv_heads;
+#define MINIVLLM_TILED(G_, NC_)                                                                              \
+  if (group == G_ && head_dim == 16 * NC_) {                                                                 \
+    decode_tiled<Q, C, G_, NC_>(query, key_cache, value_cache, block_tables, seq_lens, out, num_seqs,       \
+                                num_heads, num_kv_heads, block_size, max_blocks, scale, v_scale);           \
+    return true;                                                                                             \
+  }
+    MINIVLLM_TILED(1, 4) MINIVLLM_TILED(2, 4) MINIVLLM_TILED(3, 4) MINIVLLM_TILED(4, 4) MINIVLLM_TILED(6, 4)
+    MINIVLLM_TILED(1, 8) MINIVLLM_TILED(2, 8) MINIVLLM_TILED(3, 8)
+    MINIVLLM_TILED(1, 2) MINIVLLM_TILED(2, 2) MINIVLLM_TILED(4, 2) MINIVLLM_TILED(8, 2)
+#undef MINIVLLM_TILED
+    return false;
+  }
+}
+#endif
+
 template <typename Q, typename C>
 void decode(const Q* query, const C* key_cache, const C* value_cache, const int32_t* block_tables,
             const int32_t* seq_lens, Q* out, int64_t num_seqs, int64_t num_heads, int64_t num_kv_heads,
@@ -197,6 +346,13 @@ template <typename Q, typename C>
 void run(const at::Tensor& query, const at::Tensor& key_cache, const at::Tensor& value_cache,
          const at::Tensor& block_tables, const at::Tensor& seq_lens, at::Tensor& out, double scale,
          double v_scale) {
+#if defined(__AVX512F__)
+  if (try_decode_tiled<Q, C>(query.data_ptr<Q>(), key_cache.data_ptr<C>(), value_cache.data_ptr<C>(),
+                             block_tables.data_ptr<int32_t>(), seq_lens.data_ptr<int32_t>(), out.data_ptr<Q>(),
+                             query.size(0), query.size(1), key_cache.size(2), query.size(2), key_cache.size(1),
+                             block_tables.size(1), static_cast<float>(scale), static_cast<float>(v_scale)))
+    return;
+#endif
   decode<Q, C>(query.data_ptr<Q>(), key_cache.data_ptr<C>(), value_cache.data_ptr<C>(),
                block_tables.data_ptr<int32_t>(), seq_lens.data_ptr<int32_t>(), out.data_ptr<Q>(),
                query.size(0), query.size(1), key_cache.size(2), query.size(2), key_cache.size(1),

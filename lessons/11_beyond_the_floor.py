@@ -212,7 +212,8 @@ print(f"weights {weights / 1e6:.0f} MB at {bandwidth / 1e9:.1f} GB/s: a decode s
 # matrix into the tiles its kernel streams through, once at load, instead of the matmul library adapting a
 # plain layout on every call; on CPUs with AVX-512 BF16 it also packs bf16 (two products per lane with
 # `vdpbf16ps`), while an AVX2-only CPU refuses bf16 packing and keeps `F.linear` (the table below says which
-# this machine is). **Weight-only int8 and int4** (`minivllm/model/quantization.py`) read 4-8x fewer bytes than
+# this machine is). On a CPU with AVX-512 BF16, bf16 weights now go to minivllm's own kernel instead
+# (`kernels/cpu_gemm.cpp`, next paragraph). **Weight-only int8 and int4** (`minivllm/model/quantization.py`) read 4-8x fewer bytes than
 # fp32, which wins where a step only reads weights (one row), and loses at 32 rows, where PyTorch's packed-int
 # kernels spend their time dequantizing. The cell measures all of them on the model's own matmuls (30 layers'
 # four linear layers and the LM head), at 1 and 32 rows, here and now:
@@ -221,6 +222,7 @@ print(f"weights {weights / 1e6:.0f} MB at {bandwidth / 1e9:.1f} GB/s: a decode s
 # NBVAL_IGNORE_OUTPUT
 
 from minivllm.model import cpu_gemm, quantization
+from minivllm.model._kernels import kernels
 from minivllm.model.layers import ColumnParallelLinear, TPGroup
 
 shapes = [((cfg.num_attention_heads + 2 * cfg.num_key_value_heads) * cfg.head_dim, cfg.hidden_size),
@@ -253,10 +255,18 @@ for rows in (1, 32):
     packed = [cpu_gemm.prepack(l.weight) for l in layers]
     lookup = dict(zip(map(id, layers), packed))
     results[("oneDNN fp32", rows)] = step_time(lambda l, x: cpu_gemm.gemm(x, l.weight, None, lookup[id(l)]), rows)
-    packed16 = {id(l): cpu_gemm.prepack(l.weight.bfloat16()) for l in layers}
     w16 = {id(l): l.weight.bfloat16() for l in layers}
-    results[("oneDNN bf16", rows)] = step_time(lambda l, x: cpu_gemm.gemm(x, w16[id(l)], None, packed16[id(l)]), rows,
-                                               torch.bfloat16)
+    if cpu_gemm.packable(torch.bfloat16):            # oneDNN's bf16 layout, as the engine packs it without AVX-512 BF16
+        onednn16 = {id(l): torch.ops.mkldnn._reorder_linear_weight(w16[id(l)], cpu_gemm.BATCH_HINT) for l in layers}
+        results[("oneDNN bf16", rows)] = step_time(
+            lambda l, x: torch.ops.mkldnn._linear_pointwise(x, onednn16[id(l)], None, "none", [], ""), rows,
+            torch.bfloat16)
+    if cpu_gemm.own_bf16_gemm():                     # minivllm's kernels/cpu_gemm.cpp (AVX-512 BF16)
+        own16 = {id(l): kernels.cpu_ops.pack_bf16_linear(w16[id(l)]) for l in layers}
+        results[("minivllm bf16 (cpu_gemm.cpp)", rows)] = step_time(
+            lambda l, x: cpu_gemm.gemm(x, w16[id(l)], None, own16[id(l)]), rows, torch.bfloat16)
+    if not cpu_gemm.packable(torch.bfloat16):
+        results[("F.linear bf16", rows)] = step_time(lambda l, x: F.linear(x, w16[id(l)]), rows, torch.bfloat16)
 for name, method in (("int8", quantization.Int8WeightOnlyMethod()), ("int4", quantization.Int4WeightOnlyMethod())):
     qlayers = []
     for l in layers:
@@ -270,12 +280,27 @@ for name, method in (("int8", quantization.Int8WeightOnlyMethod()), ("int4", qua
         results[(name, rows)] = step_time(lambda l, x: method.apply(l, x, None), rows)
     layers = saved
 
-print("oneDNN packs bf16 on this CPU:", cpu_gemm.packable(torch.bfloat16))
+print("oneDNN packs bf16 on this CPU:", cpu_gemm.packable(torch.bfloat16),
+      "| minivllm's bf16 kernel (AVX-512 BF16):", cpu_gemm.own_bf16_gemm())
 print(f"{'matmuls of one decode step':28} {'1 row':>9} {'32 rows':>9}")
 for name in dict.fromkeys(k[0] for k in results):
     print(f"{name:28} {results[(name, 1)]:7.1f} ms {results[(name, 32)]:7.1f} ms")
 
 # %% [markdown]
+# **Why write a matmul when oneDNN has one?** Profiled in bf16 at 32 rows, oneDNN's packed matmul ran at
+# 280-300 GFLOP/s with the weights coming from memory, as they do in a decode step (269 MB of bf16 weights,
+# eight times the L3), against about 455 GFLOP/s of peak for two cores (one 16-lane `vdpbf16ps` a cycle each,
+# 64 flops). Nothing about 32 rows needs a clever kernel: the outer-product form is enough if the weight is
+# read in the order it is stored. `pack_bf16_linear` rewrites W once into panels of 48 output columns, each
+# row of a panel the 48 columns' bf16 *pairs* (W[n][2k], W[n][2k+1]) as 32-bit words: three registers. A tile
+# is 8 rows of x by one panel: 24 fp32 accumulators; for each pair index k, three loads of the panel row, and
+# for each of the 8 rows a broadcast of its pair (x[r][2k], x[r][2k+1]) and three `vdpbf16ps`. The panel
+# streams from memory front to back (prefetched a few rows ahead) and stays in L2 for the other row tiles.
+# Measured on the 2-core Zen 4 of 2026-11-27, the default model's matmuls of 30 layers with cold weights:
+# 32 rows 18 ms against oneDNN's 24; 1 row 7.2 against 11.5 ms, which is 28 GB/s, the memory's bandwidth;
+# the same from 2,048 rows up. A product of two bf16 values is exact in fp32, so the result is oneDNN's up to
+# the order of the fp32 sums, rounded once (`tests/test_cpu_gemm.py` checks every element against float64).
+#
 # Same answers, different layout: the packed matmul equals `F.linear` to fp32 rounding (a different order
 # of additions), which is why greedy outputs still match Hugging Face token for token with it on.
 
@@ -442,13 +467,45 @@ for name, ms in timings.items():
 #
 # The same file holds `prefill_attention`, for a prompt with no cached context: its queries attend causally to
 # the step's own K and V, so there is nothing to read from the cache. There the work is arithmetic (a
-# prompt's K and V fit in L2), so it computes the scores of eight keys at once (eight accumulators, one
-# horizontal-add transpose instead of eight reductions) and keeps a 64-dim tile of the output in registers
-# while it sums the values; a sequence costs its length squared, so the threads take (sequence, KV head) items
-# from a shared counter, longest first. On the default model's 32 prompts of 64-192 tokens it takes 14 ms a
-# layer where PyTorch's SDPA, called per prompt, took 19-23 ms; the whole prefill step is 6.2 s either way
-# within the noise, since its matmuls take 5.4 s of it.
+# prompt's K and V fit in L2): two small matrix products per (sequence, head), scores = Q K^T and out = P V.
+# The first version computed one query row at a time, a dot product and a horizontal sum per score, at about
+# 40 GFLOP/s, no faster than PyTorch's SDPA called per prompt. The second treats both products the way a
+# matmul kernel does, as register tiles where every multiply-add is a whole register of useful work:
 #
+#     scores:  12 query rows x 16 keys = 12 accumulators; per d: one load of K^T[d][16 keys],
+#              12 multiply-adds by a broadcast q[row][d]                    (K^T written once per work item)
+#     values:  6 query rows x 64 dims = 24 accumulators; per key j: four loads of V[j][64 dims],
+#              24 multiply-adds by a broadcast p[row][j]
+#
+# with the exact softmax (max, exp, sum, in fp32) between them, row by row. In bf16 on a CPU with AVX-512 BF16
+# the scores come straight from the bf16 pairs with `vdpbf16ps` (exact products, fp32 sums). One layer of the
+# default model, 32 prompts of 128 tokens, bf16, two threads: about 5 ms, against 10 ms for per-prompt SDPA
+# (2026-11-27); the bf16 prefill step of those prompts went from 2.8-3.0 s to 2.5-2.7 s. The cell below
+# times one layer's attention for 8 prompts both ways (one thread, as the whole lesson) and checks them equal.
+
+# %%
+# NBVAL_IGNORE_OUTPUT
+if have_cpp:
+    lens = [128] * 8
+    qkv = torch.randn(sum(lens), cfg.num_attention_heads + 2 * cfg.num_key_value_heads, cfg.head_dim)
+    q_p, k_p, v_p = qkv.split([cfg.num_attention_heads, cfg.num_key_value_heads, cfg.num_key_value_heads], dim=1)
+    q_p = q_p.contiguous()
+    starts = [sum(lens[:i]) for i in range(len(lens))]
+
+    def sdpa_per_prompt():
+        out = torch.empty_like(q_p)
+        for start, n in zip(starts, lens):
+            qi, ki, vi = (t[start:start + n].transpose(0, 1)[None] for t in (q_p, k_p, v_p))
+            out[start:start + n] = F.scaled_dot_product_attention(
+                qi, ki, vi, is_causal=True, scale=cfg.head_dim ** -0.5, enable_gqa=True)[0].transpose(0, 1)
+        return out
+
+    tiles = kernels.cpu_ops.prefill_attention(q_p, k_p, v_p, starts, lens, cfg.head_dim ** -0.5)
+    torch.testing.assert_close(tiles, sdpa_per_prompt(), atol=2e-5, rtol=2e-5)
+    print(f"8 prompts x 128 tokens, one layer: SDPA per prompt {per_op_ms(sdpa_per_prompt, n=10):.2f} ms, "
+          f"register tiles {per_op_ms(lambda: kernels.cpu_ops.prefill_attention(q_p, k_p, v_p, starts, lens, cfg.head_dim ** -0.5), n=10):.2f} ms")
+
+# %% [markdown]
 # Those matmuls had one more cost that is about memory, not arithmetic. A 4,096-token prefill's MLP writes a
 # gate/up activation of 4,096 x 3,072 fp32 values, 50 MB, larger than this CPU's 32 MB L3, and the activation
 # and the down projection then read it back from memory. `LlamaMLP` now runs a long prefill in row slices of
