@@ -109,6 +109,18 @@ inline void prefetch(const void* p, int64_t bytes) {
   for (int64_t off = 0; off < bytes; off += 64) __builtin_prefetch(static_cast<const char*>(p) + off);
 }
 
+// s[0 ... n-1] = exp(s - max s), the softmax's numerators (exact two-pass form, fp32); returns their sum.
+inline float exp_and_sum(float* s, int64_t n) {
+  const float m = *std::max_element(s, s + n);
+  float sum = 0.f;
+#pragma omp simd reduction(+ : sum)
+  for (int64_t t = 0; t < n; ++t) {
+    s[t] = std::exp(s[t] - m);
+    sum += s[t];
+  }
+  return sum;
+}
+
 #if defined(__AVX512F__)
 // ---- the AVX-512 decode path: a (sequence, KV head) per work item, its rows' vectors in registers ----
 //
@@ -192,18 +204,8 @@ void decode_tiled(const Q* query, const C* key_cache, const C* value_cache, cons
           }
         }
       }
-      float total[G];
-      for (int g = 0; g < G; ++g) {                              // softmax: p = exp(s - max), sum
-        float* s = scores.data() + g * len;
-        const float m = *std::max_element(s, s + len);
-        float sum = 0.f;
-#pragma omp simd reduction(+ : sum)
-        for (int64_t t = 0; t < len; ++t) {
-          s[t] = std::exp(s[t] - m);
-          sum += s[t];
-        }
-        total[g] = sum;
-      }
+      float total[G];                                            // softmax: p = exp(s - max), and its sum
+      for (int g = 0; g < G; ++g) total[g] = exp_and_sum(scores.data() + g * len, len);
       // Pass 2: acc[g] = sum_t p[g][t] * v_t; a value row is converted once for all G rows.
       v16 acc[G][NC] = {};
       for (int64_t b = 0; b < num_blocks; ++b) {
@@ -304,17 +306,7 @@ void decode(const Q* query, const C* key_cache, const C* value_cache, const int3
         }
       }
       // Softmax over t, per query row: p = exp(s - max), normalised at the end.
-      for (int64_t r = 0; r < rows; ++r) {
-        float* s = scores.data() + r * len;
-        const float m = *std::max_element(s, s + len);
-        float sum = 0.f;
-#pragma omp simd reduction(+ : sum)
-        for (int64_t t = 0; t < len; ++t) {
-          s[t] = std::exp(s[t] - m);
-          sum += s[t];
-        }
-        total[r] = sum;
-      }
+      for (int64_t r = 0; r < rows; ++r) total[r] = exp_and_sum(scores.data() + r * len, len);
       // Pass 2: acc = sum_t p_t * v_t, in the same order as pass 1.
       std::fill(acc.begin(), acc.end(), 0.f);
       for (int64_t b = 0; b < num_blocks; ++b) {
@@ -631,16 +623,8 @@ void prefill(const T* query, const T* key, const T* value, const int64_t* starts
         for (int64_t t = 0; t < kTileRows; ++t) {
           float* st = s.data() + t * key_pitch;
           const int64_t keys = r0 + t < num_rows ? item.row0 + (r0 + t) / group + 1 : n;   // this row's
-          float m = st[0];
-          for (int64_t j = 1; j < keys; ++j) m = std::max(m, st[j]);
-          float sum = 0.f;
-#pragma omp simd reduction(+ : sum)
-          for (int64_t j = 0; j < keys; ++j) {
-            st[j] = std::exp(st[j] - m);
-            sum += st[j];
-          }
+          total[t] = exp_and_sum(st, keys);
           for (int64_t j = keys; j < n; ++j) st[j] = 0.f;          // masked: later keys weigh nothing
-          total[t] = sum;
         }
         for (int64_t t0 = 0; t0 < kTileRows; t0 += kValueRows)
           for (int64_t d0 = 0; d0 < v_pitch; d0 += kValueDims)
