@@ -1,28 +1,34 @@
-// bf16 linear layers on a CPU with AVX-512 BF16: y = x @ W^T (+ bias), from a weight packed once at load.
+// Linear layers on a CPU with AVX-512, fp32 and bf16: y = x @ W^T (+ bias), from a weight packed once at load.
 //
-//   pack_bf16_linear(weight)                 weight (out, in) bf16, in even -> packed (panels, in / 2, 48) int32
-//   bf16_linear(x, packed, out, bias)        x (rows, in) bf16 -> y (rows, out) bf16; bias (out,) bf16 or None
-//   bf16_linear_available()                  whether this build has them (the CPU has AVX-512 BF16)
+//   pack_linear(weight)                weight (out, in) fp32, or bf16 with an even `in` -> packed (panels,
+//                                      words, 48) of 32-bit words: fp32 (words = in), or int32 holding bf16
+//                                      pairs (words = in / 2)
+//   packed_linear(x, packed, out, bias)  x (rows, in) in the weight's dtype -> y (rows, out), same dtype;
+//                                      bias (out,) in that dtype, or None
+//   fp32_linear_available()            whether this build has the fp32 kernel (the CPU has AVX-512F)
+//   bf16_linear_available()            whether it has the bf16 kernel (the CPU has AVX-512 BF16)
 //
 // Why: a decode step multiplies a few rows (the batch) by every weight of the model, and those weights stream
-// from memory every step (the default model's 269 MB in bf16 is eight times this CPU's L3). oneDNN's packed
-// matmul (model/cpu_gemm.py) runs that at 280-300 GFLOP/s at 32 rows here, about 60% of the two cores' bf16
-// peak (vdpbf16ps: 1 a cycle a core, 64 flops, about 455 GFLOP/s); with the weights in cache it reaches 360-400.
-// This kernel is the plain outer-product form, with the weight read in the order it is stored:
+// from memory every step (the default model's 538 MB in fp32, 269 MB in bf16, against this CPU's 32 MB of L3).
+// oneDNN's packed matmul (model/cpu_gemm.py) runs that at 32 rows here at about 70% of the two cores' fp32
+// peak (one 16-lane FMA a cycle a core, about 230 GFLOP/s) and 60% of their bf16 peak (one vdpbf16ps a cycle,
+// 64 flops, about 455 GFLOP/s). This kernel is the plain outer-product form, with the weight read in the
+// order it is stored. A "word" is 32 bits: one fp32 weight, or a bf16 pair (W[n][2 k2], W[n][2 k2 + 1]),
+// which vdpbf16ps multiplies by a pair of x and adds into one fp32 lane.
 //
-//   packed[p][k2][c] = the bf16 pair (W[48p + c][2 k2], W[48p + c][2 k2 + 1]) as one 32-bit word: panel p holds
-//                      48 output columns, and one k2 row of it is three registers of 16 columns;
-//   a tile is kRowTile rows of x by one panel: 8 x 3 accumulators (fp32); for each k2, three loads of the panel
-//   row, and for each x row one broadcast of its pair (x[r][2 k2], x[r][2 k2 + 1]) and three vdpbf16ps.
+//   packed[p][k][c] = word k of weight row 48 p + c: panel p holds 48 output columns, and one word row of it
+//                     is three registers of 16 columns;
+//   a tile is kRowTile rows of x by one panel: 8 x 3 accumulators (fp32); for each word k, three loads of the
+//   panel row, and for each x row one broadcast of its word k and three FMAs (fp32) or vdpbf16ps (bf16).
 //
 // So 24 multiply-adds of 16 lanes per 3 loads and 8 broadcasts, the panel streams from memory front to back
-// (asked for ahead with prefetches) and stays in L2 for the other row tiles. A product of two bf16 values is
-// exact in fp32, so the sums are fp32 sums of exact products, as oneDNN's are; only their order differs. The
-// result is rounded to bf16 once, to nearest even (vcvtneps2bf16), after the bias is added in fp32.
+// (asked for ahead with prefetches) and stays in L2 for the other row tiles. In bf16 a product of two bf16
+// values is exact in fp32, so the sums are fp32 sums of exact products, as oneDNN's are; only their order
+// differs. The bias is added in fp32, and a bf16 result is rounded once, to nearest even (vcvtneps2bf16).
 //
 // Measured on 2 cores (AMD EPYC, Zen 4), the default model's four matmuls of all 30 layers (weights from
-// memory): 32 rows 18 ms against oneDNN's 24 ms; 1 row 7.2 against 11.5 ms (28 GB/s: the memory's bandwidth);
-// equal from 2,048 rows up. The README's "Measured" has the table.
+// memory), bf16: 32 rows 18 ms against oneDNN's 24 ms; 1 row 7.2 against 11.5 ms (28 GB/s: the memory's
+// bandwidth); equal from 2,048 rows up. fp32: see the README's "Measured".
 
 #include <ATen/ATen.h>
 #include <ATen/Parallel.h>
@@ -30,7 +36,8 @@
 
 #include <algorithm>
 #include <cstring>
-#if defined(__AVX512BF16__)
+#include <type_traits>
+#if defined(__AVX512F__)
 #include <immintrin.h>
 #endif
 
@@ -41,45 +48,61 @@ constexpr int64_t kRowTile = 8;               // x rows per tile: 8 x 3 accumula
 constexpr int64_t kRowChunk = 512;            // rows of x per pass over the weight (a chunk of x stays in L2)
 constexpr int64_t kPrefetchAhead = 16;        // panel rows asked for ahead of their use
 
-at::Tensor pack_bf16_linear(const at::Tensor& weight) {
-  TORCH_CHECK(weight.dim() == 2 && weight.scalar_type() == at::kBFloat16 && weight.size(1) % 2 == 0,
-              "pack_bf16_linear: a bf16 (out, in) weight with an even `in` expected, got ", weight.sizes(), " ",
-              weight.scalar_type());
+// Weight elements per 32-bit word: 1 in fp32, 2 (a pair along `in`) in bf16.
+int64_t per_word(at::ScalarType dtype) { return dtype == at::kBFloat16 ? 2 : 1; }
+
+at::Tensor pack_linear(const at::Tensor& weight) {
+  TORCH_CHECK(weight.dim() == 2 && (weight.scalar_type() == at::kFloat ||
+                                    (weight.scalar_type() == at::kBFloat16 && weight.size(1) % 2 == 0)),
+              "pack_linear: an fp32 (out, in) weight, or a bf16 one with an even `in`, expected, got ",
+              weight.sizes(), " ", weight.scalar_type());
   const at::Tensor w = weight.contiguous();
-  const int64_t out = w.size(0), pairs = w.size(1) / 2, panels = (out + kPanelCols - 1) / kPanelCols;
-  at::Tensor packed = at::zeros({panels, pairs, kPanelCols}, w.options().dtype(at::kInt));   // zero columns pad
-  const uint32_t* src = reinterpret_cast<const uint32_t*>(w.data_ptr<at::BFloat16>());     // (out, pairs) words
-  uint32_t* dst = reinterpret_cast<uint32_t*>(packed.data_ptr<int32_t>());
+  const int64_t out = w.size(0), words = w.size(1) / per_word(w.scalar_type());
+  const int64_t panels = (out + kPanelCols - 1) / kPanelCols;
+  const at::ScalarType word_type = w.scalar_type() == at::kBFloat16 ? at::kInt : at::kFloat;
+  at::Tensor packed = at::zeros({panels, words, kPanelCols}, w.options().dtype(word_type));   // zero columns pad
+  const uint32_t* src = static_cast<const uint32_t*>(w.data_ptr());                          // (out, words)
+  uint32_t* dst = static_cast<uint32_t*>(packed.data_ptr());
   for (int64_t n = 0; n < out; ++n)
-    for (int64_t k2 = 0; k2 < pairs; ++k2)
-      dst[((n / kPanelCols) * pairs + k2) * kPanelCols + n % kPanelCols] = src[n * pairs + k2];
+    for (int64_t k = 0; k < words; ++k)
+      dst[((n / kPanelCols) * words + k) * kPanelCols + n % kPanelCols] = src[n * words + k];
   return packed;
 }
 
-#if defined(__AVX512BF16__)
-// y[r][c] = sum over k2 of x pair (r, k2) . panel pair (k2, c), for R rows of x (`pairs` words apart) and one
-// panel; then + bias, rounded to bf16, and the first `cols` columns stored (y rows ldy apart).
-template <int R>
-void tile(const uint32_t* x, int64_t pairs, const uint32_t* panel, const at::BFloat16* bias, at::BFloat16* y,
-          int64_t ldy, int64_t cols) {
+#if defined(__AVX512F__)
+// y[r][c] = sum over words k of x word (r, k) . panel word (k, c), for R rows of x (`words` apart) and one
+// panel; then + bias, (bf16: rounded), and the first `cols` columns stored (y rows ldy apart). T is the dtype:
+// float (FMA of one value) or at::BFloat16 (vdpbf16ps of one pair).
+template <int R, typename T>
+void tile(const uint32_t* x, int64_t words, const uint32_t* panel, const T* bias, T* y, int64_t ldy,
+          int64_t cols) {
+  constexpr bool kBf16 = std::is_same_v<T, at::BFloat16>;
   __m512 acc[R][3];
 #pragma GCC unroll 8
   for (int r = 0; r < R; ++r)
     for (int c = 0; c < 3; ++c) acc[r][c] = _mm512_setzero_ps();
-  for (int64_t k2 = 0; k2 < pairs; ++k2) {
-    const uint32_t* w = panel + k2 * kPanelCols;
+  for (int64_t k = 0; k < words; ++k) {
+    const uint32_t* w = panel + k * kPanelCols;
     const char* ahead = reinterpret_cast<const char*>(w + kPrefetchAhead * kPanelCols);
     _mm_prefetch(ahead, _MM_HINT_T0);
     _mm_prefetch(ahead + 64, _MM_HINT_T0);
     _mm_prefetch(ahead + 128, _MM_HINT_T0);
-    const __m512bh w0 = (__m512bh)_mm512_loadu_si512(w), w1 = (__m512bh)_mm512_loadu_si512(w + 16),
-                   w2 = (__m512bh)_mm512_loadu_si512(w + 32);
+    const __m512i w0 = _mm512_loadu_si512(w), w1 = _mm512_loadu_si512(w + 16), w2 = _mm512_loadu_si512(w + 32);
 #pragma GCC unroll 8
     for (int r = 0; r < R; ++r) {
-      const __m512bh xr = (__m512bh)_mm512_set1_epi32(static_cast<int>(x[r * pairs + k2]));
-      acc[r][0] = _mm512_dpbf16_ps(acc[r][0], xr, w0);
-      acc[r][1] = _mm512_dpbf16_ps(acc[r][1], xr, w1);
-      acc[r][2] = _mm512_dpbf16_ps(acc[r][2], xr, w2);
+      const __m512i xr = _mm512_set1_epi32(static_cast<int>(x[r * words + k]));
+      if constexpr (kBf16) {
+#if defined(__AVX512BF16__)
+        acc[r][0] = _mm512_dpbf16_ps(acc[r][0], (__m512bh)xr, (__m512bh)w0);
+        acc[r][1] = _mm512_dpbf16_ps(acc[r][1], (__m512bh)xr, (__m512bh)w1);
+        acc[r][2] = _mm512_dpbf16_ps(acc[r][2], (__m512bh)xr, (__m512bh)w2);
+#endif
+      } else {
+        const __m512 xf = _mm512_castsi512_ps(xr);
+        acc[r][0] = _mm512_fmadd_ps(xf, _mm512_castsi512_ps(w0), acc[r][0]);
+        acc[r][1] = _mm512_fmadd_ps(xf, _mm512_castsi512_ps(w1), acc[r][1]);
+        acc[r][2] = _mm512_fmadd_ps(xf, _mm512_castsi512_ps(w2), acc[r][2]);
+      }
     }
   }
   __m512 b[3] = {_mm512_setzero_ps(), _mm512_setzero_ps(), _mm512_setzero_ps()};
@@ -89,54 +112,55 @@ void tile(const uint32_t* x, int64_t pairs, const uint32_t* panel, const at::BFl
     for (int c = 0; c < 3; ++c) b[c] = _mm512_loadu_ps(fb + 16 * c);
   }
   for (int r = 0; r < R; ++r) {
-    alignas(64) at::BFloat16 row[kPanelCols];
-    for (int c = 0; c < 3; ++c)
-      _mm256_store_si256(reinterpret_cast<__m256i*>(row + 16 * c), (__m256i)_mm512_cvtneps_pbh(acc[r][c] + b[c]));
-    std::memcpy(y + r * ldy, row, cols * sizeof(at::BFloat16));
+    alignas(64) T row[kPanelCols];
+    for (int c = 0; c < 3; ++c) {
+      if constexpr (kBf16) {
+#if defined(__AVX512BF16__)
+        _mm256_store_si256(reinterpret_cast<__m256i*>(row + 16 * c), (__m256i)_mm512_cvtneps_pbh(acc[r][c] + b[c]));
+#endif
+      } else {
+        _mm512_store_ps(row + 16 * c, acc[r][c] + b[c]);
+      }
+    }
+    std::memcpy(y + r * ldy, row, cols * sizeof(T));
   }
 }
 
-using TileFn = void (*)(const uint32_t*, int64_t, const uint32_t*, const at::BFloat16*, at::BFloat16*, int64_t,
-                        int64_t);
-constexpr TileFn kTiles[kRowTile + 1] = {nullptr, tile<1>, tile<2>, tile<3>, tile<4>, tile<5>, tile<6>, tile<7>,
-                                         tile<8>};
-#endif
+template <typename T>
+using TileFn = void (*)(const uint32_t*, int64_t, const uint32_t*, const T*, T*, int64_t, int64_t);
+template <typename T>
+constexpr TileFn<T> kTiles[kRowTile + 1] = {nullptr, tile<1, T>, tile<2, T>, tile<3, T>, tile<4, T>,
+                                            tile<5, T>, tile<6, T>, tile<7, T>, tile<8, T>};
 
-at::Tensor bf16_linear(const at::Tensor& x, const at::Tensor& packed, int64_t out_features,
-                       const c10::optional<at::Tensor>& bias) {
-#if defined(__AVX512BF16__)
-  TORCH_CHECK(x.dim() == 2 && x.scalar_type() == at::kBFloat16, "bf16_linear: x (rows, in) bf16 expected, got ",
-              x.sizes(), " ", x.scalar_type());
-  TORCH_CHECK(packed.dim() == 3 && packed.scalar_type() == at::kInt && packed.size(2) == kPanelCols &&
-              packed.size(1) * 2 == x.size(1) && packed.size(0) * kPanelCols >= out_features &&
-              packed.size(0) * kPanelCols < out_features + kPanelCols, "bf16_linear: `packed` (", packed.sizes(),
-              ") is not pack_bf16_linear's layout of a (", out_features, ", ", x.size(1), ") weight");
-  TORCH_CHECK(!bias.has_value() || (bias->numel() == out_features && bias->scalar_type() == at::kBFloat16),
-              "bf16_linear: bias must be bf16 (", out_features, ",)");
-  const at::Tensor xc = x.contiguous();
-  const at::Tensor b = bias.has_value() ? bias->contiguous() : at::Tensor();
-  const int64_t rows = xc.size(0), pairs = xc.size(1) / 2, panels = packed.size(0);
-  at::Tensor y = at::empty({rows, out_features}, xc.options());
-  const uint32_t* xs = reinterpret_cast<const uint32_t*>(xc.data_ptr<at::BFloat16>());
-  const uint32_t* w = reinterpret_cast<const uint32_t*>(packed.data_ptr<int32_t>());
-  const at::BFloat16* bp = b.defined() ? b.data_ptr<at::BFloat16>() : nullptr;
-  at::BFloat16* ys = y.data_ptr<at::BFloat16>();
+// The row chunks of x, each a pass over the weight with the panels split among the threads.
+template <typename T>
+void run_tiles(const at::Tensor& x, const at::Tensor& packed, const at::Tensor& bias, at::Tensor& y) {
+  const int64_t rows = x.size(0), words = packed.size(1), panels = packed.size(0), out = y.size(1);
+  const uint32_t* xs = static_cast<const uint32_t*>(x.data_ptr());
+  const uint32_t* w = static_cast<const uint32_t*>(packed.data_ptr());
+  const T* bp = bias.defined() ? static_cast<const T*>(bias.data_ptr()) : nullptr;
+  T* ys = static_cast<T*>(y.data_ptr());
   for (int64_t m0 = 0; m0 < rows; m0 += kRowChunk) {
     const int64_t m1 = std::min(rows, m0 + kRowChunk);
     at::parallel_for(0, panels, 1, [&](int64_t p0, int64_t p1) {    // each thread: a run of whole panels
       for (int64_t p = p0; p < p1; ++p) {
-        const int64_t col0 = p * kPanelCols, cols = std::min(kPanelCols, out_features - col0);
+        const int64_t col0 = p * kPanelCols, cols = std::min(kPanelCols, out - col0);
         for (int64_t r = m0; r < m1; r += kRowTile) {
           const int64_t n = std::min(kRowTile, m1 - r);
-          kTiles[n](xs + r * pairs, pairs, w + p * pairs * kPanelCols, bp == nullptr ? nullptr : bp + col0,
-                    ys + r * out_features + col0, out_features, cols);
+          kTiles<T>[n](xs + r * words, words, w + p * words * kPanelCols, bp == nullptr ? nullptr : bp + col0,
+                       ys + r * out + col0, out, cols);
         }
       }
     });
   }
-  return y;
+}
+#endif
+
+bool fp32_linear_available() {
+#if defined(__AVX512F__)
+  return true;
 #else
-  TORCH_CHECK(false, "bf16_linear: this build has no AVX-512 BF16 (bf16_linear_available() is False)");
+  return false;
 #endif
 }
 
@@ -148,15 +172,44 @@ bool bf16_linear_available() {
 #endif
 }
 
+at::Tensor packed_linear(const at::Tensor& x, const at::Tensor& packed, int64_t out_features,
+                         const c10::optional<at::Tensor>& bias) {
+  const at::ScalarType dtype = x.scalar_type();
+  TORCH_CHECK(x.dim() == 2 && (dtype == at::kFloat || dtype == at::kBFloat16),
+              "packed_linear: x (rows, in) fp32 or bf16 expected, got ", x.sizes(), " ", dtype);
+  TORCH_CHECK(dtype == at::kBFloat16 ? bf16_linear_available() : fp32_linear_available(),
+              "packed_linear: this build has no ", dtype == at::kBFloat16 ? "AVX-512 BF16" : "AVX-512F",
+              " for ", dtype, " (see fp32_linear_available() and bf16_linear_available())");
+  TORCH_CHECK(packed.dim() == 3 && packed.scalar_type() == (dtype == at::kBFloat16 ? at::kInt : at::kFloat) &&
+              packed.size(2) == kPanelCols &&
+              packed.size(1) * per_word(dtype) == x.size(1) && packed.size(0) * kPanelCols >= out_features &&
+              packed.size(0) * kPanelCols < out_features + kPanelCols, "packed_linear: `packed` (",
+              packed.sizes(), ") is not pack_linear's layout of a ", dtype, " (", out_features, ", ", x.size(1),
+              ") weight");
+  TORCH_CHECK(!bias.has_value() || (bias->numel() == out_features && bias->scalar_type() == dtype),
+              "packed_linear: bias must be (", out_features, ",) in ", dtype);
+  const at::Tensor xc = x.contiguous();
+  const at::Tensor b = bias.has_value() ? bias->contiguous() : at::Tensor();
+  at::Tensor y = at::empty({xc.size(0), out_features}, xc.options());
+#if defined(__AVX512F__)
+  if (dtype == at::kBFloat16)
+    run_tiles<at::BFloat16>(xc, packed, b, y);
+  else
+    run_tiles<float>(xc, packed, b, y);
+#endif
+  return y;
+}
+
 }  // namespace
 
 TORCH_LIBRARY_FRAGMENT(minivllm_cpu, m) {
-  m.def("pack_bf16_linear(Tensor weight) -> Tensor");
-  m.def("bf16_linear(Tensor x, Tensor packed, int out_features, Tensor? bias) -> Tensor");
-  m.def("bf16_linear_available", &bf16_linear_available);        // no tensor argument: a catch-all kernel
+  m.def("pack_linear(Tensor weight) -> Tensor");
+  m.def("packed_linear(Tensor x, Tensor packed, int out_features, Tensor? bias) -> Tensor");
+  m.def("fp32_linear_available", &fp32_linear_available);        // no tensor argument: catch-all kernels
+  m.def("bf16_linear_available", &bf16_linear_available);
 }
 
 TORCH_LIBRARY_IMPL(minivllm_cpu, CPU, m) {
-  m.impl("pack_bf16_linear", &pack_bf16_linear);
-  m.impl("bf16_linear", &bf16_linear);
+  m.impl("pack_linear", &pack_linear);
+  m.impl("packed_linear", &packed_linear);
 }

@@ -9,7 +9,7 @@ dtype conversions they include, `cpu_dtype.h`), built on first use with the mach
     silu_and_mul             layers.SiluAndMul: silu(gate) * up
     rotary_embedding         layers.RotaryEmbedding's rotation of q and k
     argmax_rows              torch.argmax(logits, dim=-1) for the sampler's greedy rows
-    bf16_linear              F.linear in bf16 from a weight packed once (pack_bf16_linear); AVX-512 BF16 only
+    packed_linear            F.linear in fp32 or bf16 from a weight packed once (pack_linear); AVX-512 only
 
 `load()` compiles the sources once per machine with torch's cpp_extension (about 12 s here; cached under
 TORCH_EXTENSIONS_DIR, ~/.cache/torch_extensions by default) and registers `torch.ops.minivllm_cpu`.
@@ -132,19 +132,23 @@ def rotary_embedding(positions: torch.Tensor, q: torch.Tensor, k: torch.Tensor, 
     return load().rotary_embedding(positions.long().contiguous(), q, k, cos, sin)
 
 
-def bf16_linear_available() -> bool:
-    """Whether bf16_linear is in this build: the kernels load and the CPU has AVX-512 BF16 (-march=native)."""
-    return available() and bool(load().bf16_linear_available())
+def packed_linear_available(dtype: torch.dtype) -> bool:
+    """Whether packed_linear runs `dtype` in this build: the kernels load and the CPU has AVX-512F (fp32) or
+    AVX-512 BF16 (bf16) (-march=native)."""
+    if dtype not in (torch.float32, torch.bfloat16) or not available():
+        return False
+    return bool(load().bf16_linear_available() if dtype == torch.bfloat16 else load().fp32_linear_available())
 
 
-def pack_bf16_linear(weight: torch.Tensor) -> torch.Tensor:
-    """weight (out, in) bf16, `in` even -> its packed layout for bf16_linear (int32 words: bf16 pairs)."""
-    return load().pack_bf16_linear(weight)
+def pack_linear(weight: torch.Tensor) -> torch.Tensor:
+    """weight (out, in) fp32, or bf16 with an even `in` -> its packed layout for packed_linear: (panels, words,
+    48), fp32 words, or int32 words holding bf16 pairs."""
+    return load().pack_linear(weight)
 
 
-def bf16_linear(x: torch.Tensor, packed: torch.Tensor, out_features: int,
-                bias: torch.Tensor | None = None) -> torch.Tensor:
-    """x (..., in) bf16 -> x @ weight.T + bias, (..., out_features) bf16, from pack_bf16_linear(weight)."""
+def packed_linear(x: torch.Tensor, packed: torch.Tensor, out_features: int,
+                  bias: torch.Tensor | None = None) -> torch.Tensor:
+    """x (..., in) fp32 or bf16 -> x @ weight.T + bias, (..., out_features) in x's dtype, from pack_linear(weight)."""
     shape = x.shape
-    y = load().bf16_linear(x.reshape(-1, shape[-1]), packed, int(out_features), bias)
+    y = load().packed_linear(x.reshape(-1, shape[-1]), packed, int(out_features), bias)
     return y.view(*shape[:-1], out_features)

@@ -212,8 +212,8 @@ print(f"weights {weights / 1e6:.0f} MB at {bandwidth / 1e9:.1f} GB/s: a decode s
 # matrix into the tiles its kernel streams through, once at load, instead of the matmul library adapting a
 # plain layout on every call; on CPUs with AVX-512 BF16 it also packs bf16 (two products per lane with
 # `vdpbf16ps`), while an AVX2-only CPU refuses bf16 packing and keeps `F.linear` (the table below says which
-# this machine is). On a CPU with AVX-512 BF16, bf16 weights now go to minivllm's own kernel instead
-# (`kernels/cpu_gemm.cpp`, next paragraph). **Weight-only int8 and int4** (`minivllm/model/quantization.py`) read 4-8x fewer bytes than
+# this machine is). On a CPU with AVX-512, fp32 weights (and bf16 ones, with AVX-512 BF16) now go to
+# minivllm's own kernel instead (`kernels/cpu_gemm.cpp`, next paragraph). **Weight-only int8 and int4** (`minivllm/model/quantization.py`) read 4-8x fewer bytes than
 # fp32, which wins where a step only reads weights (one row), and loses at 32 rows, where PyTorch's packed-int
 # kernels spend their time dequantizing. The cell measures all of them on the model's own matmuls (30 layers'
 # four linear layers and the LM head), at 1 and 32 rows, here and now:
@@ -252,17 +252,21 @@ def step_time(fn, rows, dtype=torch.float32, reps=3):
 results = {}
 for rows in (1, 32):
     results[("F.linear fp32", rows)] = step_time(lambda l, x: F.linear(x, l.weight), rows)
-    packed = [cpu_gemm.prepack(l.weight) for l in layers]
-    lookup = dict(zip(map(id, layers), packed))
-    results[("oneDNN fp32", rows)] = step_time(lambda l, x: cpu_gemm.gemm(x, l.weight, None, lookup[id(l)]), rows)
+    onednn32 = {id(l): torch.ops.mkldnn._reorder_linear_weight(l.weight, cpu_gemm.BATCH_HINT) for l in layers}
+    results[("oneDNN fp32", rows)] = step_time(
+        lambda l, x: torch.ops.mkldnn._linear_pointwise(x, onednn32[id(l)], None, "none", [], ""), rows)
+    if cpu_gemm.own_gemm(torch.float32):             # minivllm's kernels/cpu_gemm.cpp (AVX-512)
+        own32 = {id(l): kernels.cpu_ops.pack_linear(l.weight) for l in layers}
+        results[("minivllm fp32 (cpu_gemm.cpp)", rows)] = step_time(
+            lambda l, x: cpu_gemm.gemm(x, l.weight, None, own32[id(l)]), rows)
     w16 = {id(l): l.weight.bfloat16() for l in layers}
     if cpu_gemm.packable(torch.bfloat16):            # oneDNN's bf16 layout, as the engine packs it without AVX-512 BF16
         onednn16 = {id(l): torch.ops.mkldnn._reorder_linear_weight(w16[id(l)], cpu_gemm.BATCH_HINT) for l in layers}
         results[("oneDNN bf16", rows)] = step_time(
             lambda l, x: torch.ops.mkldnn._linear_pointwise(x, onednn16[id(l)], None, "none", [], ""), rows,
             torch.bfloat16)
-    if cpu_gemm.own_bf16_gemm():                     # minivllm's kernels/cpu_gemm.cpp (AVX-512 BF16)
-        own16 = {id(l): kernels.cpu_ops.pack_bf16_linear(w16[id(l)]) for l in layers}
+    if cpu_gemm.own_gemm(torch.bfloat16):            # minivllm's kernels/cpu_gemm.cpp (AVX-512 BF16)
+        own16 = {id(l): kernels.cpu_ops.pack_linear(w16[id(l)]) for l in layers}
         results[("minivllm bf16 (cpu_gemm.cpp)", rows)] = step_time(
             lambda l, x: cpu_gemm.gemm(x, w16[id(l)], None, own16[id(l)]), rows, torch.bfloat16)
     if not cpu_gemm.packable(torch.bfloat16):
@@ -281,7 +285,8 @@ for name, method in (("int8", quantization.Int8WeightOnlyMethod()), ("int4", qua
     layers = saved
 
 print("oneDNN packs bf16 on this CPU:", cpu_gemm.packable(torch.bfloat16),
-      "| minivllm's bf16 kernel (AVX-512 BF16):", cpu_gemm.own_bf16_gemm())
+      "| minivllm's kernel, fp32 (AVX-512):", cpu_gemm.own_gemm(torch.float32),
+      "bf16 (AVX-512 BF16):", cpu_gemm.own_gemm(torch.bfloat16))
 print(f"{'matmuls of one decode step':28} {'1 row':>9} {'32 rows':>9}")
 for name in dict.fromkeys(k[0] for k in results):
     print(f"{name:28} {results[(name, 1)]:7.1f} ms {results[(name, 32)]:7.1f} ms")
@@ -291,15 +296,17 @@ for name in dict.fromkeys(k[0] for k in results):
 # 280-300 GFLOP/s with the weights coming from memory, as they do in a decode step (269 MB of bf16 weights,
 # eight times the L3), against about 455 GFLOP/s of peak for two cores (one 16-lane `vdpbf16ps` a cycle each,
 # 64 flops). Nothing about 32 rows needs a clever kernel: the outer-product form is enough if the weight is
-# read in the order it is stored. `pack_bf16_linear` rewrites W once into panels of 48 output columns, each
-# row of a panel the 48 columns' bf16 *pairs* (W[n][2k], W[n][2k+1]) as 32-bit words: three registers. A tile
-# is 8 rows of x by one panel: 24 fp32 accumulators; for each pair index k, three loads of the panel row, and
-# for each of the 8 rows a broadcast of its pair (x[r][2k], x[r][2k+1]) and three `vdpbf16ps`. The panel
-# streams from memory front to back (prefetched a few rows ahead) and stays in L2 for the other row tiles.
-# Measured on the 2-core Zen 4 of 2026-11-27, the default model's matmuls of 30 layers with cold weights:
-# 32 rows 18 ms against oneDNN's 24; 1 row 7.2 against 11.5 ms, which is 28 GB/s, the memory's bandwidth;
-# the same from 2,048 rows up. A product of two bf16 values is exact in fp32, so the result is oneDNN's up to
-# the order of the fp32 sums, rounded once (`tests/test_cpu_gemm.py` checks every element against float64).
+# read in the order it is stored. `pack_linear` rewrites W once into panels of 48 output columns, each row of
+# a panel the 48 columns' 32-bit *words*: one fp32 weight W[n][k], or in bf16 a pair (W[n][2k], W[n][2k+1]);
+# three registers. A tile is 8 rows of x by one panel: 24 fp32 accumulators; for each word index k, three loads
+# of the panel row, and for each of the 8 rows a broadcast of its word (x[r][k], or the pair x[r][2k],
+# x[r][2k+1]) and three FMAs (fp32) or `vdpbf16ps` (bf16). The panel streams from memory front to back
+# (prefetched a few rows ahead) and stays in L2 for the other row tiles. Measured on the 2-core Zen 4 of
+# 2026-11-27, the default model's matmuls of 30 layers with cold weights, bf16: 32 rows 18 ms against oneDNN's
+# 24; 1 row 7.2 against 11.5 ms, which is 28 GB/s, the memory's bandwidth; the same from 2,048 rows up. fp32
+# (the same kernel with FMAs): 1 row 12.7 against 20.0 ms, 32 rows 48 against 52 ms, and 2-4% ahead at 128-512
+# rows. A product of two bf16 values is exact in fp32, so the result is oneDNN's up to the order of the fp32
+# sums, rounded once (`tests/test_cpu_gemm.py` checks every element against float64).
 #
 # Same answers, different layout: the packed matmul equals `F.linear` to fp32 rounding (a different order
 # of additions), which is why greedy outputs still match Hugging Face token for token with it on.

@@ -1,5 +1,5 @@
-"""Prepacked CPU matmuls (model/cpu_gemm.py): oneDNN's, and minivllm's own bf16 kernel (kernels/cpu_gemm.cpp) on a
-CPU with AVX-512 BF16; same results as F.linear, and really used by the model."""
+"""Prepacked CPU matmuls (model/cpu_gemm.py): oneDNN's, and minivllm's own kernel (kernels/cpu_gemm.cpp) on a CPU
+with AVX-512 (fp32) and AVX-512 BF16 (bf16); same results as F.linear and float64, and really used by the model."""
 
 import pytest
 import torch
@@ -21,76 +21,85 @@ def test_packed_gemm_equals_linear(dtype, rtol, atol, rows):
     b = torch.randn(960, generator=g).to(dtype)
     x = torch.randn(rows, 576, generator=g).to(dtype)
     packed = cpu_gemm.prepack(w)
-    own = dtype == torch.bfloat16 and cpu_gemm.own_bf16_gemm()
-    assert packed is not None and (packed.dtype == torch.int32 if own else packed.is_mkldnn)
+    assert packed is not None and packed.is_mkldnn != cpu_gemm.own_gemm(dtype)
+    assert cpu_gemm.packed_dtype(packed) == dtype
     torch.testing.assert_close(cpu_gemm.gemm(x, w, b, packed), F.linear(x, w, b), rtol=rtol, atol=atol)
     torch.testing.assert_close(cpu_gemm.gemm(x, w, None, packed), F.linear(x, w), rtol=rtol, atol=atol)
 
 
-own_gemm = pytest.mark.skipif(not cpu_gemm.own_bf16_gemm(), reason="minivllm's bf16 matmul needs AVX-512 BF16")
+def own_gemm(dtype):
+    return pytest.param(dtype, marks=pytest.mark.skipif(
+        not cpu_gemm.own_gemm(dtype), reason=f"minivllm's {dtype} matmul needs AVX-512 (bf16: AVX-512 BF16)"))
 
 
 # rows: one, a tile (8) and one over, more than a 512-row chunk; out: whole 48-column panels and a part panel.
-@own_gemm
+@pytest.mark.parametrize("dtype", [own_gemm(torch.float32), own_gemm(torch.bfloat16)])
 @pytest.mark.parametrize("rows", [1, 8, 9, 600])
 @pytest.mark.parametrize("out_features,in_features", [(96, 64), (100, 576), (7, 1536)])
 @pytest.mark.parametrize("with_bias", [False, True])
-def test_own_bf16_gemm_is_the_exact_product_rounded_once(rows, out_features, in_features, with_bias):
-    """Exact products of bf16 values summed in fp32, plus the bias, rounded to bf16 once: within one bf16 rounding
-    (and fp32's summation error) of the float64 answer, for every element."""
+def test_own_gemm_is_within_fp32_summation_error_of_float64(dtype, rows, out_features, in_features, with_bias):
+    """Products summed in fp32 (bf16: products of bf16 values, exact in fp32), plus the bias; bf16 results rounded
+    once. Every element within fp32's summation bound (K u sum |x w|) of the float64 answer, plus one bf16
+    rounding for bf16."""
     from minivllm.model._kernels import kernels
     g = torch.Generator().manual_seed(rows * out_features)
-    w = (torch.randn(out_features, in_features, generator=g) / in_features ** 0.5).bfloat16()
-    x = torch.randn(rows, in_features, generator=g).bfloat16()
-    b = torch.randn(out_features, generator=g).bfloat16() if with_bias else None
-    packed = kernels.cpu_ops.pack_bf16_linear(w)
-    assert packed.shape == (-(-out_features // 48), in_features // 2, 48)
-    got = kernels.cpu_ops.bf16_linear(x, packed, out_features, b)
+    w = (torch.randn(out_features, in_features, generator=g) / in_features ** 0.5).to(dtype)
+    x = torch.randn(rows, in_features, generator=g).to(dtype)
+    b = torch.randn(out_features, generator=g).to(dtype) if with_bias else None
+    packed = kernels.cpu_ops.pack_linear(w)
+    words = in_features // (2 if dtype == torch.bfloat16 else 1)
+    assert packed.shape == (-(-out_features // 48), words, 48) and cpu_gemm.packed_dtype(packed) == dtype
+    got = kernels.cpu_ops.packed_linear(x, packed, out_features, b)
     exact = x.double() @ w.double().T + (b.double() if b is not None else 0)
-    assert got.dtype == torch.bfloat16 and got.shape == (rows, out_features)
-    assert ((got.double() - exact).abs() <= 2 ** -8 * exact.abs() + 1e-5 * in_features ** 0.5).all()
-    assert kernels.cpu_ops.bf16_linear(x[None, :1], packed, out_features, b).shape == (1, 1, out_features)
+    magnitude = x.double().abs() @ w.double().abs().T + (b.double().abs() if b is not None else 0)
+    bound = (in_features + 1) * 2 ** -24 * magnitude + (2 ** -8 * exact.abs() if dtype == torch.bfloat16 else 0)
+    assert got.dtype == dtype and got.shape == (rows, out_features)
+    assert ((got.double() - exact).abs() <= bound).all()
+    assert kernels.cpu_ops.packed_linear(x[None, :1], packed, out_features, b).shape == (1, 1, out_features)
 
 
-@own_gemm
-def test_own_bf16_gemm_refuses_a_wrong_layout_with_a_clear_error():
+@pytest.mark.parametrize("dtype", [own_gemm(torch.float32), own_gemm(torch.bfloat16)])
+def test_own_gemm_refuses_a_wrong_layout_with_a_clear_error(dtype):
     from minivllm.model._kernels import kernels
-    packed = kernels.cpu_ops.pack_bf16_linear(torch.ones(96, 64, dtype=torch.bfloat16))
-    with pytest.raises(RuntimeError, match=r"is not pack_bf16_linear's layout of a \(96, 32\) weight"):
-        kernels.cpu_ops.bf16_linear(torch.ones(2, 32, dtype=torch.bfloat16), packed, 96)
-    with pytest.raises(RuntimeError, match="an even `in`"):
-        kernels.cpu_ops.pack_bf16_linear(torch.ones(4, 5, dtype=torch.bfloat16))
-    assert cpu_gemm.prepack(torch.ones(4, 5, dtype=torch.bfloat16)).is_mkldnn     # odd `in`: oneDNN's
+    packed = kernels.cpu_ops.pack_linear(torch.ones(96, 64, dtype=dtype))
+    with pytest.raises(RuntimeError, match=r"is not pack_linear's layout of a .* \(96, 32\) weight"):
+        kernels.cpu_ops.packed_linear(torch.ones(2, 32, dtype=dtype), packed, 96)
+    if dtype == torch.bfloat16:
+        with pytest.raises(RuntimeError, match="an even `in`"):
+            kernels.cpu_ops.pack_linear(torch.ones(4, 5, dtype=dtype))
+        assert cpu_gemm.prepack(torch.ones(4, 5, dtype=dtype)).is_mkldnn     # odd `in`: oneDNN's
 
 
-@own_gemm
-def test_every_linear_of_a_bf16_model_uses_the_own_kernel(monkeypatch):
+@pytest.mark.parametrize("dtype", [own_gemm(torch.float32), own_gemm(torch.bfloat16)])
+def test_every_linear_of_the_model_uses_the_own_kernel(monkeypatch, dtype):
     from minivllm import LLM, SamplingParams
     from minivllm.model._kernels import kernels
 
-    llm = LLM(dtype="bfloat16", num_kv_blocks=64)
+    llm = LLM(dtype=dtype, num_kv_blocks=64)
     model = llm.llm_engine.model_runner.model
     linears = [m for m in model.modules() if isinstance(m, (ColumnParallelLinear, RowParallelLinear, ParallelLMHead))]
-    assert all(m.packed_weight is not None and m.packed_weight.dtype == torch.int32 for m in linears)
+    assert len(linears) == 30 * 4 + 1                         # qkv, o, gate_up, down per layer + the LM head
+    assert all(m.packed_weight is not None and not m.packed_weight.is_mkldnn for m in linears)
     calls = []
-    real = kernels.cpu_ops.bf16_linear
-    monkeypatch.setattr(kernels.cpu_ops, "bf16_linear", lambda *a: calls.append(1) or real(*a))
+    real = kernels.cpu_ops.packed_linear
+    monkeypatch.setattr(kernels.cpu_ops, "packed_linear", lambda *a: calls.append(1) or real(*a))
     out = llm.generate([{"prompt_token_ids": [1, 2, 3, 4]}], SamplingParams(max_tokens=2, temperature=0),
                        use_tqdm=False)
     assert len(out[0].outputs[0].token_ids) == 2
     assert len(calls) == 2 * len(linears)                     # every linear, both steps
 
 
-def test_own_bf16_gemm_switches_off_with_env(monkeypatch):
-    monkeypatch.setenv("MINIVLLM_CPU_BF16_GEMM", "0")
-    cpu_gemm.own_bf16_gemm.cache_clear()
+def test_own_gemm_switches_off_with_env(monkeypatch):
+    monkeypatch.setenv("MINIVLLM_CPU_OWN_GEMM", "0")
+    cpu_gemm.own_gemm.cache_clear()
     try:
-        assert not cpu_gemm.own_bf16_gemm()
-        packed = cpu_gemm.prepack(torch.ones(96, 64, dtype=torch.bfloat16))
-        assert packed is None or packed.is_mkldnn                 # oneDNN's, or F.linear where it cannot pack
+        for dtype in (torch.float32, torch.bfloat16):
+            assert not cpu_gemm.own_gemm(dtype)
+            packed = cpu_gemm.prepack(torch.ones(96, 64, dtype=dtype))
+            assert packed is None or packed.is_mkldnn             # oneDNN's, or F.linear where it cannot pack
     finally:
         monkeypatch.undo()
-        cpu_gemm.own_bf16_gemm.cache_clear()
+        cpu_gemm.own_gemm.cache_clear()
 
 
 def test_no_packing_for_other_dtypes_and_fallback_on_mismatch():
@@ -101,10 +110,14 @@ def test_no_packing_for_other_dtypes_and_fallback_on_mismatch():
     torch.testing.assert_close(cpu_gemm.gemm(x, w.bfloat16(), None, packed), F.linear(x, w.bfloat16()))
 
 
-def test_every_linear_of_the_model_is_packed_and_used(monkeypatch):
+def test_every_linear_of_the_model_is_packed_for_onednn_and_used(monkeypatch):
     from minivllm import LLM, SamplingParams
 
-    llm = LLM(num_kv_blocks=64)
+    with monkeypatch.context() as env:
+        env.setenv("MINIVLLM_CPU_OWN_GEMM", "0")             # oneDNN's layout for every dtype
+        cpu_gemm.own_gemm.cache_clear()
+        llm = LLM(num_kv_blocks=64)
+    cpu_gemm.own_gemm.cache_clear()
     model = llm.llm_engine.model_runner.model
     linears = [m for m in model.modules() if isinstance(m, (ColumnParallelLinear, RowParallelLinear, ParallelLMHead))]
     assert len(linears) == 30 * 4 + 1                         # qkv, o, gate_up, down per layer + the LM head
@@ -125,9 +138,9 @@ def test_a_dtype_the_cpu_cannot_pack_keeps_f_linear(monkeypatch):
         raise RuntimeError("mkldnn_reorder_linear_weight: bf16 path needs the cpu support avx_ne_convert or "
                            "avx512bw, avx512vl and avx512dq")
     cpu_gemm.packable.cache_clear()
-    cpu_gemm.own_bf16_gemm.cache_clear()
+    cpu_gemm.own_gemm.cache_clear()
     monkeypatch.setattr(torch.ops.mkldnn, "_reorder_linear_weight", refuse)
-    monkeypatch.setenv("MINIVLLM_CPU_BF16_GEMM", "0")        # such a CPU has no AVX-512 BF16 for minivllm's either
+    monkeypatch.setenv("MINIVLLM_CPU_OWN_GEMM", "0")         # such a CPU has no AVX-512 for minivllm's either
     try:
         assert not cpu_gemm.packable(torch.bfloat16)
         layer = ColumnParallelLinear(16, 8, False, TPGroup()).to(torch.bfloat16)
@@ -138,7 +151,7 @@ def test_a_dtype_the_cpu_cannot_pack_keeps_f_linear(monkeypatch):
     finally:
         monkeypatch.undo()
         cpu_gemm.packable.cache_clear()
-        cpu_gemm.own_bf16_gemm.cache_clear()
+        cpu_gemm.own_gemm.cache_clear()
 
 
 def test_switch_off_with_env(monkeypatch):

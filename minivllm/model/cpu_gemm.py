@@ -18,10 +18,11 @@ costs one more copy of the linear weights in memory. Results equal `F.linear`'s 
 relative in fp32: a different summation order), so greedy outputs match Hugging Face's as before; the parity
 tests run with packing on.
 
-bf16 on a CPU with AVX-512 BF16 packs for minivllm's own kernel instead (kernels/cpu_gemm.cpp, bf16_linear:
-48-column panels of bf16 pairs for vdpbf16ps, streamed in storage order). oneDNN ran a 32-row decode step's
-matmuls at about 60% of this CPU's bf16 peak with the weights coming from memory; this runs them about 25%
-faster, and 1-row steps at the memory's bandwidth (README, "Measured"). MINIVLLM_CPU_BF16_GEMM=0 keeps oneDNN.
+On a CPU with AVX-512, fp32 and bf16 weights are packed for minivllm's own kernel instead (kernels/cpu_gemm.cpp,
+packed_linear: 48-column panels of 32-bit words, one fp32 weight or a bf16 pair each, streamed in storage
+order; bf16 needs AVX-512 BF16 for vdpbf16ps). oneDNN ran a 32-row decode step's matmuls at about 60-70% of
+this CPU's peak with the weights coming from memory; this runs them 10-25% faster, and 1-row steps at the
+memory's bandwidth (README, "Measured"). MINIVLLM_CPU_OWN_GEMM=0 keeps oneDNN.
 """
 
 from __future__ import annotations
@@ -49,20 +50,26 @@ def onednn_available() -> bool:
 def gemm(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None,
          packed: torch.Tensor | None) -> torch.Tensor:
     """y = x @ weight.T + bias. x (rows, in) -> (rows, out); `packed` is `prepack(weight)`: oneDNN's layout (the
-    weight's dtype), minivllm's bf16 panels (int32 words), or None."""
-    if packed is not None and packed.dtype == torch.int32 and x.dtype == torch.bfloat16:
-        return kernels.cpu_ops.bf16_linear(x, packed, weight.shape[0], bias)
-    if packed is None or x.dtype != packed.dtype:
+    weight's dtype), minivllm's panels (`pack_linear`'s), or None."""
+    if packed is None or x.dtype != packed_dtype(packed):
         return F.linear(x, weight, bias)
+    if not packed.is_mkldnn:
+        return kernels.cpu_ops.packed_linear(x, packed, weight.shape[0], bias)
     return torch.ops.mkldnn._linear_pointwise(x, packed, bias, "none", [], "")
 
 
+def packed_dtype(packed: torch.Tensor) -> torch.dtype:
+    """The dtype of the weight `packed` came from: minivllm's bf16 panels are int32 words (bf16 pairs)."""
+    return torch.bfloat16 if packed.dtype == torch.int32 else packed.dtype
+
+
 @functools.lru_cache(maxsize=None)
-def own_bf16_gemm() -> bool:
-    """bf16 weights go to kernels/cpu_gemm.cpp: its build has AVX-512 BF16, and MINIVLLM_CPU_BF16_GEMM is not 0."""
-    if os.environ.get("MINIVLLM_CPU_BF16_GEMM", "1") == "0":
+def own_gemm(dtype: torch.dtype) -> bool:
+    """`dtype` weights go to kernels/cpu_gemm.cpp: its build runs that dtype (fp32: AVX-512F, bf16: AVX-512 BF16),
+    and MINIVLLM_CPU_OWN_GEMM is not 0."""
+    if os.environ.get("MINIVLLM_CPU_OWN_GEMM", "1") == "0":
         return False
-    return kernels.cpu_ops.bf16_linear_available()
+    return kernels.cpu_ops.packed_linear_available(dtype)
 
 
 @functools.lru_cache(maxsize=None)
@@ -81,13 +88,14 @@ def packable(dtype: torch.dtype) -> bool:
 
 
 def prepack(weight: torch.Tensor) -> torch.Tensor | None:
-    """A (out, in) CPU weight's packed layout: minivllm's bf16 panels (bf16 with an even `in`, where
-    `own_bf16_gemm()`), else oneDNN's; None where packing does not apply (not a CPU fp32/bf16 matrix, or a dtype
+    """A (out, in) CPU weight's packed layout: minivllm's panels (fp32, or bf16 with an even `in`, where
+    `own_gemm(dtype)`), else oneDNN's; None where packing does not apply (not a CPU fp32/bf16 matrix, or a dtype
     this CPU's oneDNN cannot pack)."""
     if weight.device.type != "cpu" or weight.dim() != 2:
         return None
-    if weight.dtype == torch.bfloat16 and weight.shape[1] % 2 == 0 and own_bf16_gemm():
-        return kernels.cpu_ops.pack_bf16_linear(weight.detach())
+    if weight.dtype in PACKED_DTYPES and own_gemm(weight.dtype) and (
+            weight.dtype == torch.float32 or weight.shape[1] % 2 == 0):
+        return kernels.cpu_ops.pack_linear(weight.detach())
     if not packable(weight.dtype):
         return None
     return torch.ops.mkldnn._reorder_linear_weight(weight.detach().contiguous(), BATCH_HINT)
