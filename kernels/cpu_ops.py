@@ -10,6 +10,7 @@ dtype conversions they include, `cpu_dtype.h`), built on first use with the mach
     rotary_embedding         layers.RotaryEmbedding's rotation of q and k
     argmax_rows              torch.argmax(logits, dim=-1) for the sampler's greedy rows
     packed_linear            F.linear in fp32 or bf16 from a weight packed once (pack_linear); AVX-512 only
+    int8_linear              the same from weight-only int8 (pack_int8_linear); AVX-512 BF16 only
 
 `load()` compiles the sources once per machine with torch's cpp_extension (about 12 s here; cached under
 TORCH_EXTENSIONS_DIR, ~/.cache/torch_extensions by default) and registers `torch.ops.minivllm_cpu`.
@@ -151,4 +152,19 @@ def packed_linear(x: torch.Tensor, packed: torch.Tensor, out_features: int,
     """x (..., in) fp32 or bf16 -> x @ weight.T + bias, (..., out_features) in x's dtype, from pack_linear(weight)."""
     shape = x.shape
     y = load().packed_linear(x.reshape(-1, shape[-1]), packed, int(out_features), bias)
+    return y.view(*shape[:-1], out_features)
+
+
+def pack_int8_linear(qweight: torch.Tensor) -> torch.Tensor:
+    """qweight (out, in) int8, `in` even -> its packed layout for int8_linear: (panels, in / 2, 48) int16 words,
+    each a pair of int8 along `in`."""
+    return load().pack_int8_linear(qweight)
+
+
+def int8_linear(x: torch.Tensor, packed: torch.Tensor, scale: torch.Tensor, out_features: int,
+                bias: torch.Tensor | None = None) -> torch.Tensor:
+    """x (..., in) bf16 -> x @ (scale[:, None] * qweight).T + bias, (..., out_features) bf16, from
+    pack_int8_linear(qweight); scale (out,) fp32 per output channel, bias bf16 or None."""
+    shape = x.shape
+    y = load().int8_linear(x.reshape(-1, shape[-1]), packed, scale, int(out_features), bias)
     return y.view(*shape[:-1], out_features)

@@ -10,15 +10,18 @@ that reads them (`quant_method.apply(layer, x, bias)`, vLLM's name for the per-l
            Q4_1 blocks come back exactly from the fp32 weights. A checkpoint whose weights are not Q4_1
            values is refused with an error (use int4 there).
 
-The matmuls are PyTorch's own CPU kernels for packed integer weights (`torch._weight_int8pack_mm`,
-`torch._weight_int4pack_mm_for_cpu`): they take bf16 activations (fp32 ones run 30-70x slower), so the
-layer casts its input to bf16 and the result back to the model's dtype, and the scales are bf16.
+The int4 matmuls are PyTorch's own CPU kernel for packed integer weights (`torch._weight_int4pack_mm_for_cpu`):
+it takes bf16 activations (fp32 ones run 30-70x slower), so the layer casts its input to bf16 and the result
+back to the model's dtype, and the scales are bf16. int8 goes to minivllm's own kernel where the CPU has
+AVX-512 BF16 (`kernels/cpu_gemm.cpp`, `int8_linear`: each int8 pair widened to a bf16 pair in registers and
+multiplied with `vdpbf16ps`, the fp32 per-channel scale applied to the sums), else to PyTorch's
+`torch._weight_int8pack_mm` (bf16 scales); the same bf16 activations either way.
 
-Measured on the CI machines (2 cores, AVX-512 BF16), one decode step's matmuls of the default model:
-at 1 row int4 4.1 ms, int8 5.5 ms, bf16 (oneDNN) 6.6 ms, fp32 10-12 ms: fewer bytes win where a step only
-reads weights. At 32 rows int8 66 ms and int4 52 ms against bf16's 25: these kernels dequantize per row
-block instead of feeding AVX-512 BF16 dot products, so a full decode batch is compute-bound on the
-dequantization. Quantization here is for latency (one or a few requests), not batch throughput.
+Measured on the CI machines (2 cores, AVX-512 BF16, Zen 4), one decode step's matmuls of the default model
+(30 layers, weights from memory): at 1 row int8 5.0 ms against bf16's 8.2 (PyTorch's int8 kernel 10.7); at 32
+rows int8 21.1 against bf16's 23.3 (PyTorch's 64.5). Earlier, with PyTorch's kernels: int4 4.1 ms at 1 row and
+52 ms at 32: it dequantizes per row block instead of feeding AVX-512 BF16 dot products, so a full decode batch
+is compute-bound on the dequantization; int4 is for latency (one or a few requests), not batch throughput.
 
 The embedding keeps its full weight (a lookup reads one row per token); the LM head, tied to it in the
 default model, gets its own quantized copy (it is 21% of the default model's weights and read every step).
@@ -31,22 +34,43 @@ from __future__ import annotations
 
 import torch
 
+from minivllm.model import cpu_gemm
+from minivllm.model._kernels import kernels
+
 METHODS = ("int8", "int4", "gguf")
 GROUP_SIZE = 32            # int4 / Q4_1: weights per (scale, minimum) pair along the input dimension
 ACT_DTYPE = torch.bfloat16
 
 
+def own_int8_kernel() -> bool:
+    """int8 layers go to minivllm's kernel (kernels/cpu_gemm.cpp, int8_linear): it needs what the bf16 one needs
+    (AVX-512 BF16), and MINIVLLM_CPU_OWN_GEMM=0 switches both off."""
+    return cpu_gemm.own_gemm(torch.bfloat16)
+
+
 class Int8WeightOnlyMethod:
     name = "int8"
 
+    @staticmethod
+    def quantize(w: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """w (out, in) -> q (out, in) int8 and scale (out,) fp32, w ~ scale[:, None] * q."""
+        scale = (w.abs().amax(dim=1) / 127).clamp(min=1e-12)
+        return torch.round(w / scale[:, None]).clamp(-128, 127).to(torch.int8), scale
+
     def process_weights_after_loading(self, layer: torch.nn.Module) -> None:
-        w = layer.weight.detach().float()                                   # (out, in)
-        scale = (w.abs().amax(dim=1) / 127).clamp(min=1e-12)                # (out,)
-        layer.qweight = torch.round(w / scale[:, None]).clamp(-128, 127).to(torch.int8)    # (out, in) int8
-        layer.qscale = scale.to(ACT_DTYPE)
+        q, scale = self.quantize(layer.weight.detach().float())
+        if own_int8_kernel() and q.shape[1] % 2 == 0:
+            layer.qweight = kernels.cpu_ops.pack_int8_linear(q)            # (panels, in / 2, 48) int16: int8 pairs
+            layer.qscale = scale                                          # fp32
+        else:
+            layer.qweight, layer.qscale = q, scale.to(ACT_DTYPE)           # PyTorch's kernel: (out, in), bf16 scales
 
     def apply(self, layer: torch.nn.Module, x: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
-        y = torch._weight_int8pack_mm(x.to(ACT_DTYPE), layer.qweight, layer.qscale).to(x.dtype)
+        if layer.qweight.dtype == torch.int16:                            # packed for int8_linear
+            y = kernels.cpu_ops.int8_linear(x.to(ACT_DTYPE), layer.qweight, layer.qscale, layer.qscale.numel())
+        else:
+            y = torch._weight_int8pack_mm(x.to(ACT_DTYPE), layer.qweight, layer.qscale)
+        y = y.to(x.dtype)
         return y if bias is None else y + bias
 
 
