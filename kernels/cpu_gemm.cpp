@@ -5,8 +5,10 @@
 //                                      pairs (words = in / 2)
 //   packed_linear(x, packed, out, bias)  x (rows, in) in the weight's dtype -> y (rows, out), same dtype;
 //                                      bias (out,) in that dtype, or None
+//   pack_int8_linear(q), int8_linear(x, packed, scale, out, bias)   weight-only int8 (bf16 x; see below)
+//   pack_int4_linear(q, d, m) -> (packed, dm), int4_linear(x, packed, dm, out, bias)    int4, groups of 32
 //   fp32_linear_available()            whether this build has the fp32 kernel (the CPU has AVX-512F)
-//   bf16_linear_available()            whether it has the bf16 kernel (the CPU has AVX-512 BF16)
+//   bf16_linear_available()            whether it has the bf16, int8 and int4 ones (AVX-512 BF16)
 //
 // Why: a decode step multiplies a few rows (the batch) by every weight of the model, and those weights stream
 // from memory every step (the default model's 538 MB in fp32, 269 MB in bf16, against this CPU's 32 MB of L3).
@@ -36,6 +38,7 @@
 
 #include <algorithm>
 #include <cstring>
+#include <tuple>
 #include <type_traits>
 #include <vector>
 #if defined(__AVX512F__)
@@ -46,223 +49,11 @@ namespace {
 
 constexpr int64_t kPanelCols = 48;            // output columns per panel: three registers of 16
 constexpr int64_t kRowTile = 8;               // x rows per tile: 8 x 3 accumulators
+constexpr int64_t kInt4RowTile = 4;           // int4: 4 x 3 accumulators and 4 x 3 group partial sums
 constexpr int64_t kRowChunk = 512;            // rows of x per pass over the weight (a chunk of x stays in L2)
 constexpr int64_t kPrefetchAhead = 16;        // panel rows asked for ahead of their use
-
-// Weight elements per 32-bit word: 1 in fp32, 2 (a pair along `in`) in bf16.
-int64_t per_word(at::ScalarType dtype) { return dtype == at::kBFloat16 ? 2 : 1; }
-
-at::Tensor pack_linear(const at::Tensor& weight) {
-  TORCH_CHECK(weight.dim() == 2 && (weight.scalar_type() == at::kFloat ||
-                                    (weight.scalar_type() == at::kBFloat16 && weight.size(1) % 2 == 0)),
-              "pack_linear: an fp32 (out, in) weight, or a bf16 one with an even `in`, expected, got ",
-              weight.sizes(), " ", weight.scalar_type());
-  const at::Tensor w = weight.contiguous();
-  const int64_t out = w.size(0), words = w.size(1) / per_word(w.scalar_type());
-  const int64_t panels = (out + kPanelCols - 1) / kPanelCols;
-  const at::ScalarType word_type = w.scalar_type() == at::kBFloat16 ? at::kInt : at::kFloat;
-  at::Tensor packed = at::zeros({panels, words, kPanelCols}, w.options().dtype(word_type));   // zero columns pad
-  const uint32_t* src = static_cast<const uint32_t*>(w.data_ptr());                          // (out, words)
-  uint32_t* dst = static_cast<uint32_t*>(packed.data_ptr());
-  for (int64_t n = 0; n < out; ++n)
-    for (int64_t k = 0; k < words; ++k)
-      dst[((n / kPanelCols) * words + k) * kPanelCols + n % kPanelCols] = src[n * words + k];
-  return packed;
-}
-
-#if defined(__AVX512F__)
-// Word row k of a panel, as three registers of 16 columns' words. From pack_linear's panels: three loads. From
-// pack_int8_linear's (kInt8): 96 bytes, each int8 pair widened to a bf16 pair (exact: |q| <= 128), and stored
-// to `widened` (the panel in pack_linear's bf16 layout, for the row tiles after this one) unless it is null.
-template <bool kInt8>
-inline void panel_row(const void* panel, int64_t k, uint32_t* widened, __m512i w[3]) {
-  if constexpr (kInt8) {
-#if defined(__AVX512BF16__)
-    const int8_t* row = static_cast<const int8_t*>(panel) + k * 2 * kPanelCols;
-    const char* ahead = reinterpret_cast<const char*>(row + kPrefetchAhead * 2 * kPanelCols);
-    _mm_prefetch(ahead, _MM_HINT_T0);
-    _mm_prefetch(ahead + 64, _MM_HINT_T0);
-    for (int c = 0; c < 3; ++c) {                                  // 16 columns = 32 int8 -> 32 bf16
-      const __m128i lo = _mm_loadu_si128(reinterpret_cast<const __m128i*>(row + 32 * c));
-      const __m128i hi = _mm_loadu_si128(reinterpret_cast<const __m128i*>(row + 32 * c + 16));
-      w[c] = (__m512i)_mm512_cvtne2ps_pbh(_mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(hi)),
-                                          _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(lo)));
-      if (widened != nullptr) _mm512_storeu_si512(widened + k * kPanelCols + 16 * c, w[c]);
-    }
-#endif
-  } else {
-    const uint32_t* row = static_cast<const uint32_t*>(panel) + k * kPanelCols;
-    const char* ahead = reinterpret_cast<const char*>(row + kPrefetchAhead * kPanelCols);
-    _mm_prefetch(ahead, _MM_HINT_T0);
-    _mm_prefetch(ahead + 64, _MM_HINT_T0);
-    _mm_prefetch(ahead + 128, _MM_HINT_T0);
-    for (int c = 0; c < 3; ++c) w[c] = _mm512_loadu_si512(row + 16 * c);
-  }
-}
-
-// y[r][c] = sum over words k of x word (r, k) . panel word (k, c), for R rows of x (`words` apart) and one
-// panel; then times scale[c] (int8 weights; nullptr: 1), + bias, (bf16: rounded), and the first `cols` columns
-// stored (y rows ldy apart). T is the dtype: float (FMA of one value) or at::BFloat16 (vdpbf16ps of one pair);
-// kInt8: the panel is pack_int8_linear's, widened as it is read (panel_row).
-template <int R, typename T, bool kInt8>
-void tile(const uint32_t* x, int64_t words, const void* panel, uint32_t* widened, const float* scale,
-          const T* bias, T* y, int64_t ldy, int64_t cols) {
-  constexpr bool kBf16 = std::is_same_v<T, at::BFloat16>;
-  __m512 acc[R][3];
-#pragma GCC unroll 8
-  for (int r = 0; r < R; ++r)
-    for (int c = 0; c < 3; ++c) acc[r][c] = _mm512_setzero_ps();
-  for (int64_t k = 0; k < words; ++k) {
-    __m512i wk[3];
-    panel_row<kInt8>(panel, k, widened, wk);
-    const __m512i w0 = wk[0], w1 = wk[1], w2 = wk[2];
-#pragma GCC unroll 8
-    for (int r = 0; r < R; ++r) {
-      const __m512i xr = _mm512_set1_epi32(static_cast<int>(x[r * words + k]));
-      if constexpr (kBf16) {
-#if defined(__AVX512BF16__)
-        acc[r][0] = _mm512_dpbf16_ps(acc[r][0], (__m512bh)xr, (__m512bh)w0);
-        acc[r][1] = _mm512_dpbf16_ps(acc[r][1], (__m512bh)xr, (__m512bh)w1);
-        acc[r][2] = _mm512_dpbf16_ps(acc[r][2], (__m512bh)xr, (__m512bh)w2);
-#endif
-      } else {
-        const __m512 xf = _mm512_castsi512_ps(xr);
-        acc[r][0] = _mm512_fmadd_ps(xf, _mm512_castsi512_ps(w0), acc[r][0]);
-        acc[r][1] = _mm512_fmadd_ps(xf, _mm512_castsi512_ps(w1), acc[r][1]);
-        acc[r][2] = _mm512_fmadd_ps(xf, _mm512_castsi512_ps(w2), acc[r][2]);
-      }
-    }
-  }
-  __m512 b[3] = {_mm512_setzero_ps(), _mm512_setzero_ps(), _mm512_setzero_ps()};
-  if (bias != nullptr) {
-    float fb[kPanelCols] = {};
-    for (int64_t c = 0; c < cols; ++c) fb[c] = static_cast<float>(bias[c]);
-    for (int c = 0; c < 3; ++c) b[c] = _mm512_loadu_ps(fb + 16 * c);
-  }
-  if (scale != nullptr) {
-    float fs[kPanelCols] = {};
-    std::memcpy(fs, scale, cols * sizeof(float));
-    for (int c = 0; c < 3; ++c) {
-      const __m512 sc = _mm512_loadu_ps(fs + 16 * c);
-      for (int r = 0; r < R; ++r) acc[r][c] = acc[r][c] * sc;
-    }
-  }
-  for (int r = 0; r < R; ++r) {
-    alignas(64) T row[kPanelCols];
-    for (int c = 0; c < 3; ++c) {
-      if constexpr (kBf16) {
-#if defined(__AVX512BF16__)
-        _mm256_store_si256(reinterpret_cast<__m256i*>(row + 16 * c), (__m256i)_mm512_cvtneps_pbh(acc[r][c] + b[c]));
-#endif
-      } else {
-        _mm512_store_ps(row + 16 * c, acc[r][c] + b[c]);
-      }
-    }
-    std::memcpy(y + r * ldy, row, cols * sizeof(T));
-  }
-}
-
-template <typename T, bool kInt8 = false>
-using TileFn = void (*)(const uint32_t*, int64_t, const void*, uint32_t*, const float*, const T*, T*, int64_t,
-                        int64_t);
-template <typename T, bool kInt8 = false>
-constexpr TileFn<T, kInt8> kTiles[kRowTile + 1] = {
-    nullptr, tile<1, T, kInt8>, tile<2, T, kInt8>, tile<3, T, kInt8>, tile<4, T, kInt8>, tile<5, T, kInt8>,
-    tile<6, T, kInt8>, tile<7, T, kInt8>, tile<8, T, kInt8>};
-
-// The row chunks of x, each a pass over the weight with the panels split among the threads.
-template <typename T>
-void run_tiles(const at::Tensor& x, const at::Tensor& packed, const at::Tensor& bias, at::Tensor& y) {
-  const int64_t rows = x.size(0), words = packed.size(1), panels = packed.size(0), out = y.size(1);
-  const uint32_t* xs = static_cast<const uint32_t*>(x.data_ptr());
-  const uint32_t* w = static_cast<const uint32_t*>(packed.data_ptr());
-  const T* bp = bias.defined() ? static_cast<const T*>(bias.data_ptr()) : nullptr;
-  T* ys = static_cast<T*>(y.data_ptr());
-  for (int64_t m0 = 0; m0 < rows; m0 += kRowChunk) {
-    const int64_t m1 = std::min(rows, m0 + kRowChunk);
-    at::parallel_for(0, panels, 1, [&](int64_t p0, int64_t p1) {    // each thread: a run of whole panels
-      for (int64_t p = p0; p < p1; ++p) {
-        const int64_t col0 = p * kPanelCols, cols = std::min(kPanelCols, out - col0);
-        for (int64_t r = m0; r < m1; r += kRowTile) {
-          const int64_t n = std::min(kRowTile, m1 - r);
-          kTiles<T>[n](xs + r * words, words, w + p * words * kPanelCols, nullptr, nullptr,
-                       bp == nullptr ? nullptr : bp + col0, ys + r * out + col0, out, cols);
-        }
-      }
-    });
-  }
-}
-#endif
-
-// Weight-only int8 (model/quantization.py: w[n][k] = scale[n] q[n][k], q in [-128, 127]), with bf16 x. An int8
-// value is exact in bf16, so the first row tile of a panel widens each int8 pair to a bf16 pair in registers
-// as it reads it (panel_row), and, when more row tiles follow, keeps the widened panel in a buffer of the
-// thread's own (in L2) for them. The per-column scale multiplies the fp32 sums at the end: the products q x are
-// exact and only the order of the sums differs from x @ (scale q)^T. Half of bf16's bytes come from memory.
-// Measured here (2 cores, Zen 4), the default model's matmuls of 30 layers, cold: 1 row 5.0 ms against bf16's
-// 8.2 (and PyTorch's _weight_int8pack_mm's 10.7); 32 rows 21.1 against 23.3 (64.5).
-at::Tensor pack_int8_linear(const at::Tensor& qweight) {
-  TORCH_CHECK(qweight.dim() == 2 && qweight.scalar_type() == at::kChar && qweight.size(1) % 2 == 0,
-              "pack_int8_linear: an int8 (out, in) weight with an even `in` expected, got ", qweight.sizes(), " ",
-              qweight.scalar_type());
-  const at::Tensor q = qweight.contiguous();
-  const int64_t out = q.size(0), pairs = q.size(1) / 2, panels = (out + kPanelCols - 1) / kPanelCols;
-  at::Tensor packed = at::zeros({panels, pairs, kPanelCols}, q.options().dtype(at::kShort));  // int8 pairs
-  const uint16_t* src = static_cast<const uint16_t*>(q.data_ptr());                           // (out, pairs)
-  uint16_t* dst = static_cast<uint16_t*>(packed.data_ptr());
-  for (int64_t n = 0; n < out; ++n)
-    for (int64_t k2 = 0; k2 < pairs; ++k2)
-      dst[((n / kPanelCols) * pairs + k2) * kPanelCols + n % kPanelCols] = src[n * pairs + k2];
-  return packed;
-}
-
-at::Tensor int8_linear(const at::Tensor& x, const at::Tensor& packed, const at::Tensor& scale,
-                       int64_t out_features, const c10::optional<at::Tensor>& bias) {
-#if defined(__AVX512BF16__)
-  TORCH_CHECK(x.dim() == 2 && x.scalar_type() == at::kBFloat16, "int8_linear: x (rows, in) bf16 expected, got ",
-              x.sizes(), " ", x.scalar_type());
-  TORCH_CHECK(packed.dim() == 3 && packed.scalar_type() == at::kShort && packed.size(2) == kPanelCols &&
-              packed.size(1) * 2 == x.size(1) && packed.size(0) * kPanelCols >= out_features &&
-              packed.size(0) * kPanelCols < out_features + kPanelCols, "int8_linear: `packed` (", packed.sizes(),
-              ") is not pack_int8_linear's layout of a (", out_features, ", ", x.size(1), ") weight");
-  TORCH_CHECK(scale.numel() == out_features && scale.scalar_type() == at::kFloat,
-              "int8_linear: scale must be fp32 (", out_features, ",)");
-  TORCH_CHECK(!bias.has_value() || (bias->numel() == out_features && bias->scalar_type() == at::kBFloat16),
-              "int8_linear: bias must be bf16 (", out_features, ",)");
-  const at::Tensor xc = x.contiguous(), sc = scale.contiguous();
-  const at::Tensor b = bias.has_value() ? bias->contiguous() : at::Tensor();
-  const int64_t rows = xc.size(0), pairs = packed.size(1), panels = packed.size(0);
-  at::Tensor y = at::empty({rows, out_features}, xc.options());
-  const uint32_t* xs = static_cast<const uint32_t*>(xc.data_ptr());
-  const int8_t* w = static_cast<const int8_t*>(packed.data_ptr());
-  const float* sp = sc.data_ptr<float>();
-  const at::BFloat16* bp = b.defined() ? b.data_ptr<at::BFloat16>() : nullptr;
-  at::BFloat16* ys = y.data_ptr<at::BFloat16>();
-  for (int64_t m0 = 0; m0 < rows; m0 += kRowChunk) {
-    const int64_t m1 = std::min(rows, m0 + kRowChunk);
-    at::parallel_for(0, panels, 1, [&](int64_t p0, int64_t p1) {
-      std::vector<uint32_t> wide(m1 - m0 > kRowTile ? pairs * kPanelCols : 0);   // the panel widened, if reused
-      for (int64_t p = p0; p < p1; ++p) {
-        const int64_t col0 = p * kPanelCols, cols = std::min(kPanelCols, out_features - col0);
-        for (int64_t r = m0; r < m1; r += kRowTile) {             // the first tile widens the panel as it reads
-          const int64_t n = std::min(kRowTile, m1 - r);
-          const float* s = sp + col0;
-          const at::BFloat16* bc = bp == nullptr ? nullptr : bp + col0;
-          at::BFloat16* yc = ys + r * out_features + col0;
-          if (r == m0)
-            kTiles<at::BFloat16, true>[n](xs + r * pairs, pairs, w + p * pairs * 2 * kPanelCols,
-                                          m1 - r > kRowTile ? wide.data() : nullptr, s, bc, yc, out_features, cols);
-          else
-            kTiles<at::BFloat16>[n](xs + r * pairs, pairs, wide.data(), nullptr, s, bc, yc, out_features, cols);
-        }
-      }
-    });
-  }
-  return y;
-#else
-  TORCH_CHECK(false, "int8_linear: this build has no AVX-512 BF16 (bf16_linear_available() is False)");
-#endif
-}
+constexpr int64_t kInt4Group = 32;            // int4: weights per (d, m) along `in` (quantization.GROUP_SIZE)
+constexpr int64_t kInt4PairsPerGroup = kInt4Group / 2;
 
 bool fp32_linear_available() {
 #if defined(__AVX512F__)
@@ -280,6 +71,343 @@ bool bf16_linear_available() {
 #endif
 }
 
+// Weight elements per 32-bit word: 1 in fp32, 2 (a pair along `in`) in bf16.
+int64_t per_word(at::ScalarType dtype) { return dtype == at::kBFloat16 ? 2 : 1; }
+
+// dst[p][k][c] = src[48 p + c][k] for rows of `words` elements of `Elem` (zero columns pad the last panel).
+template <typename Elem>
+void to_panels(const Elem* src, int64_t out, int64_t words, Elem* dst) {
+  for (int64_t n = 0; n < out; ++n)
+    for (int64_t k = 0; k < words; ++k)
+      dst[((n / kPanelCols) * words + k) * kPanelCols + n % kPanelCols] = src[n * words + k];
+}
+
+int64_t num_panels(int64_t out) { return (out + kPanelCols - 1) / kPanelCols; }
+
+at::Tensor pack_linear(const at::Tensor& weight) {
+  TORCH_CHECK(weight.dim() == 2 && (weight.scalar_type() == at::kFloat ||
+                                    (weight.scalar_type() == at::kBFloat16 && weight.size(1) % 2 == 0)),
+              "pack_linear: an fp32 (out, in) weight, or a bf16 one with an even `in`, expected, got ",
+              weight.sizes(), " ", weight.scalar_type());
+  const at::Tensor w = weight.contiguous();
+  const int64_t out = w.size(0), words = w.size(1) / per_word(w.scalar_type());
+  const at::ScalarType word_type = w.scalar_type() == at::kBFloat16 ? at::kInt : at::kFloat;
+  at::Tensor packed = at::zeros({num_panels(out), words, kPanelCols}, w.options().dtype(word_type));
+  to_panels(static_cast<const uint32_t*>(w.data_ptr()), out, words, static_cast<uint32_t*>(packed.data_ptr()));
+  return packed;
+}
+
+// Weight-only int8 and int4 (model/quantization.py), with bf16 x. The first row tile of a panel widens each
+// quantized pair to a bf16 pair in registers as it reads it (panel_row), and, when more row tiles follow, keeps
+// the widened panel in a buffer of the thread's own (in L2) for them, so only the quantized bytes come from
+// memory: half of bf16's (int8), a quarter plus the groups' d and m (int4).
+//   int8: w[n][k] = scale[n] q[n][k], q in [-128, 127]. An int8 value is exact in bf16, so the products q x are
+//         exact; the per-column scale multiplies the fp32 sums at the end.
+//   int4: w[n][k] = d[n][g] q[n][k] + m[n][g], q in [0, 15], g = k / 32. Also exact integers in bf16: a tile
+//         sums x q over a group in fp32, then adds d times that and m times the group's sum of x (x_sum),
+//         so sum_k x[k] w[n][k] = sum_g d[n][g] (sum_{k in g} x[k] q[n][k]) + m[n][g] x_sum[g].
+// Either way the products are exact and only the order of fp32 sums differs from x @ w^T in float64.
+at::Tensor pack_int8_linear(const at::Tensor& qweight) {
+  TORCH_CHECK(qweight.dim() == 2 && qweight.scalar_type() == at::kChar && qweight.size(1) % 2 == 0,
+              "pack_int8_linear: an int8 (out, in) weight with an even `in` expected, got ", qweight.sizes(), " ",
+              qweight.scalar_type());
+  const at::Tensor q = qweight.contiguous();
+  const int64_t out = q.size(0), pairs = q.size(1) / 2;
+  at::Tensor packed = at::zeros({num_panels(out), pairs, kPanelCols}, q.options().dtype(at::kShort));  // pairs
+  to_panels(static_cast<const uint16_t*>(q.data_ptr()), out, pairs, static_cast<uint16_t*>(packed.data_ptr()));
+  return packed;
+}
+
+// q (out, in) uint8 values 0..15, `in` a multiple of 32; d, m (out, in / 32) fp32 ->
+//   packed (panels, in / 2, 48) uint8: q[n][2 k2] in the low nibble, q[n][2 k2 + 1] in the high one;
+//   dm (panels, in / 32, 2, 48) fp32: each group's d then m for the panel's columns (zero past `out`).
+std::tuple<at::Tensor, at::Tensor> pack_int4_linear(const at::Tensor& q, const at::Tensor& d, const at::Tensor& m) {
+  TORCH_CHECK(q.dim() == 2 && q.scalar_type() == at::kByte && q.size(1) % kInt4Group == 0,
+              "pack_int4_linear: a uint8 (out, in) weight of values 0..15 with `in` a multiple of ", kInt4Group,
+              " expected, got ", q.sizes(), " ", q.scalar_type());
+  TORCH_CHECK(q.numel() == 0 || q.max().item<uint8_t>() <= 15, "pack_int4_linear: values must be 0..15");
+  const int64_t out = q.size(0), pairs = q.size(1) / 2, groups = q.size(1) / kInt4Group;
+  for (const at::Tensor* t : {&d, &m})
+    TORCH_CHECK(t->scalar_type() == at::kFloat && t->dim() == 2 && t->size(0) == out && t->size(1) == groups,
+                "pack_int4_linear: d and m must be fp32 (", out, ", ", groups, "), got ", t->sizes());
+  const at::Tensor qc = q.contiguous();
+  const at::Tensor q2 = qc.view({out, pairs, 2});
+  const at::Tensor nibbles = at::bitwise_or(q2.select(2, 0), at::bitwise_left_shift(q2.select(2, 1), 4)).contiguous();
+  at::Tensor packed = at::zeros({num_panels(out), pairs, kPanelCols}, qc.options());
+  to_panels(nibbles.data_ptr<uint8_t>(), out, pairs, packed.data_ptr<uint8_t>());
+  // (out, groups, 2) -> panels of (groups * 2) words per column
+  const at::Tensor both = at::stack({d, m}, 2).contiguous();
+  at::Tensor dm = at::zeros({num_panels(out), groups, 2, kPanelCols}, d.options());
+  to_panels(both.data_ptr<float>(), out, groups * 2, dm.data_ptr<float>());
+  return {packed, dm};
+}
+
+#if defined(__AVX512F__)
+// Where a panel's word rows come from: pack_linear's words as they are, or quantized pairs widened to bf16
+// pairs as they are read (int8: pack_int8_linear's; int4: pack_int4_linear's nibble pairs).
+enum class Source { kWords, kInt8, kInt4 };
+
+// One panel as a tile sees it.
+struct Panel {
+  const void* rows;        // the panel's rows: words, int8 pairs or nibble pairs
+  uint32_t* widened;       // quantized sources: where to keep the widened rows for later tiles, or null
+  const float* scale;      // int8: the columns' scales, or null
+  const float* dm;         // int4: (groups, 2, 48) d and m of the columns
+  int64_t cols;            // columns that exist (fewer than 48 in the last panel)
+};
+
+// Word row k of a panel, as three registers of 16 columns' words. kWords: three loads. kInt8: 96 bytes, each
+// int8 pair widened to a bf16 pair (exact: |q| <= 128). kInt4: 48 bytes; each byte (a nibble pair) becomes the
+// 32-bit lane lo | hi << 16, and a 16-bit table lookup (vpermw) turns each nibble into bf16 0.0..15.0 (exact).
+// Widened rows are also stored to `widened` (pack_linear's bf16 layout) unless it is null.
+template <Source S>
+inline void panel_row(const void* rows, int64_t k, uint32_t* widened, __m512i w[3]) {
+  if constexpr (S == Source::kWords) {
+    const uint32_t* row = static_cast<const uint32_t*>(rows) + k * kPanelCols;
+    const char* ahead = reinterpret_cast<const char*>(row + kPrefetchAhead * kPanelCols);
+    _mm_prefetch(ahead, _MM_HINT_T0);
+    _mm_prefetch(ahead + 64, _MM_HINT_T0);
+    _mm_prefetch(ahead + 128, _MM_HINT_T0);
+    for (int c = 0; c < 3; ++c) w[c] = _mm512_loadu_si512(row + 16 * c);
+    return;
+  }
+#if defined(__AVX512BF16__)
+  if constexpr (S == Source::kInt8) {
+    const int8_t* row = static_cast<const int8_t*>(rows) + k * 2 * kPanelCols;
+    const char* ahead = reinterpret_cast<const char*>(row + kPrefetchAhead * 2 * kPanelCols);
+    _mm_prefetch(ahead, _MM_HINT_T0);
+    _mm_prefetch(ahead + 64, _MM_HINT_T0);
+    for (int c = 0; c < 3; ++c) {                                  // 16 columns = 32 int8 -> 32 bf16
+      const __m128i lo = _mm_loadu_si128(reinterpret_cast<const __m128i*>(row + 32 * c));
+      const __m128i hi = _mm_loadu_si128(reinterpret_cast<const __m128i*>(row + 32 * c + 16));
+      w[c] = (__m512i)_mm512_cvtne2ps_pbh(_mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(hi)),
+                                          _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(lo)));
+    }
+  } else {                                                         // kInt4
+    const uint8_t* row = static_cast<const uint8_t*>(rows) + k * kPanelCols;
+    _mm_prefetch(reinterpret_cast<const char*>(row + 2 * kPrefetchAhead * kPanelCols), _MM_HINT_T0);
+    const __m512i bf16_of = _mm512_set_epi16(0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0,   // bf16(15) .. bf16(0)
+                                             0x4170, 0x4160, 0x4150, 0x4140, 0x4130, 0x4120, 0x4110, 0x4100,
+                                             0x40E0, 0x40C0, 0x40A0, 0x4080, 0x4040, 0x4000, 0x3F80, 0x0000);
+    const __m512i nibbles = _mm512_set1_epi32(0x000F000F);
+    for (int c = 0; c < 3; ++c) {                                  // 16 columns = 16 bytes -> 32 bf16
+      const __m512i b = _mm512_cvtepu8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(row + 16 * c)));
+      const __m512i lanes = _mm512_ternarylogic_epi32(b, _mm512_slli_epi32(b, 12), nibbles, 0xA8);   // (b | b << 12) & mask
+      w[c] = _mm512_permutexvar_epi16(lanes, bf16_of);
+    }
+  }
+  if (widened != nullptr)
+    for (int c = 0; c < 3; ++c) _mm512_storeu_si512(widened + k * kPanelCols + 16 * c, w[c]);
+#endif
+}
+
+// acc[r][c] (+ bias), rounded to T, the first `cols` columns stored to y (rows ldy apart).
+template <int R, typename T>
+inline void store_rows(__m512 (&acc)[R][3], const T* bias, T* y, int64_t ldy, int64_t cols) {
+  __m512 b[3] = {_mm512_setzero_ps(), _mm512_setzero_ps(), _mm512_setzero_ps()};
+  if (bias != nullptr) {
+    float fb[kPanelCols] = {};
+    for (int64_t c = 0; c < cols; ++c) fb[c] = static_cast<float>(bias[c]);
+    for (int c = 0; c < 3; ++c) b[c] = _mm512_loadu_ps(fb + 16 * c);
+  }
+  for (int r = 0; r < R; ++r) {
+    alignas(64) T row[kPanelCols];
+    for (int c = 0; c < 3; ++c) {
+      if constexpr (std::is_same_v<T, at::BFloat16>) {
+#if defined(__AVX512BF16__)
+        _mm256_store_si256(reinterpret_cast<__m256i*>(row + 16 * c), (__m256i)_mm512_cvtneps_pbh(acc[r][c] + b[c]));
+#endif
+      } else {
+        _mm512_store_ps(row + 16 * c, acc[r][c] + b[c]);
+      }
+    }
+    std::memcpy(y + r * ldy, row, cols * sizeof(T));
+  }
+}
+
+// acc[r][c] += x word (r, k) . w[c]: an FMA of one fp32 value, or vdpbf16ps of one bf16 pair.
+template <typename T>
+inline __m512 multiply_add(__m512 acc, __m512i xr, __m512i w) {
+  if constexpr (std::is_same_v<T, at::BFloat16>) {
+#if defined(__AVX512BF16__)
+    return _mm512_dpbf16_ps(acc, (__m512bh)xr, (__m512bh)w);
+#else
+    return acc;
+#endif
+  } else {
+    return _mm512_fmadd_ps(_mm512_castsi512_ps(xr), _mm512_castsi512_ps(w), acc);
+  }
+}
+
+// y[r][c] = sum over words k of x word (r, k) . panel word (k, c), for R rows of x (`words` apart) and one
+// panel; then times scale[c] (int8), + bias, rounded to T (fp32 or bf16). S: where the panel's rows come from.
+template <int R, typename T, Source S>
+void tile(const uint32_t* x, int64_t words, const Panel& panel, const float* /*x_sum*/, const T* bias, T* y,
+          int64_t ldy) {
+  __m512 acc[R][3];
+#pragma GCC unroll 8
+  for (int r = 0; r < R; ++r)
+    for (int c = 0; c < 3; ++c) acc[r][c] = _mm512_setzero_ps();
+  for (int64_t k = 0; k < words; ++k) {
+    __m512i w[3];
+    panel_row<S>(panel.rows, k, panel.widened, w);
+#pragma GCC unroll 8
+    for (int r = 0; r < R; ++r) {
+      const __m512i xr = _mm512_set1_epi32(static_cast<int>(x[r * words + k]));
+      for (int c = 0; c < 3; ++c) acc[r][c] = multiply_add<T>(acc[r][c], xr, w[c]);
+    }
+  }
+  if (panel.scale != nullptr) {
+    float fs[kPanelCols] = {};
+    std::memcpy(fs, panel.scale, panel.cols * sizeof(float));
+    for (int c = 0; c < 3; ++c) {
+      const __m512 sc = _mm512_loadu_ps(fs + 16 * c);
+      for (int r = 0; r < R; ++r) acc[r][c] = acc[r][c] * sc;
+    }
+  }
+  store_rows<R, T>(acc, bias, y, ldy, panel.cols);
+}
+
+// int4: for each group of 16 pairs, part[r][c] = sum of x pair (r, k2) . q pair (k2, c) (exact products, fp32
+// sums), then acc += d[g][c] part + m[g][c] x_sum[r][g]. x_sum: (R, groups), rows `groups` apart.
+template <int R, Source S>
+void int4_tile(const uint32_t* x, int64_t pairs, const Panel& panel, const float* x_sum, const at::BFloat16* bias,
+               at::BFloat16* y, int64_t ldy) {
+  const int64_t groups = pairs / kInt4PairsPerGroup;
+  __m512 acc[R][3];
+#pragma GCC unroll 4
+  for (int r = 0; r < R; ++r)
+    for (int c = 0; c < 3; ++c) acc[r][c] = _mm512_setzero_ps();
+  for (int64_t g = 0; g < groups; ++g) {
+    __m512 part[R][3];
+#pragma GCC unroll 4
+    for (int r = 0; r < R; ++r)
+      for (int c = 0; c < 3; ++c) part[r][c] = _mm512_setzero_ps();
+    for (int64_t k = g * kInt4PairsPerGroup; k < (g + 1) * kInt4PairsPerGroup; ++k) {
+      __m512i w[3];
+      panel_row<S>(panel.rows, k, panel.widened, w);
+#pragma GCC unroll 4
+      for (int r = 0; r < R; ++r) {
+        const __m512i xr = _mm512_set1_epi32(static_cast<int>(x[r * pairs + k]));
+        for (int c = 0; c < 3; ++c) part[r][c] = multiply_add<at::BFloat16>(part[r][c], xr, w[c]);
+      }
+    }
+    const float* d = panel.dm + g * 2 * kPanelCols;
+    for (int c = 0; c < 3; ++c) {
+      const __m512 dc = _mm512_loadu_ps(d + 16 * c), mc = _mm512_loadu_ps(d + kPanelCols + 16 * c);
+      for (int r = 0; r < R; ++r)
+        acc[r][c] = _mm512_fmadd_ps(_mm512_set1_ps(x_sum[r * groups + g]), mc,
+                                    _mm512_fmadd_ps(part[r][c], dc, acc[r][c]));
+    }
+  }
+  store_rows<R, at::BFloat16>(acc, bias, y, ldy, panel.cols);
+}
+
+template <typename T>
+using TileFn = void (*)(const uint32_t*, int64_t, const Panel&, const float*, const T*, T*, int64_t);
+template <typename T, Source S = Source::kWords>
+constexpr TileFn<T> kTiles[kRowTile + 1] = {nullptr, tile<1, T, S>, tile<2, T, S>, tile<3, T, S>, tile<4, T, S>,
+                                            tile<5, T, S>, tile<6, T, S>, tile<7, T, S>, tile<8, T, S>};
+template <Source S = Source::kWords>
+constexpr TileFn<at::BFloat16> kInt4Tiles[kInt4RowTile + 1] = {nullptr, int4_tile<1, S>, int4_tile<2, S>,
+                                                               int4_tile<3, S>, int4_tile<4, S>};
+
+// What a weight format needs from the driver: the tiles for the first row tile of a panel (reading the packed
+// bytes) and for the others (quantized formats: reading the widened panel), by row count.
+template <typename T>
+struct Format {
+  const TileFn<T>* first;
+  const TileFn<T>* rest;
+  int64_t row_tile;
+};
+
+// The row chunks of x, each a pass over the weight with the panels split among the threads (each thread a run
+// of whole panels). packed + p * panel_bytes is panel p; quantized formats widen it in the first row tile.
+template <typename T>
+void run_tiles(const at::Tensor& x, const uint8_t* packed, int64_t panel_bytes, int64_t panels, const Format<T>& f,
+               bool quantized, const float* scale, const float* dm, int64_t dm_panel, const float* x_sum,
+               int64_t groups, const T* bias, at::Tensor& y) {
+  const int64_t rows = x.size(0), words = x.size(1) / per_word(x.scalar_type()), out = y.size(1);
+  const uint32_t* xs = static_cast<const uint32_t*>(x.data_ptr());
+  T* ys = static_cast<T*>(y.data_ptr());
+  for (int64_t m0 = 0; m0 < rows; m0 += kRowChunk) {
+    const int64_t m1 = std::min(rows, m0 + kRowChunk);
+    at::parallel_for(0, panels, 1, [&](int64_t p0, int64_t p1) {
+      const bool reused = quantized && m1 - m0 > f.row_tile;
+      std::vector<uint32_t> wide(reused ? words * kPanelCols : 0);   // the panel widened, for the later tiles
+      for (int64_t p = p0; p < p1; ++p) {
+        const int64_t col0 = p * kPanelCols;
+        Panel panel{packed + p * panel_bytes, reused ? wide.data() : nullptr,
+                    scale == nullptr ? nullptr : scale + col0, dm == nullptr ? nullptr : dm + p * dm_panel,
+                    std::min(kPanelCols, out - col0)};
+        const T* bc = bias == nullptr ? nullptr : bias + col0;
+        for (int64_t r = m0; r < m1; r += f.row_tile) {
+          const int64_t n = std::min(f.row_tile, m1 - r);
+          if (r == m0) {
+            f.first[n](xs + r * words, words, panel, x_sum + r * groups, bc, ys + r * out + col0, out);
+          } else {
+            const Panel widened{wide.data(), nullptr, panel.scale, panel.dm, panel.cols};
+            f.rest[n](xs + r * words, words, quantized ? widened : panel, x_sum + r * groups, bc,
+                      ys + r * out + col0, out);
+          }
+        }
+      }
+    });
+  }
+}
+#endif
+
+// Checks shared by the quantized linears; returns x contiguous.
+at::Tensor check_quantized(const char* op, const at::Tensor& x, const at::Tensor& packed, at::ScalarType packed_type,
+                           int64_t out_features, const c10::optional<at::Tensor>& bias) {
+  TORCH_CHECK(bf16_linear_available(), op, ": this build has no AVX-512 BF16 (bf16_linear_available() is False)");
+  TORCH_CHECK(x.dim() == 2 && x.scalar_type() == at::kBFloat16, op, ": x (rows, in) bf16 expected, got ", x.sizes(),
+              " ", x.scalar_type());
+  TORCH_CHECK(packed.dim() == 3 && packed.scalar_type() == packed_type && packed.size(2) == kPanelCols &&
+              packed.size(1) * 2 == x.size(1) && packed.size(0) == num_panels(out_features), op, ": `packed` (",
+              packed.sizes(), ") is not pack_", op, "'s layout of a (", out_features, ", ", x.size(1), ") weight");
+  TORCH_CHECK(!bias.has_value() || (bias->numel() == out_features && bias->scalar_type() == at::kBFloat16), op,
+              ": bias must be bf16 (", out_features, ",)");
+  return x.contiguous();
+}
+
+at::Tensor int8_linear(const at::Tensor& x, const at::Tensor& packed, const at::Tensor& scale,
+                       int64_t out_features, const c10::optional<at::Tensor>& bias) {
+  const at::Tensor xc = check_quantized("int8_linear", x, packed, at::kShort, out_features, bias);
+  TORCH_CHECK(scale.numel() == out_features && scale.scalar_type() == at::kFloat,
+              "int8_linear: scale must be fp32 (", out_features, ",)");
+  const at::Tensor sc = scale.contiguous(), b = bias.has_value() ? bias->contiguous() : at::Tensor();
+  at::Tensor y = at::empty({xc.size(0), out_features}, xc.options());
+#if defined(__AVX512BF16__)
+  const Format<at::BFloat16> f{kTiles<at::BFloat16, Source::kInt8>, kTiles<at::BFloat16>, kRowTile};
+  run_tiles<at::BFloat16>(xc, static_cast<const uint8_t*>(packed.data_ptr()), packed.size(1) * 2 * kPanelCols,
+                          packed.size(0), f, true, sc.data_ptr<float>(), nullptr, 0, nullptr, 0,
+                          b.defined() ? b.data_ptr<at::BFloat16>() : nullptr, y);
+#endif
+  return y;
+}
+
+at::Tensor int4_linear(const at::Tensor& x, const at::Tensor& packed, const at::Tensor& dm, int64_t out_features,
+                       const c10::optional<at::Tensor>& bias) {
+  const at::Tensor xc = check_quantized("int4_linear", x, packed, at::kByte, out_features, bias);
+  const int64_t groups = x.size(1) / kInt4Group;
+  TORCH_CHECK(x.size(1) % kInt4Group == 0 && dm.dim() == 4 && dm.scalar_type() == at::kFloat &&
+              dm.size(0) == packed.size(0) && dm.size(1) == groups && dm.size(2) == 2 && dm.size(3) == kPanelCols,
+              "int4_linear: dm (", dm.sizes(), ") is not pack_int4_linear's d and m of a (", out_features, ", ",
+              x.size(1), ") weight");
+  const at::Tensor dmc = dm.contiguous(), b = bias.has_value() ? bias->contiguous() : at::Tensor();
+  // x_sum[r][g]: the sum of x over group g (fp32), for the m terms
+  const at::Tensor x_sum = xc.to(at::kFloat).view({xc.size(0), groups, kInt4Group}).sum(2).contiguous();
+  at::Tensor y = at::empty({xc.size(0), out_features}, xc.options());
+#if defined(__AVX512BF16__)
+  const Format<at::BFloat16> f{kInt4Tiles<Source::kInt4>, kInt4Tiles<>, kInt4RowTile};
+  run_tiles<at::BFloat16>(xc, packed.data_ptr<uint8_t>(), packed.size(1) * kPanelCols, packed.size(0), f, true,
+                          nullptr, dmc.data_ptr<float>(), groups * 2 * kPanelCols, x_sum.data_ptr<float>(), groups,
+                          b.defined() ? b.data_ptr<at::BFloat16>() : nullptr, y);
+#endif
+  return y;
+}
+
 at::Tensor packed_linear(const at::Tensor& x, const at::Tensor& packed, int64_t out_features,
                          const c10::optional<at::Tensor>& bias) {
   const at::ScalarType dtype = x.scalar_type();
@@ -289,21 +417,26 @@ at::Tensor packed_linear(const at::Tensor& x, const at::Tensor& packed, int64_t 
               "packed_linear: this build has no ", dtype == at::kBFloat16 ? "AVX-512 BF16" : "AVX-512F",
               " for ", dtype, " (see fp32_linear_available() and bf16_linear_available())");
   TORCH_CHECK(packed.dim() == 3 && packed.scalar_type() == (dtype == at::kBFloat16 ? at::kInt : at::kFloat) &&
-              packed.size(2) == kPanelCols &&
-              packed.size(1) * per_word(dtype) == x.size(1) && packed.size(0) * kPanelCols >= out_features &&
-              packed.size(0) * kPanelCols < out_features + kPanelCols, "packed_linear: `packed` (",
-              packed.sizes(), ") is not pack_linear's layout of a ", dtype, " (", out_features, ", ", x.size(1),
-              ") weight");
+              packed.size(2) == kPanelCols && packed.size(1) * per_word(dtype) == x.size(1) &&
+              packed.size(0) == num_panels(out_features), "packed_linear: `packed` (", packed.sizes(),
+              ") is not pack_linear's layout of a ", dtype, " (", out_features, ", ", x.size(1), ") weight");
   TORCH_CHECK(!bias.has_value() || (bias->numel() == out_features && bias->scalar_type() == dtype),
               "packed_linear: bias must be (", out_features, ",) in ", dtype);
   const at::Tensor xc = x.contiguous();
   const at::Tensor b = bias.has_value() ? bias->contiguous() : at::Tensor();
   at::Tensor y = at::empty({xc.size(0), out_features}, xc.options());
 #if defined(__AVX512F__)
-  if (dtype == at::kBFloat16)
-    run_tiles<at::BFloat16>(xc, packed, b, y);
-  else
-    run_tiles<float>(xc, packed, b, y);
+  const uint8_t* w = static_cast<const uint8_t*>(packed.data_ptr());
+  const int64_t panel_bytes = packed.size(1) * kPanelCols * 4;
+  if (dtype == at::kBFloat16) {
+    const Format<at::BFloat16> f{kTiles<at::BFloat16>, kTiles<at::BFloat16>, kRowTile};
+    run_tiles<at::BFloat16>(xc, w, panel_bytes, packed.size(0), f, false, nullptr, nullptr, 0, nullptr, 0,
+                            b.defined() ? b.data_ptr<at::BFloat16>() : nullptr, y);
+  } else {
+    const Format<float> f{kTiles<float>, kTiles<float>, kRowTile};
+    run_tiles<float>(xc, w, panel_bytes, packed.size(0), f, false, nullptr, nullptr, 0, nullptr, 0,
+                     b.defined() ? b.data_ptr<float>() : nullptr, y);
+  }
 #endif
   return y;
 }
@@ -315,6 +448,8 @@ TORCH_LIBRARY_FRAGMENT(minivllm_cpu, m) {
   m.def("packed_linear(Tensor x, Tensor packed, int out_features, Tensor? bias) -> Tensor");
   m.def("pack_int8_linear(Tensor qweight) -> Tensor");
   m.def("int8_linear(Tensor x, Tensor packed, Tensor scale, int out_features, Tensor? bias) -> Tensor");
+  m.def("pack_int4_linear(Tensor q, Tensor d, Tensor m) -> (Tensor, Tensor)");
+  m.def("int4_linear(Tensor x, Tensor packed, Tensor dm, int out_features, Tensor? bias) -> Tensor");
   m.def("fp32_linear_available", &fp32_linear_available);        // no tensor argument: catch-all kernels
   m.def("bf16_linear_available", &bf16_linear_available);
 }
@@ -324,4 +459,6 @@ TORCH_LIBRARY_IMPL(minivllm_cpu, CPU, m) {
   m.impl("packed_linear", &packed_linear);
   m.impl("pack_int8_linear", &pack_int8_linear);
   m.impl("int8_linear", &int8_linear);
+  m.impl("pack_int4_linear", &pack_int4_linear);
+  m.impl("int4_linear", &int4_linear);
 }

@@ -10,7 +10,8 @@ dtype conversions they include, `cpu_dtype.h`), built on first use with the mach
     rotary_embedding         layers.RotaryEmbedding's rotation of q and k
     argmax_rows              torch.argmax(logits, dim=-1) for the sampler's greedy rows
     packed_linear            F.linear in fp32 or bf16 from a weight packed once (pack_linear); AVX-512 only
-    int8_linear              the same from weight-only int8 (pack_int8_linear); AVX-512 BF16 only
+    int8_linear, int4_linear the same from weight-only int8 / int4 (pack_int8_linear, pack_int4_linear);
+                             AVX-512 BF16 only
 
 `load()` compiles the sources once per machine with torch's cpp_extension (about 12 s here; cached under
 TORCH_EXTENSIONS_DIR, ~/.cache/torch_extensions by default) and registers `torch.ops.minivllm_cpu`.
@@ -167,4 +168,20 @@ def int8_linear(x: torch.Tensor, packed: torch.Tensor, scale: torch.Tensor, out_
     pack_int8_linear(qweight); scale (out,) fp32 per output channel, bias bf16 or None."""
     shape = x.shape
     y = load().int8_linear(x.reshape(-1, shape[-1]), packed, scale, int(out_features), bias)
+    return y.view(*shape[:-1], out_features)
+
+
+def pack_int4_linear(q: torch.Tensor, d: torch.Tensor, m: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """q (out, in) uint8 values 0..15 (`in` a multiple of 32), d and m (out, in / 32) fp32 -> (packed, dm) for
+    int4_linear: packed (panels, in / 2, 48) uint8, a pair of q along `in` per byte (low nibble first); dm
+    (panels, in / 32, 2, 48) fp32, each group's d and m."""
+    return load().pack_int4_linear(q, d, m)
+
+
+def int4_linear(x: torch.Tensor, packed: torch.Tensor, dm: torch.Tensor, out_features: int,
+                bias: torch.Tensor | None = None) -> torch.Tensor:
+    """x (..., in) bf16 -> x @ w.T + bias, w[n][k] = d[n][k // 32] q[n][k] + m[n][k // 32]; (..., out_features)
+    bf16, from pack_int4_linear(q, d, m)."""
+    shape = x.shape
+    y = load().int4_linear(x.reshape(-1, shape[-1]), packed, dm, int(out_features), bias)
     return y.view(*shape[:-1], out_features)

@@ -25,9 +25,9 @@ def bf16_linear(x, w):
 
 @pytest.mark.parametrize("own_kernel", [True, False])
 def test_int8_is_per_channel_symmetric_and_its_matmul_matches_the_math(own_kernel, monkeypatch):
-    if own_kernel and not quant.own_int8_kernel():
+    if own_kernel and not quant.own_quantized_kernels():
         pytest.skip("minivllm's int8 kernel needs AVX-512 BF16")
-    monkeypatch.setattr(quant, "own_int8_kernel", lambda: own_kernel)   # False: PyTorch's _weight_int8pack_mm
+    monkeypatch.setattr(quant, "own_quantized_kernels", lambda: own_kernel)   # False: PyTorch's kernel
     w = torch.randn(96, 64, generator=torch.Generator().manual_seed(0))
     q, scale = quant.Int8WeightOnlyMethod.quantize(w)
     assert q.dtype == torch.int8 and q.shape == (96, 64) and scale.dtype == torch.float32
@@ -42,7 +42,7 @@ def test_int8_is_per_channel_symmetric_and_its_matmul_matches_the_math(own_kerne
     torch.testing.assert_close(method.apply(layer, x, None).float(), bf16_linear(x, deq), rtol=2e-2, atol=5e-2)
 
 
-@pytest.mark.skipif(not quant.own_int8_kernel(), reason="minivllm's int8 kernel needs AVX-512 BF16")
+@pytest.mark.skipif(not quant.own_quantized_kernels(), reason="minivllm's int8 kernel needs AVX-512 BF16")
 @pytest.mark.parametrize("rows", [1, 8, 9, 20, 600])
 @pytest.mark.parametrize("out_features,in_features", [(96, 64), (100, 576), (7, 1536)])
 def test_own_int8_kernel_is_within_one_bf16_rounding_of_float64(rows, out_features, in_features):
@@ -67,21 +67,59 @@ def test_own_int8_kernel_is_within_one_bf16_rounding_of_float64(rows, out_featur
         kernels.cpu_ops.int8_linear(x[:, :32], kernels.cpu_ops.pack_int8_linear(q[:96, :64]), scale[:96], 96)
 
 
-def test_int4_groups_of_32_with_a_minimum_and_its_matmul_matches_the_math():
+@pytest.mark.parametrize("own_kernel", [True, False])
+def test_int4_groups_of_32_with_a_minimum_and_its_matmul_matches_the_math(own_kernel, monkeypatch):
+    if own_kernel and not quant.own_quantized_kernels():
+        pytest.skip("minivllm's int4 kernel needs AVX-512 BF16")
+    monkeypatch.setattr(quant, "own_quantized_kernels", lambda: own_kernel)   # False: PyTorch's kernel
     w = torch.randn(64, 96, generator=torch.Generator().manual_seed(1))
     layer = linear_with(w)
     method = quant.Int4WeightOnlyMethod()
     method.process_weights_after_loading(layer)
     q, d, m = method.quantize_groups(w.view(64, 3, 32))
     assert q.min() >= 0 and q.max() <= 15
-    # the kernel's form, w = (q - 8) * scale + zero, with scale and zero in bf16
-    scale, zero = d.bfloat16().float(), (m + 8 * d).bfloat16().float()
-    deq = ((q - 8) * scale[..., None] + zero[..., None]).view(64, 96)
+    if own_kernel:          # minivllm's: w = d q + m with fp32 d and m
+        deq = (q * d[..., None] + m[..., None]).view(64, 96)
+    else:                   # PyTorch's: w = (q - 8) * scale + zero, with scale and zero in bf16
+        scale, zero = d.bfloat16().float(), (m + 8 * d).bfloat16().float()
+        deq = ((q - 8) * scale[..., None] + zero[..., None]).view(64, 96)
     assert (deq - w).abs().max() < 0.6 * d.max() + 0.05
     x = torch.randn(7, 96)
     torch.testing.assert_close(method.apply(layer, x, None).float(), bf16_linear(x, deq), rtol=2e-2, atol=5e-2)
     layer.quant_method = method
     torch.testing.assert_close(quant.dequantize(layer), deq.bfloat16().float(), rtol=1e-2, atol=2e-2)
+
+
+@pytest.mark.skipif(not quant.own_quantized_kernels(), reason="minivllm's int4 kernel needs AVX-512 BF16")
+@pytest.mark.parametrize("rows", [1, 8, 9, 20, 600])
+@pytest.mark.parametrize("out_features,in_features", [(96, 64), (100, 576), (7, 1536)])
+def test_own_int4_kernel_is_within_fp32_summation_error_of_float64(rows, out_features, in_features):
+    """q is exact in bf16 and its products with bf16 x exact in fp32; each group's sum is scaled by d, plus m
+    times the group's sum of x: every element within fp32's summation bound and one bf16 rounding of the float64
+    product with w = d q + m. Rows cover the first tile alone (it widens the nibbles in registers), later tiles
+    (the widened copy) and two 512-row chunks; 100 and 7 columns a part panel."""
+    from minivllm.model._kernels import kernels
+    g = torch.Generator().manual_seed(rows * out_features + 1)
+    w = torch.randn(out_features, in_features, generator=g) / in_features ** 0.5
+    groups = in_features // 32
+    q, d, m = quant.Int4WeightOnlyMethod().quantize_groups(w.view(out_features, groups, 32))
+    x = torch.randn(rows, in_features, generator=g).bfloat16()
+    b = torch.randn(out_features, generator=g).bfloat16()
+    packed, dm = kernels.cpu_ops.pack_int4_linear(q.view(out_features, in_features).to(torch.uint8), d, m)
+    panels = -(-out_features // 48)
+    assert packed.shape == (panels, in_features // 2, 48) and packed.dtype == torch.uint8
+    assert dm.shape == (panels, groups, 2, 48) and dm.dtype == torch.float32
+    got = kernels.cpu_ops.int4_linear(x, packed, dm, out_features, b)
+    dq, mm = q.double() * d.double()[..., None], m.double()[..., None].expand_as(q)
+    weight = (dq + mm).view(out_features, in_features)
+    exact = x.double() @ weight.T + b.double()
+    magnitude = x.double().abs() @ (dq.abs() + mm.abs()).view(out_features, in_features).T + b.double().abs()
+    assert got.dtype == torch.bfloat16 and got.shape == (rows, out_features)
+    assert ((got.double() - exact).abs() <= (in_features + 2) * 2 ** -24 * magnitude + 2 ** -8 * exact.abs()).all()
+    with pytest.raises(RuntimeError, match=r"is not pack_int4_linear's d and m"):
+        kernels.cpu_ops.int4_linear(x, packed, dm[:, :1], out_features)
+    with pytest.raises(RuntimeError, match="values must be 0..15"):
+        kernels.cpu_ops.pack_int4_linear(torch.full((2, 32), 16, dtype=torch.uint8), d[:2, :1], m[:2, :1])
 
 
 def test_gguf_refuses_weights_that_are_not_q4_1_values():
@@ -120,9 +158,9 @@ def test_engine_runs_on_quantized_weights(method, floor, fp32_tokens, model_dir)
         if not isinstance(m, ParallelLMHead):
             assert m.weight.numel() == 0               # the full weight is gone: only the quantized one can run
     if method == "int8":               # minivllm's packed int8 pairs (AVX-512 BF16), or PyTorch's (out, in) int8
-        assert layers[0].qweight.dtype == (torch.int16 if quant.own_int8_kernel() else torch.int8)
-    else:
-        assert layers[0].qweight.numel() < 960 * 576
+        assert layers[0].qweight.dtype == (torch.int16 if quant.own_quantized_kernels() else torch.int8)
+    else:                              # minivllm's nibble pairs (AVX-512 BF16), or PyTorch's int4 packing
+        assert layers[0].qweight.numel() * layers[0].qweight.element_size() == 960 * 576 // 2
     head = model.lm_head.quant_method
     assert head.name == ("int8" if method in ("int8", "gguf") else "int4")
     prompts, expected = fp32_tokens

@@ -10,18 +10,19 @@ that reads them (`quant_method.apply(layer, x, bias)`, vLLM's name for the per-l
            Q4_1 blocks come back exactly from the fp32 weights. A checkpoint whose weights are not Q4_1
            values is refused with an error (use int4 there).
 
-The int4 matmuls are PyTorch's own CPU kernel for packed integer weights (`torch._weight_int4pack_mm_for_cpu`):
-it takes bf16 activations (fp32 ones run 30-70x slower), so the layer casts its input to bf16 and the result
-back to the model's dtype, and the scales are bf16. int8 goes to minivllm's own kernel where the CPU has
-AVX-512 BF16 (`kernels/cpu_gemm.cpp`, `int8_linear`: each int8 pair widened to a bf16 pair in registers and
-multiplied with `vdpbf16ps`, the fp32 per-channel scale applied to the sums), else to PyTorch's
-`torch._weight_int8pack_mm` (bf16 scales); the same bf16 activations either way.
+Where the CPU has AVX-512 BF16 the matmuls are minivllm's own (`kernels/cpu_gemm.cpp`, `int8_linear` and
+`int4_linear`): the weights are packed once into 48-column panels, and each quantized pair is widened to a bf16
+pair in registers as it is read and multiplied with `vdpbf16ps` (int8: exact, the fp32 per-channel scale
+applied to the sums; int4: q exact in bf16 too, each group's sums of x q scaled by d, plus m times the
+group's sum of x). Elsewhere (or with
+MINIVLLM_CPU_OWN_GEMM=0) they are PyTorch's CPU kernels for packed integer weights (`torch._weight_int8pack_mm`,
+`torch._weight_int4pack_mm_for_cpu`, bf16 scales). Both take bf16 activations, so the layer casts its input to
+bf16 and the result back to the model's dtype.
 
 Measured on the CI machines (2 cores, AVX-512 BF16, Zen 4), one decode step's matmuls of the default model
-(30 layers, weights from memory): at 1 row int8 5.0 ms against bf16's 8.2 (PyTorch's int8 kernel 10.7); at 32
-rows int8 21.1 against bf16's 23.3 (PyTorch's 64.5). Earlier, with PyTorch's kernels: int4 4.1 ms at 1 row and
-52 ms at 32: it dequantizes per row block instead of feeding AVX-512 BF16 dot products, so a full decode batch
-is compute-bound on the dequantization; int4 is for latency (one or a few requests), not batch throughput.
+(30 layers, weights from memory), minivllm's kernels against PyTorch's: see the README's "Measured" (int8 at
+1 row 5.0 ms against bf16's 8.2 and PyTorch's 10.7; at 32 rows 21.1 against 23.3 and 64.5). PyTorch's int4
+kernel dequantizes per row block instead of feeding AVX-512 BF16 dot products: 52 ms at 32 rows.
 
 The embedding keeps its full weight (a lookup reads one row per token); the LM head, tied to it in the
 default model, gets its own quantized copy (it is 21% of the default model's weights and read every step).
@@ -42,9 +43,9 @@ GROUP_SIZE = 32            # int4 / Q4_1: weights per (scale, minimum) pair alon
 ACT_DTYPE = torch.bfloat16
 
 
-def own_int8_kernel() -> bool:
-    """int8 layers go to minivllm's kernel (kernels/cpu_gemm.cpp, int8_linear): it needs what the bf16 one needs
-    (AVX-512 BF16), and MINIVLLM_CPU_OWN_GEMM=0 switches both off."""
+def own_quantized_kernels() -> bool:
+    """int8 and int4 layers go to minivllm's kernels (kernels/cpu_gemm.cpp, int8_linear / int4_linear): they need
+    what the bf16 one needs (AVX-512 BF16), and MINIVLLM_CPU_OWN_GEMM=0 switches them all off."""
     return cpu_gemm.own_gemm(torch.bfloat16)
 
 
@@ -59,14 +60,14 @@ class Int8WeightOnlyMethod:
 
     def process_weights_after_loading(self, layer: torch.nn.Module) -> None:
         q, scale = self.quantize(layer.weight.detach().float())
-        if own_int8_kernel() and q.shape[1] % 2 == 0:
+        if own_quantized_kernels() and q.shape[1] % 2 == 0:
             layer.qweight = kernels.cpu_ops.pack_int8_linear(q)            # (panels, in / 2, 48) int16: int8 pairs
             layer.qscale = scale                                          # fp32
         else:
             layer.qweight, layer.qscale = q, scale.to(ACT_DTYPE)           # PyTorch's kernel: (out, in), bf16 scales
 
     def apply(self, layer: torch.nn.Module, x: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
-        if layer.qweight.dtype == torch.int16:                            # packed for int8_linear
+        if layer.qweight.dim() == 3:                                      # packed for int8_linear
             y = kernels.cpu_ops.int8_linear(x.to(ACT_DTYPE), layer.qweight, layer.qscale, layer.qscale.numel())
         else:
             y = torch._weight_int8pack_mm(x.to(ACT_DTYPE), layer.qweight, layer.qscale)
@@ -86,7 +87,13 @@ class Int4WeightOnlyMethod:
             raise ValueError(f"quantization={self.name!r} needs in_features divisible by {GROUP_SIZE}; a layer "
                              f"has {in_features}. Use quantization='int8' for this model.")
         q, d, m = self.quantize_groups(w.view(out_features, in_features // GROUP_SIZE, GROUP_SIZE))
-        layer.qweight = torch._convert_weight_to_int4pack_for_cpu(q.view(out_features, in_features).to(torch.int32), 1)
+        q = q.view(out_features, in_features)
+        if own_quantized_kernels():
+            # (panels, in / 2, 48) nibble pairs; (panels, groups, 2, 48) fp32 d and m
+            layer.qweight, layer.qscales_zeros = kernels.cpu_ops.pack_int4_linear(q.to(torch.uint8), d, m)
+            layer.qout = out_features
+            return
+        layer.qweight = torch._convert_weight_to_int4pack_for_cpu(q.to(torch.int32), 1)
         # PyTorch's int4 matmul computes w = (q - 8) * scale + zero, so zero = m + 8 d.      (groups, out, 2)
         layer.qscales_zeros = torch.stack([d, m + 8 * d], dim=-1).transpose(0, 1).contiguous().to(ACT_DTYPE)
 
@@ -98,8 +105,11 @@ class Int4WeightOnlyMethod:
         return q, d, m
 
     def apply(self, layer: torch.nn.Module, x: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
-        y = torch._weight_int4pack_mm_for_cpu(x.to(ACT_DTYPE), layer.qweight, GROUP_SIZE,
-                                              layer.qscales_zeros).to(x.dtype)
+        if layer.qweight.dim() == 3:                                      # packed for int4_linear
+            y = kernels.cpu_ops.int4_linear(x.to(ACT_DTYPE), layer.qweight, layer.qscales_zeros, layer.qout)
+        else:
+            y = torch._weight_int4pack_mm_for_cpu(x.to(ACT_DTYPE), layer.qweight, GROUP_SIZE, layer.qscales_zeros)
+        y = y.to(x.dtype)
         return y if bias is None else y + bias
 
 
