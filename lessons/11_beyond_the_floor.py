@@ -213,10 +213,12 @@ print(f"weights {weights / 1e6:.0f} MB at {bandwidth / 1e9:.1f} GB/s: a decode s
 # plain layout on every call; on CPUs with AVX-512 BF16 it also packs bf16 (two products per lane with
 # `vdpbf16ps`), while an AVX2-only CPU refuses bf16 packing and keeps `F.linear` (the table below says which
 # this machine is). On a CPU with AVX-512, fp32 weights (and bf16 ones, with AVX-512 BF16) now go to
-# minivllm's own kernel instead (`kernels/cpu_gemm.cpp`, next paragraph). **Weight-only int8 and int4** (`minivllm/model/quantization.py`) read 4-8x fewer bytes than
-# fp32, which wins where a step only reads weights (one row), and loses at 32 rows, where PyTorch's packed-int
-# kernels spend their time dequantizing. The cell measures all of them on the model's own matmuls (30 layers'
-# four linear layers and the LM head), at 1 and 32 rows, here and now:
+# minivllm's own kernel instead (`kernels/cpu_gemm.cpp`, next paragraph). **Weight-only int8 and int4**
+# (`minivllm/model/quantization.py`) read 4-8x fewer bytes than fp32, which wins where a step only reads
+# weights (one row). PyTorch's packed-int kernels lost at 32 rows (int8 64 ms, int4 43 ms against bf16's 22 on
+# the machine of 2026-11-27): they spend their time dequantizing. minivllm's kernel runs them through the same
+# bf16 tiles (after the next paragraph), so at 32 rows they cost about what bf16 does. The cell measures all of
+# them on the model's own matmuls (30 layers' four linear layers), at 1 and 32 rows, here and now:
 
 # %%
 # NBVAL_IGNORE_OUTPUT
@@ -271,7 +273,9 @@ for rows in (1, 32):
             lambda l, x: cpu_gemm.gemm(x, w16[id(l)], None, own16[id(l)]), rows, torch.bfloat16)
     if not cpu_gemm.packable(torch.bfloat16):
         results[("F.linear bf16", rows)] = step_time(lambda l, x: F.linear(x, w16[id(l)]), rows, torch.bfloat16)
-for name, method in (("int8", quantization.Int8WeightOnlyMethod()), ("int4", quantization.Int4WeightOnlyMethod())):
+kernel = "minivllm's kernel" if quantization.own_quantized_kernels() else "PyTorch's kernel"
+for name, method in ((f"int8 ({kernel})", quantization.Int8WeightOnlyMethod()),
+                     (f"int4 ({kernel})", quantization.Int4WeightOnlyMethod())):
     qlayers = []
     for l in layers:
         q = ColumnParallelLinear(l.weight.shape[1], l.weight.shape[0], False, TPGroup())
@@ -287,9 +291,9 @@ for name, method in (("int8", quantization.Int8WeightOnlyMethod()), ("int4", qua
 print("oneDNN packs bf16 on this CPU:", cpu_gemm.packable(torch.bfloat16),
       "| minivllm's kernel, fp32 (AVX-512):", cpu_gemm.own_gemm(torch.float32),
       "bf16 (AVX-512 BF16):", cpu_gemm.own_gemm(torch.bfloat16))
-print(f"{'matmuls of one decode step':28} {'1 row':>9} {'32 rows':>9}")
+print(f"{'matmuls of one decode step':32} {'1 row':>9} {'32 rows':>9}")
 for name in dict.fromkeys(k[0] for k in results):
-    print(f"{name:28} {results[(name, 1)]:7.1f} ms {results[(name, 32)]:7.1f} ms")
+    print(f"{name:32} {results[(name, 1)]:7.1f} ms {results[(name, 32)]:7.1f} ms")
 
 # %% [markdown]
 # **Why write a matmul when oneDNN has one?** Profiled in bf16 at 32 rows, oneDNN's packed matmul ran at
@@ -304,9 +308,23 @@ for name in dict.fromkeys(k[0] for k in results):
 # (prefetched a few rows ahead) and stays in L2 for the other row tiles. Measured on the 2-core Zen 4 of
 # 2026-11-27, the default model's matmuls of 30 layers with cold weights, bf16: 32 rows 18 ms against oneDNN's
 # 24; 1 row 7.2 against 11.5 ms, which is 28 GB/s, the memory's bandwidth; the same from 2,048 rows up. fp32
-# (the same kernel with FMAs): 1 row 12.7 against 20.0 ms, 32 rows 48 against 52 ms, and 2-4% ahead at 128-512
-# rows. A product of two bf16 values is exact in fp32, so the result is oneDNN's up to the order of the fp32
-# sums, rounded once (`tests/test_cpu_gemm.py` checks every element against float64).
+# (the same kernel with FMAs): 1 row 11.1 against 20.6 ms, 32 rows 37.2 against 41.8 ms, and 2-4% ahead at
+# 128-512 rows. A product of two bf16 values is exact in fp32, so the result is oneDNN's up to the order of the
+# fp32 sums, rounded once (`tests/test_cpu_gemm.py` checks every element against float64).
+#
+# **Quantized weights through the same tiles.** Small integers are exact in bf16 (8 significant bits: every
+# int8, and int4's 0..15), so an int8 or int4 weight can feed `vdpbf16ps` unchanged once it is widened to
+# bf16, and the scales come after the sums: int8 multiplies each column's fp32 sum by its scale; int4
+# (w = d q + m per group of 32) sums x q over a group, then adds d times that and m times the group's sum of x.
+# The widening happens in registers as the first row tile of a panel reads the packed bytes (int8: sign-extend
+# and convert; int4: each byte's two nibbles spread into the two halves of a 32-bit lane, then one `vpermw`
+# looks up bf16(0..15) for all 32 of them), and the widened panel stays in L2 for the other row tiles. With
+# both cores (the engine's setting; 2026-11-27), one row reads only the quantized bytes (int8 4.3 ms, int4 3.8
+# ms against bf16's 8.1), and 32 rows run at the bf16 tiles' speed (int8 21.7, int4 25.4 ms against 22.2;
+# int4's tile is 4 rows, since its group sums take registers too). The table above runs on one thread (this
+# notebook sets `torch.set_num_threads(1)` at the top): one core cannot widen int8 as fast as memory delivers
+# it, so there int8 at one row is slower than bf16, and int4 (a quarter of the bytes, and one table lookup for
+# 32 weights) about equal.
 #
 # Same answers, different layout: the packed matmul equals `F.linear` to fp32 rounding (a different order
 # of additions), which is why greedy outputs still match Hugging Face token for token with it on.
