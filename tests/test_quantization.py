@@ -145,8 +145,8 @@ def fp32_tokens(llm, tokenizer):
 
 # Measured on the default model (6 prompts x 16 greedy tokens): how many tokens each keeps before it first
 # parts from fp32, summed (of 96): int8 76, int4 36, gguf 80 (exact Q4_1 groups, int8 head); on the Zen 4
-# machine of 2026-11-27, int8 74 with minivllm's int8 kernel (80 with PyTorch's; perplexity on the README's first
-# 1,024 tokens 46.18 against 46.31, fp32 45.81), int4 28, gguf 80. Floors below those.
+# machine of 2026-11-27 with minivllm's int8/int4 kernels, int8 74, int4 36, gguf 84 (with PyTorch's: 80, 28,
+# 80; perplexities README, "Measured"). Floors below those.
 @pytest.mark.parametrize("method,floor", [("int8", 60), ("int4", 24), ("gguf", 64)])
 def test_engine_runs_on_quantized_weights(method, floor, fp32_tokens, model_dir):
     llm = LLM(str(model_dir), quantization=method, num_kv_blocks=256)
