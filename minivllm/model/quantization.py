@@ -13,16 +13,15 @@ that reads them (`quant_method.apply(layer, x, bias)`, vLLM's name for the per-l
 Where the CPU has AVX-512 BF16 the matmuls are minivllm's own (`kernels/cpu_gemm.cpp`, `int8_linear` and
 `int4_linear`): the weights are packed once into 48-column panels, and each quantized pair is widened to a bf16
 pair in registers as it is read and multiplied with `vdpbf16ps` (int8: exact, the fp32 per-channel scale
-applied to the sums; int4: q exact in bf16 too, each group's sums of x q scaled by d, plus m times the
-group's sum of x). Elsewhere (or with
-MINIVLLM_CPU_OWN_GEMM=0) they are PyTorch's CPU kernels for packed integer weights (`torch._weight_int8pack_mm`,
-`torch._weight_int4pack_mm_for_cpu`, bf16 scales). Both take bf16 activations, so the layer casts its input to
-bf16 and the result back to the model's dtype.
+applied to the sums; int4: q exact in bf16 too, each group's sums of x q scaled by d, plus m times the group's
+sum of x). Elsewhere (or with MINIVLLM_CPU_OWN_GEMM=0) they are PyTorch's CPU kernels for packed integer
+weights (`torch._weight_int8pack_mm`, `torch._weight_int4pack_mm_for_cpu`, bf16 scales). Both take bf16
+activations, so the layer casts its input to bf16 and the result back to the model's dtype.
 
 Measured on the CI machines (2 cores, AVX-512 BF16, Zen 4), one decode step's matmuls of the default model
-(30 layers, weights from memory), minivllm's kernels against PyTorch's: see the README's "Measured" (int8 at
-1 row 5.0 ms against bf16's 8.2 and PyTorch's 10.7; at 32 rows 21.1 against 23.3 and 64.5). PyTorch's int4
-kernel dequantizes per row block instead of feeding AVX-512 BF16 dot products: 52 ms at 32 rows.
+(30 layers, weights from memory): int8 at 1 row 4.3-5.0 ms against bf16's 8.1-8.5 and PyTorch's 10.7, at 32
+rows 21.1-21.7 against 22.2-24.0 and 64.5; int4 at 1 row 3.8 (PyTorch's 3.8), at 32 rows 25.4 (PyTorch's
+42.7, which dequantizes per row block instead of feeding AVX-512 BF16 dot products). README, "Measured".
 
 The embedding keeps its full weight (a lookup reads one row per token); the LM head, tied to it in the
 default model, gets its own quantized copy (it is 21% of the default model's weights and read every step).
