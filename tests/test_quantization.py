@@ -147,10 +147,14 @@ def fp32_tokens(llm, tokenizer):
 # parts from fp32, summed (of 96): int8 76, int4 36, gguf 80 (exact Q4_1 groups, int8 head); on the Zen 4
 # machine of 2026-11-27 with minivllm's int8/int4 kernels, int8 74, int4 36, gguf 84 (with PyTorch's: 80, 28,
 # 80; perplexities README, "Measured"). Floors below those.
-@pytest.mark.parametrize("method,floor", [("int8", 60), ("int4", 24), ("gguf", 64)])
-def test_engine_runs_on_quantized_weights(method, floor, fp32_tokens, model_dir):
-    llm = LLM(str(model_dir), quantization=method, num_kv_blocks=256)
+@pytest.mark.parametrize("method,floor,dtype", [("int8", 60, "float32"), ("int4", 24, "float32"),
+                                               ("gguf", 64, "float32"), ("gguf", 64, "bfloat16")])
+def test_engine_runs_on_quantized_weights(method, floor, dtype, fp32_tokens, model_dir):
+    """gguf on a bf16 model too: the weights are quantized from the checkpoint's fp32 values (in bf16 they would
+    no longer be Q4_1 values, and gguf refused them), then the embedding and norms are cast to bf16."""
+    llm = LLM(str(model_dir), quantization=method, dtype=dtype, num_kv_blocks=256)
     model = llm.llm_engine.model_runner.model
+    assert all(p.dtype == getattr(torch, dtype) for p in model.parameters())
     layers = [m for m in model.modules() if isinstance(m, (ColumnParallelLinear, RowParallelLinear, ParallelLMHead))]
     assert len(layers) == 30 * 4 + 1
     for m in layers:

@@ -110,8 +110,11 @@ def load_model(path: Path, cfg: ModelConfig, dtype: torch.dtype, device: torch.d
     files = sorted(path.glob("*.safetensors"))
     with torch.device(device):
         model = LlamaForCausalLM(cfg, tp, pp)
-    for p in model.parameters():          # weights in `dtype`; the rotary tables stay fp32
-        p.data = p.data.to(dtype)
+    # weights in `dtype` (the rotary tables stay fp32); a quantized model is quantized from the checkpoint's own
+    # values (gguf needs them exactly: bf16 would move them off the Q4_1 grid), then the rest is cast
+    load_dtype = torch.float32 if quantization is not None else dtype
+    for p in model.parameters():
+        p.data = p.data.to(load_dtype)
     loaded: set[str] = set()
     for f in files:
         with safe_open(str(f), framework="pt", device="cpu") as st:
@@ -122,6 +125,8 @@ def load_model(path: Path, cfg: ModelConfig, dtype: torch.dtype, device: torch.d
                     loaded.add(model.local_name(name))
     if quantization is not None:
         quantize_linear_weights(model, quantization, device)              # int8 / int4 (quantization.py)
+        for p in model.parameters():                                      # the embedding and norms in `dtype`
+            p.data = p.data.to(dtype)
     elif device.type == "cpu" and not prepack_linear_weights(model):     # oneDNN's layout (cpu_gemm.py),
         use_column_major_linear_weights(model)                            # else the best one for MKL
     expected = {_checkpoint_name(n) for n, _ in model.named_parameters()}
