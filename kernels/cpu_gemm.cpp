@@ -37,6 +37,8 @@
 #include <ATen/Parallel.h>
 #include <torch/library.h>
 
+#include "cpu_activation.h"
+
 #include <algorithm>
 #include <cstring>
 #include <tuple>
@@ -49,6 +51,7 @@
 namespace {
 
 constexpr int64_t kPanelCols = 48;            // output columns per panel: three registers of 16
+constexpr int64_t kGateCols = kPanelCols / 2; // silu_and_mul: gate/up pairs per panel (interleave_gate_up)
 constexpr int64_t kRowTile = 8;               // x rows per tile: 8 x 3 accumulators
 constexpr int64_t kInt4RowTile = 4;           // int4: 4 x 3 accumulators and 4 x 3 group partial sums
 constexpr int64_t kRowChunk = 512;            // rows of x per pass over the weight (a chunk of x stays in L2)
@@ -154,7 +157,9 @@ struct Panel {
   uint32_t* widened;       // quantized sources: where to keep the widened rows for later tiles, or null
   const float* scale;      // int8: the columns' scales, or null
   const float* dm;         // int4: (groups, 2, 48) d and m of the columns
-  int64_t cols;            // columns that exist (fewer than 48 in the last panel)
+  int64_t cols;            // output columns: those that exist (fewer than 48 in the last panel), or, with
+                           // silu_and_mul, the gate/up pairs (24, fewer in the last panel)
+  bool silu_and_mul;       // a gate/up panel: the output is silu(gate) * up (store_rows)
 };
 
 // Word row k of a panel, as three registers of 16 columns' words. kWords: three loads. kInt8: 96 bytes, each
@@ -202,14 +207,41 @@ inline void panel_row(const void* rows, int64_t k, uint32_t* widened, __m512i w[
 #endif
 }
 
-// acc[r][c] (+ bias), rounded to T, the first `cols` columns stored to y (rows ldy apart).
+// The first n (< 16) lanes of v rounded to T and stored (rounding as the bf16 store below: to nearest even).
+template <typename T>
+inline void store_lanes(T* y, __m512 v, int64_t n) {
+  const __mmask16 mask = static_cast<__mmask16>((1u << n) - 1);
+  if constexpr (std::is_same_v<T, at::BFloat16>) {
+#if defined(__AVX512BF16__)
+    _mm256_mask_storeu_epi16(y, mask, (__m256i)_mm512_cvtneps_pbh(v));
+#endif
+  } else {
+    _mm512_mask_storeu_ps(y, mask, v);
+  }
+}
+
+// acc[r][c] (+ bias), rounded to T, and the first `cols` columns stored to y (rows ldy apart). A gate/up panel
+// (silu_and_mul) holds, by register, gate 0-15 | up 0-15 | gate 16-23 and up 16-23 of its 24 outputs
+// (interleave_gate_up): it stores silu(gate) * up of the first `cols`, rounded as silu_and_mul rounds it.
 template <int R, typename T>
-inline void store_rows(__m512 (&acc)[R][3], const T* bias, T* y, int64_t ldy, int64_t cols) {
+inline void store_rows(__m512 (&acc)[R][3], const T* bias, T* y, int64_t ldy, int64_t cols, bool silu_and_mul) {
   __m512 b[3] = {_mm512_setzero_ps(), _mm512_setzero_ps(), _mm512_setzero_ps()};
   if (bias != nullptr) {
     float fb[kPanelCols] = {};
     for (int64_t c = 0; c < cols; ++c) fb[c] = static_cast<float>(bias[c]);
     for (int c = 0; c < 3; ++c) b[c] = _mm512_loadu_ps(fb + 16 * c);
+  }
+  if (silu_and_mul) {
+    for (int r = 0; r < R; ++r) {
+      using minivllm_cpu::round16;
+      using minivllm_cpu::silu_and_mul_reg;
+      const __m512 tail = round16<T>(acc[r][2]);                        // gate 16-23 | up 16-23
+      const __m512 out0 = silu_and_mul_reg<T>(round16<T>(acc[r][0]), round16<T>(acc[r][1]));
+      const __m512 out1 = silu_and_mul_reg<T>(tail, _mm512_shuffle_f32x4(tail, tail, _MM_SHUFFLE(3, 2, 3, 2)));
+      store_lanes(y + r * ldy, out0, std::min<int64_t>(cols, 16));
+      if (cols > 16) store_lanes(y + r * ldy + 16, out1, cols - 16);
+    }
+    return;
   }
   for (int r = 0; r < R; ++r) {
     alignas(64) T row[kPanelCols];
@@ -260,13 +292,13 @@ void tile(const uint32_t* x, int64_t words, const Panel& panel, const float* /*x
   }
   if (panel.scale != nullptr) {
     float fs[kPanelCols] = {};
-    std::memcpy(fs, panel.scale, panel.cols * sizeof(float));
+    std::memcpy(fs, panel.scale, (panel.silu_and_mul ? kPanelCols : panel.cols) * sizeof(float));   // gate/up: all 48
     for (int c = 0; c < 3; ++c) {
       const __m512 sc = _mm512_loadu_ps(fs + 16 * c);
       for (int r = 0; r < R; ++r) acc[r][c] = acc[r][c] * sc;
     }
   }
-  store_rows<R, T>(acc, bias, y, ldy, panel.cols);
+  store_rows<R, T>(acc, bias, y, ldy, panel.cols, panel.silu_and_mul);
 }
 
 // int4: for each group of 16 pairs, part[r][c] = sum of x pair (r, k2) . q pair (k2, c) (exact products, fp32
@@ -301,7 +333,7 @@ void int4_tile(const uint32_t* x, int64_t pairs, const Panel& panel, const float
                                     _mm512_fmadd_ps(part[r][c], dc, acc[r][c]));
     }
   }
-  store_rows<R, at::BFloat16>(acc, bias, y, ldy, panel.cols);
+  store_rows<R, at::BFloat16>(acc, bias, y, ldy, panel.cols, panel.silu_and_mul);
 }
 
 template <typename T>
@@ -324,10 +356,11 @@ struct Format {
 
 // The row chunks of x, each a pass over the weight with the panels split among the threads (each thread a run
 // of whole panels). packed + p * panel_bytes is panel p; quantized formats widen it in the first row tile.
+// Panel p writes y's columns from p * 48, or with silu_and_mul (gate/up panels) from p * 24.
 template <typename T>
 void run_tiles(const at::Tensor& x, const uint8_t* packed, int64_t panel_bytes, int64_t panels, const Format<T>& f,
                bool quantized, const float* scale, const float* dm, int64_t dm_panel, const float* x_sum,
-               int64_t groups, const T* bias, at::Tensor& y) {
+               int64_t groups, const T* bias, bool silu_and_mul, at::Tensor& y) {
   const int64_t rows = x.size(0), words = x.size(1) / per_word(x.scalar_type()), out = y.size(1);
   const uint32_t* xs = static_cast<const uint32_t*>(x.data_ptr());
   T* ys = static_cast<T*>(y.data_ptr());
@@ -337,17 +370,17 @@ void run_tiles(const at::Tensor& x, const uint8_t* packed, int64_t panel_bytes, 
       const bool reused = quantized && m1 - m0 > f.row_tile;
       std::vector<uint32_t> wide(reused ? words * kPanelCols : 0);   // the panel widened, for the later tiles
       for (int64_t p = p0; p < p1; ++p) {
-        const int64_t col0 = p * kPanelCols;
+        const int64_t width = silu_and_mul ? kGateCols : kPanelCols, col0 = p * width;
         Panel panel{packed + p * panel_bytes, reused ? wide.data() : nullptr,
-                    scale == nullptr ? nullptr : scale + col0, dm == nullptr ? nullptr : dm + p * dm_panel,
-                    std::min(kPanelCols, out - col0)};
+                    scale == nullptr ? nullptr : scale + p * kPanelCols, dm == nullptr ? nullptr : dm + p * dm_panel,
+                    std::min(width, out - col0), silu_and_mul};
         const T* bc = bias == nullptr ? nullptr : bias + col0;
         for (int64_t r = m0; r < m1; r += f.row_tile) {
           const int64_t n = std::min(f.row_tile, m1 - r);
           if (r == m0) {
             f.first[n](xs + r * words, words, panel, x_sum + r * groups, bc, ys + r * out + col0, out);
           } else {
-            const Panel widened{wide.data(), nullptr, panel.scale, panel.dm, panel.cols};
+            const Panel widened{wide.data(), nullptr, panel.scale, panel.dm, panel.cols, silu_and_mul};
             f.rest[n](xs + r * words, words, quantized ? widened : panel, x_sum + r * groups, bc,
                       ys + r * out + col0, out);
           }
@@ -358,39 +391,51 @@ void run_tiles(const at::Tensor& x, const uint8_t* packed, int64_t panel_bytes, 
 }
 #endif
 
+// Panels of a weight with out_features outputs: 48 columns each, or with silu_and_mul 24 gate/up pairs each.
+int64_t panels_for(int64_t out_features, bool silu_and_mul) {
+  return silu_and_mul ? (out_features + kGateCols - 1) / kGateCols : num_panels(out_features);
+}
+
+void check_silu_and_mul(const char* op, bool silu_and_mul, const c10::optional<at::Tensor>& bias) {
+  TORCH_CHECK(!silu_and_mul || !bias.has_value(), op, ": silu_and_mul takes no bias (a gated MLP's gate/up has none)");
+}
+
 // Checks shared by the quantized linears; returns x contiguous.
 at::Tensor check_quantized(const char* op, const at::Tensor& x, const at::Tensor& packed, at::ScalarType packed_type,
-                           int64_t out_features, const c10::optional<at::Tensor>& bias) {
+                           int64_t out_features, const c10::optional<at::Tensor>& bias, bool silu_and_mul) {
   TORCH_CHECK(bf16_linear_available(), op, ": this build has no AVX-512 BF16 (bf16_linear_available() is False)");
   TORCH_CHECK(x.dim() == 2 && x.scalar_type() == at::kBFloat16, op, ": x (rows, in) bf16 expected, got ", x.sizes(),
               " ", x.scalar_type());
   TORCH_CHECK(packed.dim() == 3 && packed.scalar_type() == packed_type && packed.size(2) == kPanelCols &&
-              packed.size(1) * 2 == x.size(1) && packed.size(0) == num_panels(out_features), op, ": `packed` (",
-              packed.sizes(), ") is not pack_", op, "'s layout of a (", out_features, ", ", x.size(1), ") weight");
+              packed.size(1) * 2 == x.size(1) && packed.size(0) == panels_for(out_features, silu_and_mul), op,
+              ": `packed` (", packed.sizes(), ") is not pack_", op, "'s layout of a (", out_features, ", ", x.size(1),
+              ") weight", silu_and_mul ? " with gate/up panels (silu_and_mul)" : "");
+  check_silu_and_mul(op, silu_and_mul, bias);
   TORCH_CHECK(!bias.has_value() || (bias->numel() == out_features && bias->scalar_type() == at::kBFloat16), op,
               ": bias must be bf16 (", out_features, ",)");
   return x.contiguous();
 }
 
 at::Tensor int8_linear(const at::Tensor& x, const at::Tensor& packed, const at::Tensor& scale,
-                       int64_t out_features, const c10::optional<at::Tensor>& bias) {
-  const at::Tensor xc = check_quantized("int8_linear", x, packed, at::kShort, out_features, bias);
-  TORCH_CHECK(scale.numel() == out_features && scale.scalar_type() == at::kFloat,
-              "int8_linear: scale must be fp32 (", out_features, ",)");
+                       int64_t out_features, const c10::optional<at::Tensor>& bias, bool silu_and_mul) {
+  const at::Tensor xc = check_quantized("int8_linear", x, packed, at::kShort, out_features, bias, silu_and_mul);
+  const int64_t scales = silu_and_mul ? packed.size(0) * kPanelCols : out_features;   // one per packed column
+  TORCH_CHECK(scale.numel() == scales && scale.scalar_type() == at::kFloat,
+              "int8_linear: scale must be fp32 (", scales, ",)");
   const at::Tensor sc = scale.contiguous(), b = bias.has_value() ? bias->contiguous() : at::Tensor();
   at::Tensor y = at::empty({xc.size(0), out_features}, xc.options());
 #if defined(__AVX512BF16__)
   const Format<at::BFloat16> f{kTiles<at::BFloat16, Source::kInt8>, kTiles<at::BFloat16>, kRowTile};
   run_tiles<at::BFloat16>(xc, static_cast<const uint8_t*>(packed.data_ptr()), packed.size(1) * 2 * kPanelCols,
                           packed.size(0), f, true, sc.data_ptr<float>(), nullptr, 0, nullptr, 0,
-                          b.defined() ? b.data_ptr<at::BFloat16>() : nullptr, y);
+                          b.defined() ? b.data_ptr<at::BFloat16>() : nullptr, silu_and_mul, y);
 #endif
   return y;
 }
 
 at::Tensor int4_linear(const at::Tensor& x, const at::Tensor& packed, const at::Tensor& dm, int64_t out_features,
-                       const c10::optional<at::Tensor>& bias) {
-  const at::Tensor xc = check_quantized("int4_linear", x, packed, at::kByte, out_features, bias);
+                       const c10::optional<at::Tensor>& bias, bool silu_and_mul) {
+  const at::Tensor xc = check_quantized("int4_linear", x, packed, at::kByte, out_features, bias, silu_and_mul);
   const int64_t groups = x.size(1) / kInt4Group;
   TORCH_CHECK(x.size(1) % kInt4Group == 0 && dm.dim() == 4 && dm.scalar_type() == at::kFloat &&
               dm.size(0) == packed.size(0) && dm.size(1) == groups && dm.size(2) == 2 && dm.size(3) == kPanelCols,
@@ -404,13 +449,13 @@ at::Tensor int4_linear(const at::Tensor& x, const at::Tensor& packed, const at::
   const Format<at::BFloat16> f{kInt4Tiles<Source::kInt4>, kInt4Tiles<>, kInt4RowTile};
   run_tiles<at::BFloat16>(xc, packed.data_ptr<uint8_t>(), packed.size(1) * kPanelCols, packed.size(0), f, true,
                           nullptr, dmc.data_ptr<float>(), groups * 2 * kPanelCols, x_sum.data_ptr<float>(), groups,
-                          b.defined() ? b.data_ptr<at::BFloat16>() : nullptr, y);
+                          b.defined() ? b.data_ptr<at::BFloat16>() : nullptr, silu_and_mul, y);
 #endif
   return y;
 }
 
 at::Tensor packed_linear(const at::Tensor& x, const at::Tensor& packed, int64_t out_features,
-                         const c10::optional<at::Tensor>& bias) {
+                         const c10::optional<at::Tensor>& bias, bool silu_and_mul) {
   const at::ScalarType dtype = x.scalar_type();
   TORCH_CHECK(x.dim() == 2 && (dtype == at::kFloat || dtype == at::kBFloat16),
               "packed_linear: x (rows, in) fp32 or bf16 expected, got ", x.sizes(), " ", dtype);
@@ -419,8 +464,10 @@ at::Tensor packed_linear(const at::Tensor& x, const at::Tensor& packed, int64_t 
               " for ", dtype, " (see fp32_linear_available() and bf16_linear_available())");
   TORCH_CHECK(packed.dim() == 3 && packed.scalar_type() == (dtype == at::kBFloat16 ? at::kInt : at::kFloat) &&
               packed.size(2) == kPanelCols && packed.size(1) * per_word(dtype) == x.size(1) &&
-              packed.size(0) == num_panels(out_features), "packed_linear: `packed` (", packed.sizes(),
-              ") is not pack_linear's layout of a ", dtype, " (", out_features, ", ", x.size(1), ") weight");
+              packed.size(0) == panels_for(out_features, silu_and_mul), "packed_linear: `packed` (", packed.sizes(),
+              ") is not pack_linear's layout of a ", dtype, " (", out_features, ", ", x.size(1), ") weight",
+              silu_and_mul ? " with gate/up panels (silu_and_mul)" : "");
+  check_silu_and_mul("packed_linear", silu_and_mul, bias);
   TORCH_CHECK(!bias.has_value() || (bias->numel() == out_features && bias->scalar_type() == dtype),
               "packed_linear: bias must be (", out_features, ",) in ", dtype);
   const at::Tensor xc = x.contiguous();
@@ -432,11 +479,11 @@ at::Tensor packed_linear(const at::Tensor& x, const at::Tensor& packed, int64_t 
   if (dtype == at::kBFloat16) {
     const Format<at::BFloat16> f{kTiles<at::BFloat16>, kTiles<at::BFloat16>, kRowTile};
     run_tiles<at::BFloat16>(xc, w, panel_bytes, packed.size(0), f, false, nullptr, nullptr, 0, nullptr, 0,
-                            b.defined() ? b.data_ptr<at::BFloat16>() : nullptr, y);
+                            b.defined() ? b.data_ptr<at::BFloat16>() : nullptr, silu_and_mul, y);
   } else {
     const Format<float> f{kTiles<float>, kTiles<float>, kRowTile};
     run_tiles<float>(xc, w, panel_bytes, packed.size(0), f, false, nullptr, nullptr, 0, nullptr, 0,
-                     b.defined() ? b.data_ptr<float>() : nullptr, y);
+                     b.defined() ? b.data_ptr<float>() : nullptr, silu_and_mul, y);
   }
 #endif
   return y;
@@ -446,11 +493,13 @@ at::Tensor packed_linear(const at::Tensor& x, const at::Tensor& packed, int64_t 
 
 TORCH_LIBRARY_FRAGMENT(minivllm_cpu, m) {
   m.def("pack_linear(Tensor weight) -> Tensor");
-  m.def("packed_linear(Tensor x, Tensor packed, int out_features, Tensor? bias) -> Tensor");
+  m.def("packed_linear(Tensor x, Tensor packed, int out_features, Tensor? bias, bool silu_and_mul=False) -> Tensor");
   m.def("pack_int8_linear(Tensor qweight) -> Tensor");
-  m.def("int8_linear(Tensor x, Tensor packed, Tensor scale, int out_features, Tensor? bias) -> Tensor");
+  m.def("int8_linear(Tensor x, Tensor packed, Tensor scale, int out_features, Tensor? bias, "
+        "bool silu_and_mul=False) -> Tensor");
   m.def("pack_int4_linear(Tensor q, Tensor d, Tensor m) -> (Tensor, Tensor)");
-  m.def("int4_linear(Tensor x, Tensor packed, Tensor dm, int out_features, Tensor? bias) -> Tensor");
+  m.def("int4_linear(Tensor x, Tensor packed, Tensor dm, int out_features, Tensor? bias, "
+        "bool silu_and_mul=False) -> Tensor");
   m.def("fp32_linear_available", &fp32_linear_available);        // no tensor argument: catch-all kernels
   m.def("bf16_linear_available", &bf16_linear_available);
 }

@@ -21,6 +21,7 @@
 #include <cmath>
 #include <tuple>
 
+#include "cpu_activation.h"
 #include "cpu_dtype.h"
 
 namespace {
@@ -90,13 +91,7 @@ void silu_and_mul_rows(const T* x, T* out, int64_t rows, int64_t n) {
   at::parallel_for(0, rows, kRowsPerTask, [&](int64_t begin, int64_t end) {
     for (int64_t r = begin; r < end; ++r) {
       const T* gate = x + r * 2 * n;
-      const T* up = gate + n;
-      T* o = out + r * n;
-#pragma omp simd
-      for (int64_t i = 0; i < n; ++i) {
-        const float g = to_float(gate[i]);
-        o[i] = from_float<T>(round_to<T>(g / (1.f + std::exp(-g))) * to_float(up[i]));   // silu(g), rounded, * up
-      }
+      minivllm_cpu::silu_and_mul_row(gate, gate + n, out + r * n, n);
     }
   });
 }

@@ -31,7 +31,8 @@ import torch
 
 _SOURCES = [Path(__file__).with_name(name)
             for name in ("cpu_attention.cpp", "cpu_layers.cpp", "cpu_sampling.cpp", "cpu_gemm.cpp")]
-_HEADERS = [Path(__file__).with_name("cpu_dtype.h")]        # included by the sources; part of the build's name
+# included by the sources; part of the build's name
+_HEADERS = [Path(__file__).with_name(name) for name in ("cpu_dtype.h", "cpu_activation.h")]
 # -ffast-math lets GCC vectorize expf (glibc's SIMD exp) and reorder fp32 sums; it is a compile flag only, never
 # a link flag: linked into a shared library it would set flush-to-zero for the whole process (a test checks).
 _CFLAGS = ["-O3", "-march=native", "-fopenmp", "-ffast-math"]
@@ -149,11 +150,39 @@ def pack_linear(weight: torch.Tensor) -> torch.Tensor:
 
 
 def packed_linear(x: torch.Tensor, packed: torch.Tensor, out_features: int,
-                  bias: torch.Tensor | None = None) -> torch.Tensor:
-    """x (..., in) fp32 or bf16 -> x @ weight.T + bias, (..., out_features) in x's dtype, from pack_linear(weight)."""
+                  bias: torch.Tensor | None = None, silu_and_mul: bool = False) -> torch.Tensor:
+    """x (..., in) fp32 or bf16 -> x @ weight.T + bias, (..., out_features) in x's dtype, from pack_linear(weight).
+    silu_and_mul: `packed` is pack_linear(interleave_gate_up(w)) of a gated MLP's w = [gate | up] (2 n, in), and
+    the result is silu(x @ gate.T) * (x @ up.T), (..., n = out_features), rounded as silu_and_mul rounds it."""
     shape = x.shape
-    y = load().packed_linear(x.reshape(-1, shape[-1]), packed, int(out_features), bias)
+    y = load().packed_linear(x.reshape(-1, shape[-1]), packed, int(out_features), bias, silu_and_mul)
     return y.view(*shape[:-1], out_features)
+
+
+PANEL_COLS = 48        # output columns per panel of the packed layouts (kPanelCols in cpu_gemm.cpp)
+
+
+def gate_up_columns(n: int) -> torch.Tensor:
+    """The packed columns (rows of interleave_gate_up's result) of gate columns 0 ... n - 1, then of up columns
+    0 ... n - 1: panel p holds pairs 24 p ... 24 p + 23 as four runs of its 48 columns, so that each register of
+    16 columns is whole for silu_and_mul: gate pairs 0-15 | up 0-15 | gate 16-23 | up 16-23."""
+    half = PANEL_COLS // 2
+    j = torch.arange(n)
+    p, i = j // half, j % half
+    gate = p * PANEL_COLS + i + 16 * (i >= 16)                       # 0-15, then 32-39
+    up = p * PANEL_COLS + i + 16 + 8 * (i >= 16)                     # 16-31, then 40-47
+    return torch.cat([gate, up])
+
+
+def interleave_gate_up(t: torch.Tensor) -> torch.Tensor:
+    """A gated MLP's rows t (2 n, ...) = [gate | up] (a weight, int8 q, scales, int4 q, d or m) -> (panels * 48,
+    ...) in gate_up_columns' order, the one the kernels' silu_and_mul reads; zero rows pad the last panel. A
+    plain product with it gives [gate | up] back through `y[..., gate_up_columns(n)]`."""
+    n = t.shape[0] // 2
+    panels = -(-n // (PANEL_COLS // 2))
+    out = t.new_zeros((panels * PANEL_COLS,) + tuple(t.shape[1:]))
+    out[gate_up_columns(n)] = t
+    return out
 
 
 def pack_int8_linear(qweight: torch.Tensor) -> torch.Tensor:
@@ -163,11 +192,12 @@ def pack_int8_linear(qweight: torch.Tensor) -> torch.Tensor:
 
 
 def int8_linear(x: torch.Tensor, packed: torch.Tensor, scale: torch.Tensor, out_features: int,
-                bias: torch.Tensor | None = None) -> torch.Tensor:
+                bias: torch.Tensor | None = None, silu_and_mul: bool = False) -> torch.Tensor:
     """x (..., in) bf16 -> x @ (scale[:, None] * qweight).T + bias, (..., out_features) bf16, from
-    pack_int8_linear(qweight); scale (out,) fp32 per output channel, bias bf16 or None."""
+    pack_int8_linear(qweight); scale (out,) fp32 per output channel, bias bf16 or None. silu_and_mul: as in
+    packed_linear, with qweight and scale both interleave_gate_up's."""
     shape = x.shape
-    y = load().int8_linear(x.reshape(-1, shape[-1]), packed, scale, int(out_features), bias)
+    y = load().int8_linear(x.reshape(-1, shape[-1]), packed, scale, int(out_features), bias, silu_and_mul)
     return y.view(*shape[:-1], out_features)
 
 
@@ -179,9 +209,9 @@ def pack_int4_linear(q: torch.Tensor, d: torch.Tensor, m: torch.Tensor) -> tuple
 
 
 def int4_linear(x: torch.Tensor, packed: torch.Tensor, dm: torch.Tensor, out_features: int,
-                bias: torch.Tensor | None = None) -> torch.Tensor:
+                bias: torch.Tensor | None = None, silu_and_mul: bool = False) -> torch.Tensor:
     """x (..., in) bf16 -> x @ w.T + bias, w[n][k] = d[n][k // 32] q[n][k] + m[n][k // 32]; (..., out_features)
-    bf16, from pack_int4_linear(q, d, m)."""
+    bf16, from pack_int4_linear(q, d, m). silu_and_mul: as in packed_linear, with q, d and m interleave_gate_up's."""
     shape = x.shape
-    y = load().int4_linear(x.reshape(-1, shape[-1]), packed, dm, int(out_features), bias)
+    y = load().int4_linear(x.reshape(-1, shape[-1]), packed, dm, int(out_features), bias, silu_and_mul)
     return y.view(*shape[:-1], out_features)

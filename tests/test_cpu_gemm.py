@@ -6,7 +6,8 @@ import torch
 import torch.nn.functional as F
 
 from minivllm.model import cpu_gemm
-from minivllm.model.layers import ColumnParallelLinear, ParallelLMHead, RowParallelLinear, TPGroup
+from minivllm.model.layers import (ColumnParallelLinear, MergedColumnParallelLinear, ParallelLMHead,
+                                   RowParallelLinear, SiluAndMul, TPGroup)
 
 pytestmark = pytest.mark.skipif(not cpu_gemm.onednn_available(), reason="this torch build has no oneDNN")
 
@@ -80,13 +81,66 @@ def test_every_linear_of_the_model_uses_the_own_kernel(monkeypatch, dtype):
     linears = [m for m in model.modules() if isinstance(m, (ColumnParallelLinear, RowParallelLinear, ParallelLMHead))]
     assert len(linears) == 30 * 4 + 1                         # qkv, o, gate_up, down per layer + the LM head
     assert all(m.packed_weight is not None and not m.packed_weight.is_mkldnn for m in linears)
+    assert [m.packed_silu_and_mul for m in linears if isinstance(m, MergedColumnParallelLinear)] == [True] * 30
     calls = []
     real = kernels.cpu_ops.packed_linear
-    monkeypatch.setattr(kernels.cpu_ops, "packed_linear", lambda *a: calls.append(1) or real(*a))
+    monkeypatch.setattr(kernels.cpu_ops, "packed_linear", lambda *a, **kw: calls.append(1) or real(*a, **kw))
     out = llm.generate([{"prompt_token_ids": [1, 2, 3, 4]}], SamplingParams(max_tokens=2, temperature=0),
                        use_tqdm=False)
     assert len(out[0].outputs[0].token_ids) == 2
     assert len(calls) == 2 * len(linears)                     # every linear, both steps
+
+
+# n: whole panels of 24 pairs (1536: the default model's intermediate size), a part panel, fewer than 16 pairs.
+@pytest.mark.parametrize("dtype", [own_gemm(torch.float32), own_gemm(torch.bfloat16)])
+@pytest.mark.parametrize("rows", [1, 9, 600])
+@pytest.mark.parametrize("n", [1536, 100, 7])
+def test_silu_and_mul_in_the_matmul_equals_the_separate_pass_bit_for_bit(dtype, rows, n):
+    """packed_linear(silu_and_mul=True) on interleave_gate_up's panels gives exactly silu_and_mul of the plain
+    product (the same roundings, in the same order); the plain product with the interleaved weight gives back
+    [gate | up] through gate_up_columns; and both are HF's SiLU of F.linear within the matmul's rounding."""
+    from transformers.activations import ACT2FN
+
+    from minivllm.model._kernels import kernels
+    ops = kernels.cpu_ops
+    g = torch.Generator().manual_seed(rows + n)
+    w = (torch.randn(2 * n, 576, generator=g) / 8).to(dtype)
+    x = torch.randn(rows, 576, generator=g).to(dtype)
+    plain, panels = ops.pack_linear(w), ops.pack_linear(ops.interleave_gate_up(w))
+    assert panels.shape[0] == -(-n // 24)
+    gate_up = ops.packed_linear(x, plain, 2 * n)
+    fused = ops.packed_linear(x, panels, n, silu_and_mul=True)
+    assert fused.shape == (rows, n) and torch.equal(fused, ops.silu_and_mul(gate_up))
+    back = ops.packed_linear(x, panels, panels.shape[0] * 48)[:, ops.gate_up_columns(n)]
+    assert torch.equal(back, gate_up)
+    hf = F.linear(x.float(), w.float())
+    want = (ACT2FN["silu"](hf[:, :n]) * hf[:, n:])
+    tol = dict(rtol=1e-4, atol=1e-4) if dtype == torch.float32 else dict(rtol=3e-2, atol=3e-2)
+    torch.testing.assert_close(fused.float(), want, **tol)
+    with pytest.raises(RuntimeError, match=r"is not pack_linear's layout .* with gate/up panels"):
+        ops.packed_linear(x, panels, n + 24, silu_and_mul=True)         # 24 more outputs need one more panel
+    with pytest.raises(RuntimeError, match="silu_and_mul takes no bias"):
+        ops.packed_linear(x, panels, n, torch.zeros(n, dtype=dtype), silu_and_mul=True)
+
+
+def test_the_gate_up_layer_in_panels_computes_what_the_plain_layer_does(monkeypatch):
+    """A MergedColumnParallelLinear packed in gate/up panels: forward gives [gate | up] as the plain layer does,
+    silu_and_mul equals SiluAndMul of it; MINIVLLM_CPU_FUSED_SILU=0 packs it plainly instead."""
+    if not cpu_gemm.own_gemm(torch.float32):
+        pytest.skip("minivllm's fp32 matmul needs AVX-512")
+    layer = MergedColumnParallelLinear(64, [40, 40], False, TPGroup(), feeds_silu_and_mul=True)
+    layer.weight.data = torch.randn(80, 64, generator=torch.Generator().manual_seed(3))
+    x = torch.randn(5, 64)
+    cpu_gemm.prepack_linear_weights(layer)
+    assert layer.packed_silu_and_mul
+    torch.testing.assert_close(layer(x), F.linear(x, layer.weight), rtol=1e-5, atol=1e-5)
+    assert torch.equal(layer.silu_and_mul(x), SiluAndMul()(layer(x)))
+    monkeypatch.setenv("MINIVLLM_CPU_FUSED_SILU", "0")
+    plain = MergedColumnParallelLinear(64, [40, 40], False, TPGroup(), feeds_silu_and_mul=True)
+    plain.weight.data = layer.weight.data.clone()
+    cpu_gemm.prepack_linear_weights(plain)
+    assert not plain.packed_silu_and_mul and plain.packed_weight.shape[0] == 2      # 80 columns: 2 plain panels
+    assert torch.equal(plain.silu_and_mul(x), layer.silu_and_mul(x))
 
 
 def test_own_gemm_switches_off_with_env(monkeypatch):

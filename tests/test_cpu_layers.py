@@ -7,7 +7,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from minivllm.model import layers
+from minivllm.model import cpu_gemm, layers
 from minivllm.model._kernels import kernels
 
 cpu_ops = kernels.cpu_ops
@@ -80,25 +80,35 @@ def test_rotary_on_strided_views_of_qkv_equals_forward_native(dtype, head_dim):
 
 
 def test_the_model_runs_the_fused_layers_on_a_cpu(llm, monkeypatch):
-    """Every RMSNorm, rotary and activation of a forward pass goes through the C++ ops (counted), and turning
-    them off (MINIVLLM_CPU_KERNELS=0 does it for a process) gives the same greedy tokens."""
+    """Every RMSNorm, rotary and activation of a forward pass goes through the C++ ops (counted; the activation
+    inside the gate/up matmul where the model's weights are packed for it), and turning them off
+    (MINIVLLM_CPU_KERNELS=0 does it for a process) gives the same greedy tokens."""
     from minivllm import SamplingParams
 
-    counts = {"rms_norm": 0, "silu_and_mul": 0, "rotary_embedding": 0}
+    counts = {"rms_norm": 0, "silu_and_mul": 0, "rotary_embedding": 0, "packed_linear": 0}
     for name in counts:
         real = getattr(cpu_ops, name)
         monkeypatch.setattr(cpu_ops, name, lambda *a, _real=real, _name=name, **kw:
-                            counts.__setitem__(_name, counts[_name] + 1) or _real(*a, **kw))
+                            counts.__setitem__(_name, counts[_name] + (_name != "packed_linear" or
+                                                                       kw.get("silu_and_mul", False)))
+                            or _real(*a, **kw))
     params = SamplingParams(temperature=0, max_tokens=6, ignore_eos=True)
     fused = llm.generate(["The capital of France is"], params)[0].outputs[0].token_ids
     layers_n = llm.llm_engine.model_config.num_hidden_layers
     steps = 6
-    assert counts == {"rms_norm": steps * (2 * layers_n + 1), "silu_and_mul": steps * layers_n,
-                      "rotary_embedding": steps * layers_n}
+    gate_up = llm.llm_engine.model_runner.model.layers[0].mlp.gate_up_proj
+    in_matmul = gate_up.packed_silu_and_mul
+    assert in_matmul == cpu_gemm.own_gemm(gate_up.weight.dtype)          # packed so wherever the kernel runs
+    assert counts == {"rms_norm": steps * (2 * layers_n + 1), "rotary_embedding": steps * layers_n,
+                      "silu_and_mul": 0 if in_matmul else steps * layers_n,
+                      "packed_linear": steps * layers_n if in_matmul else 0}
     monkeypatch.setattr(layers, "_cpu_kernels", lambda x: False)
+    monkeypatch.setattr(layers.MergedColumnParallelLinear, "silu_and_mul",
+                        lambda self, x: layers.SiluAndMul.forward_native(self(x)))
     native = llm.generate(["The capital of France is"], params)[0].outputs[0].token_ids
     assert list(fused) == list(native)
-    assert counts["silu_and_mul"] == steps * layers_n       # the second run did not call them
+    assert counts["rms_norm"] == steps * (2 * layers_n + 1)     # the second run did not call them
+    assert counts["silu_and_mul"] == (0 if in_matmul else steps * layers_n)
 
 
 def test_silu_and_mul_matches_hf_activation():

@@ -122,6 +122,32 @@ def test_own_int4_kernel_is_within_fp32_summation_error_of_float64(rows, out_fea
         kernels.cpu_ops.pack_int4_linear(torch.full((2, 32), 16, dtype=torch.uint8), d[:2, :1], m[:2, :1])
 
 
+@pytest.mark.skipif(not quant.own_quantized_kernels(), reason="minivllm's int8/int4 kernels need AVX-512 BF16")
+@pytest.mark.parametrize("method", ["int8", "int4"])
+@pytest.mark.parametrize("rows", [1, 9, 600])
+@pytest.mark.parametrize("n", [1536, 100])
+def test_quantized_gate_up_panels_give_the_separate_silu_pass_bit_for_bit(method, rows, n):
+    """A gated MLP's gate/up layer of a bf16 model, quantized and packed in gate/up panels: silu_and_mul in the
+    matmul equals silu_and_mul of the plain quantized product, and forward (and dequantize) the plain layer's."""
+    from minivllm.model.layers import MergedColumnParallelLinear, SiluAndMul
+    g = torch.Generator().manual_seed(rows + n)
+    w = torch.randn(2 * n, 576, generator=g) / 24
+    x = torch.randn(rows, 576, generator=g).bfloat16()
+    layers = []
+    for panels in (False, True):
+        layer = MergedColumnParallelLinear(576, [n, n], False, TPGroup(), feeds_silu_and_mul=True)
+        layer.weight.data = w.clone()
+        layer.packed_silu_and_mul = panels                    # as quantize_linear_weights sets it for bf16
+        layer.quant_method = quant.get_quant_method(method)
+        layer.quant_method.process_weights_after_loading(layer)
+        layers.append(layer)
+    plain, fused = layers
+    assert torch.equal(fused(x), plain(x))
+    assert torch.equal(fused.silu_and_mul(x), SiluAndMul()(plain(x)))
+    if rows == 1:
+        assert torch.equal(quant.dequantize(fused), quant.dequantize(plain))
+
+
 def test_gguf_refuses_weights_that_are_not_q4_1_values():
     layer = linear_with(torch.randn(32, 64))
     with pytest.raises(ValueError, match="Q4_1 values.*int4"):
@@ -146,9 +172,11 @@ def fp32_tokens(llm, tokenizer):
 # Measured on the default model (6 prompts x 16 greedy tokens): how many tokens each keeps before it first
 # parts from fp32, summed (of 96): int8 76, int4 36, gguf 80 (exact Q4_1 groups, int8 head); on the Zen 4
 # machine of 2026-11-27 with minivllm's int8/int4 kernels, int8 74, int4 36, gguf 84 (with PyTorch's: 80, 28,
-# 80; perplexities README, "Measured"). Floors below those.
+# 80; perplexities README, "Measured"). bf16 models (2026-11-27, the activation in the gate/up matmul): int8
+# 80, int4 28, gguf 86. Floors below those.
 @pytest.mark.parametrize("method,floor,dtype", [("int8", 60, "float32"), ("int4", 24, "float32"),
-                                               ("gguf", 64, "float32"), ("gguf", 64, "bfloat16")])
+                                               ("gguf", 64, "float32"), ("gguf", 64, "bfloat16"),
+                                               ("int8", 60, "bfloat16"), ("int4", 20, "bfloat16")])
 def test_engine_runs_on_quantized_weights(method, floor, dtype, fp32_tokens, model_dir):
     """gguf on a bf16 model too: the weights are quantized from the checkpoint's fp32 values (in bf16 they would
     no longer be Q4_1 values, and gguf refused them), then the embedding and norms are cast to bf16."""
@@ -161,6 +189,9 @@ def test_engine_runs_on_quantized_weights(method, floor, dtype, fp32_tokens, mod
         assert m.quant_method is not None
         if not isinstance(m, ParallelLMHead):
             assert m.weight.numel() == 0               # the full weight is gone: only the quantized one can run
+    gate_ups = [m for m in layers if hasattr(m, "feeds_silu_and_mul")]
+    in_matmul = dtype == "bfloat16" and quant.own_quantized_kernels()     # bf16: the activation in the matmul
+    assert [m.packed_silu_and_mul for m in gate_ups] == [in_matmul] * 30
     if method == "int8":               # minivllm's packed int8 pairs (AVX-512 BF16), or PyTorch's (out, in) int8
         assert layers[0].qweight.dtype == (torch.int16 if quant.own_quantized_kernels() else torch.int8)
     else:                              # minivllm's nibble pairs (AVX-512 BF16), or PyTorch's int4 packing

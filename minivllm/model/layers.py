@@ -22,7 +22,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from minivllm.model._kernels import kernels
-from minivllm.model.cpu_gemm import gemm
+from minivllm.model.cpu_gemm import gate_up_gemm, gemm
 
 
 @dataclass(frozen=True)
@@ -151,16 +151,44 @@ class QKVParallelLinear(ColumnParallelLinear):
 
 
 class MergedColumnParallelLinear(ColumnParallelLinear):
-    """Several column-parallel outputs in one matmul (gate_proj and up_proj)."""
+    """Several column-parallel outputs in one matmul (gate_proj and up_proj).
 
-    def __init__(self, in_features: int, out_sizes: list[int], bias: bool, tp: TPGroup):
+    feeds_silu_and_mul: the outputs are a gated MLP's [gate | up], read only by SiluAndMul. A CPU may then pack
+    the weight in gate/up panels (cpu_gemm.py, quantization.py set `packed_silu_and_mul`), and `silu_and_mul(x)`
+    computes silu(gate) * up inside the matmul, in the tile's registers: the (rows, 2 * n) activation is never
+    written, and the values are the unfused path's, bit for bit (tests/test_cpu_gemm.py).
+    """
+
+    def __init__(self, in_features: int, out_sizes: list[int], bias: bool, tp: TPGroup,
+                 feeds_silu_and_mul: bool = False):
         self.out_sizes = [s // tp.size for s in out_sizes]
         super().__init__(in_features, sum(out_sizes), bias, tp)
+        self.feeds_silu_and_mul = feeds_silu_and_mul and not bias and len(out_sizes) == 2 and \
+            out_sizes[0] == out_sizes[1]
+        self.packed_silu_and_mul = False                   # CPU: the packed weight is in gate/up panels
 
     def weight_loader(self, param, loaded, shard_id=None):
         offset = sum(self.out_sizes[:shard_id])
         param.narrow(0, offset, self.out_sizes[shard_id]).copy_(
             _shard(loaded, 0, self.tp.rank, self.tp.size))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if not self.packed_silu_and_mul:
+            return super().forward(x)
+        # Direct callers only (tests, quantization.dequantize): the model calls silu_and_mul.
+        y = self._gate_up(x, silu_and_mul=False)                  # (..., panels * 48): columns in panel order
+        return y[..., kernels.cpu_ops.gate_up_columns(self.out_sizes[0])]      # (..., 2 * n): [gate | up]
+
+    def silu_and_mul(self, x: torch.Tensor) -> torch.Tensor:
+        """x (..., in) -> silu(gate) * up, (..., n): in the matmul when packed so, else SiluAndMul after it."""
+        if not self.packed_silu_and_mul:
+            return SiluAndMul()(super().forward(x))
+        return self._gate_up(x, silu_and_mul=True)
+
+    def _gate_up(self, x: torch.Tensor, silu_and_mul: bool) -> torch.Tensor:
+        if self.quant_method is not None:
+            return self.quant_method.apply(self, x, None, silu_and_mul=silu_and_mul)
+        return gate_up_gemm(x, self.packed_weight, self.out_sizes[0], silu_and_mul)
 
 
 class RowParallelLinear(nn.Module):

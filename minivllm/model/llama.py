@@ -145,7 +145,8 @@ def cpu_slice_rows(x: torch.Tensor, width: int) -> int:
 class LlamaMLP(nn.Module):
     def __init__(self, cfg: ModelConfig, tp: TPGroup):
         super().__init__()
-        self.gate_up_proj = MergedColumnParallelLinear(cfg.hidden_size, [cfg.intermediate_size] * 2, False, tp)
+        self.gate_up_proj = MergedColumnParallelLinear(cfg.hidden_size, [cfg.intermediate_size] * 2, False, tp,
+                                                       feeds_silu_and_mul=True)
         self.down_proj = RowParallelLinear(cfg.intermediate_size, cfg.hidden_size, False, tp)
         self.act_fn = SiluAndMul()
 
@@ -158,6 +159,8 @@ class LlamaMLP(nn.Module):
         return torch.cat([self._forward(part) for part in x.split(rows)])
 
     def _forward(self, x):
+        if self.gate_up_proj.packed_silu_and_mul:     # CPU: the activation in the matmul (layers.py, cpu_gemm.cpp)
+            return self.down_proj(self.gate_up_proj.silu_and_mul(x))          # (n, intermediate / tp)
         gate_up = self.gate_up_proj(x)                                        # (n, 2 * intermediate / tp)
         return self.down_proj(self.act_fn(gate_up))                           # silu(gate) * up: (n, intermediate / tp)
 

@@ -124,7 +124,7 @@ def load_model(path: Path, cfg: ModelConfig, dtype: torch.dtype, device: torch.d
                 if model.load_param(name, st.get_slice(name)):      # lazy: read on indexing
                     loaded.add(model.local_name(name))
     if quantization is not None:
-        quantize_linear_weights(model, quantization, device)              # int8 / int4 (quantization.py)
+        quantize_linear_weights(model, quantization, device, dtype)       # int8 / int4 (quantization.py)
         for p in model.parameters():                                      # the embedding and norms in `dtype`
             p.data = p.data.to(dtype)
     elif device.type == "cpu" and not prepack_linear_weights(model):     # oneDNN's layout (cpu_gemm.py),

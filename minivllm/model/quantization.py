@@ -60,14 +60,19 @@ class Int8WeightOnlyMethod:
     def process_weights_after_loading(self, layer: torch.nn.Module) -> None:
         q, scale = self.quantize(layer.weight.detach().float())
         if own_quantized_kernels() and q.shape[1] % 2 == 0:
+            if getattr(layer, "packed_silu_and_mul", False):              # gate/up panels (quantize_linear_weights)
+                q, scale = kernels.cpu_ops.interleave_gate_up(q), kernels.cpu_ops.interleave_gate_up(scale)
             layer.qweight = kernels.cpu_ops.pack_int8_linear(q)            # (panels, in / 2, 48) int16: int8 pairs
-            layer.qscale = scale                                          # fp32
+            layer.qscale = scale                                          # fp32, one per packed column
         else:
             layer.qweight, layer.qscale = q, scale.to(ACT_DTYPE)           # PyTorch's kernel: (out, in), bf16 scales
 
-    def apply(self, layer: torch.nn.Module, x: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
+    def apply(self, layer: torch.nn.Module, x: torch.Tensor, bias: torch.Tensor | None,
+              silu_and_mul: bool = False) -> torch.Tensor:
+        """y = x @ w.T + bias; with silu_and_mul (gate/up panels) silu(gate) * up (layers.py)."""
         if layer.qweight.dim() == 3:                                      # packed for int8_linear
-            y = kernels.cpu_ops.int8_linear(x.to(ACT_DTYPE), layer.qweight, layer.qscale, layer.qscale.numel())
+            out = layer.out_sizes[0] if silu_and_mul else layer.qscale.numel()
+            y = kernels.cpu_ops.int8_linear(x.to(ACT_DTYPE), layer.qweight, layer.qscale, out, None, silu_and_mul)
         else:
             y = torch._weight_int8pack_mm(x.to(ACT_DTYPE), layer.qweight, layer.qscale)
         y = y.to(x.dtype)
@@ -88,9 +93,11 @@ class Int4WeightOnlyMethod:
         q, d, m = self.quantize_groups(w.view(out_features, in_features // GROUP_SIZE, GROUP_SIZE))
         q = q.view(out_features, in_features)
         if own_quantized_kernels():
+            if getattr(layer, "packed_silu_and_mul", False):              # gate/up panels (quantize_linear_weights)
+                q, d, m = (kernels.cpu_ops.interleave_gate_up(t) for t in (q, d, m))
             # (panels, in / 2, 48) nibble pairs; (panels, groups, 2, 48) fp32 d and m
             layer.qweight, layer.qscales_zeros = kernels.cpu_ops.pack_int4_linear(q.to(torch.uint8), d, m)
-            layer.qout = out_features
+            layer.qout = q.shape[0]                                       # packed columns
             return
         layer.qweight = torch._convert_weight_to_int4pack_for_cpu(q.to(torch.int32), 1)
         # PyTorch's int4 matmul computes w = (q - 8) * scale + zero, so zero = m + 8 d.      (groups, out, 2)
@@ -103,9 +110,13 @@ class Int4WeightOnlyMethod:
         q = torch.round((w - m[..., None]) / d[..., None]).clamp(0, 15)
         return q, d, m
 
-    def apply(self, layer: torch.nn.Module, x: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
+    def apply(self, layer: torch.nn.Module, x: torch.Tensor, bias: torch.Tensor | None,
+              silu_and_mul: bool = False) -> torch.Tensor:
+        """y = x @ w.T + bias; with silu_and_mul (gate/up panels) silu(gate) * up (layers.py)."""
         if layer.qweight.dim() == 3:                                      # packed for int4_linear
-            y = kernels.cpu_ops.int4_linear(x.to(ACT_DTYPE), layer.qweight, layer.qscales_zeros, layer.qout)
+            out = layer.out_sizes[0] if silu_and_mul else layer.qout
+            y = kernels.cpu_ops.int4_linear(x.to(ACT_DTYPE), layer.qweight, layer.qscales_zeros, out, None,
+                                            silu_and_mul)
         else:
             y = torch._weight_int4pack_mm_for_cpu(x.to(ACT_DTYPE), layer.qweight, GROUP_SIZE, layer.qscales_zeros)
         y = y.to(x.dtype)
@@ -134,7 +145,10 @@ def dequantize(layer: torch.nn.Module) -> torch.Tensor:
     the identity (rounded to bf16, the kernel's output dtype). For tests and quality reports."""
     in_features = layer.weight.shape[1] if layer.weight.numel() else layer.in_features
     eye = torch.eye(in_features, dtype=ACT_DTYPE)
-    return layer.quant_method.apply(layer, eye, None).float().t()
+    y = layer.quant_method.apply(layer, eye, None)
+    if getattr(layer, "packed_silu_and_mul", False):                  # gate/up panels: back to [gate | up]
+        y = y[:, kernels.cpu_ops.gate_up_columns(layer.out_sizes[0])]
+    return y.float().t()
 
 
 def get_quant_method(name: str):
@@ -144,9 +158,12 @@ def get_quant_method(name: str):
     return methods[name]()
 
 
-def quantize_linear_weights(model: torch.nn.Module, name: str, device: torch.device) -> int:
+def quantize_linear_weights(model: torch.nn.Module, name: str, device: torch.device,
+                            dtype: torch.dtype = ACT_DTYPE) -> int:
     """Give every linear layer (and the LM head) `name`'s quant method and quantized weights; the plain
-    weight of a linear layer is then freed. Returns how many layers were quantized."""
+    weight of a linear layer is then freed. Returns how many layers were quantized. A gated MLP's gate/up
+    layer of a bf16 model (`dtype`, the model's) is packed in gate/up panels for the activation in the matmul
+    (cpu_gemm.fuse_silu_and_mul); another dtype keeps the separate pass, which computes silu in that dtype."""
     from minivllm.model.layers import ColumnParallelLinear, ParallelLMHead, RowParallelLinear
 
     if device.type != "cpu":
@@ -158,6 +175,8 @@ def quantize_linear_weights(model: torch.nn.Module, name: str, device: torch.dev
         if isinstance(module, (ColumnParallelLinear, RowParallelLinear, ParallelLMHead)):
             # gguf: the default model's GGUF stores its embedding (= the LM head) in an 8-bit format, not Q4_1
             this = Int8WeightOnlyMethod() if name == "gguf" and isinstance(module, ParallelLMHead) else method
+            module.packed_silu_and_mul = (dtype == ACT_DTYPE and own_quantized_kernels()
+                                          and cpu_gemm.fuse_silu_and_mul(module, ACT_DTYPE))
             this.process_weights_after_loading(module)
             module.quant_method = this
             module.in_features = module.weight.shape[1]
