@@ -46,6 +46,7 @@
 #include <vector>
 
 #include "cpu_dtype.h"
+#include "cpu_vec.h"
 
 namespace {
 
@@ -111,6 +112,24 @@ inline void prefetch(const void* p, int64_t bytes) {
 
 // s[0 ... n-1] = exp(s - max s), the softmax's numerators (exact two-pass form, fp32); returns their sum.
 inline float exp_and_sum(float* s, int64_t n) {
+#if defined(__AVX512F__)
+  // 16 lanes at a time, the last ones masked: a row of any length runs no scalar exp (a short prompt's rows
+  // are a few registers long, and a scalar tail cost about as much as the rest).
+  __m512 top = _mm512_set1_ps(-std::numeric_limits<float>::infinity());
+  for (int64_t i = 0; i < n; i += 16) {
+    const __mmask16 lanes = static_cast<__mmask16>(n - i >= 16 ? 0xffff : (1u << (n - i)) - 1);
+    top = _mm512_mask_max_ps(top, lanes, top, _mm512_maskz_loadu_ps(lanes, s + i));
+  }
+  const __m512 m = _mm512_set1_ps(_mm512_reduce_max_ps(top));
+  __m512 sum = _mm512_setzero_ps();
+  for (int64_t i = 0; i < n; i += 16) {
+    const __mmask16 lanes = static_cast<__mmask16>(n - i >= 16 ? 0xffff : (1u << (n - i)) - 1);
+    const __m512 e = minivllm_cpu::exp16(_mm512_sub_ps(_mm512_maskz_loadu_ps(lanes, s + i), m));
+    _mm512_mask_storeu_ps(s + i, lanes, e);
+    sum = _mm512_mask_add_ps(sum, lanes, sum, e);
+  }
+  return _mm512_reduce_add_ps(sum);
+#else
   const float m = *std::max_element(s, s + n);
   float sum = 0.f;
 #pragma omp simd reduction(+ : sum)
@@ -119,6 +138,7 @@ inline float exp_and_sum(float* s, int64_t n) {
     sum += s[t];
   }
   return sum;
+#endif
 }
 
 #if defined(__AVX512F__)

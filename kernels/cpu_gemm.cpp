@@ -37,7 +37,7 @@
 #include <ATen/Parallel.h>
 #include <torch/library.h>
 
-#include "cpu_activation.h"
+#include "cpu_vec.h"
 
 #include <algorithm>
 #include <cstring>

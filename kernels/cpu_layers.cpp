@@ -21,7 +21,7 @@
 #include <cmath>
 #include <tuple>
 
-#include "cpu_activation.h"
+#include "cpu_vec.h"
 #include "cpu_dtype.h"
 
 namespace {

@@ -32,7 +32,7 @@ import torch
 _SOURCES = [Path(__file__).with_name(name)
             for name in ("cpu_attention.cpp", "cpu_layers.cpp", "cpu_sampling.cpp", "cpu_gemm.cpp")]
 # included by the sources; part of the build's name
-_HEADERS = [Path(__file__).with_name(name) for name in ("cpu_dtype.h", "cpu_activation.h")]
+_HEADERS = [Path(__file__).with_name(name) for name in ("cpu_dtype.h", "cpu_vec.h")]
 # -ffast-math lets GCC vectorize expf (glibc's SIMD exp) and reorder fp32 sums; it is a compile flag only, never
 # a link flag: linked into a shared library it would set flush-to-zero for the whole process (a test checks).
 _CFLAGS = ["-O3", "-march=native", "-fopenmp", "-ffast-math"]

@@ -1,8 +1,11 @@
-// The gated MLP's activation on one row, for the CPU kernels: out[i] = silu(gate[i]) * up[i], rounded as the
-// PyTorch code in layers.py (Hugging Face's) rounds it: silu in fp32, rounded to the model's dtype T, times up,
-// rounded again. cpu_layers.cpp's silu_and_mul runs it over a (rows, 2 n) tensor; cpu_gemm.cpp runs it in the
-// gate/up matmul's epilogue (`silu_and_mul=True`) on the accumulators rounded to T, so both paths give
-// the same values (tests/test_cpu_gemm.py compares them bit for bit).
+// 16-lane building blocks shared by the CPU kernels: loads and stores of the model's dtypes as fp32 lanes, exp,
+// and the gated MLP's activation on one row.
+//
+// silu_and_mul_row: out[i] = silu(gate[i]) * up[i], rounded as the PyTorch code in layers.py (Hugging Face's)
+// rounds it: silu in fp32, rounded to the model's dtype T, times up, rounded again. cpu_layers.cpp's
+// silu_and_mul runs it over a (rows, 2 n) tensor; cpu_gemm.cpp runs silu_and_mul_reg in the gate/up matmul's
+// epilogue (`silu_and_mul=True`) on the accumulators rounded to T, so both paths give the same values
+// (tests/test_cpu_gemm.py compares them bit for bit). cpu_attention.cpp takes its softmax's exp from exp16.
 #pragma once
 
 #include <cmath>
