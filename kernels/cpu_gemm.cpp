@@ -7,6 +7,8 @@
 //                                      bias (out,) in that dtype, or None
 //   pack_int8_linear(q), int8_linear(x, packed, scale, out, bias)   weight-only int8 (bf16 x; see below)
 //   pack_int4_linear(q, d, m) -> (packed, dm), int4_linear(x, packed, dm, out, bias)    int4, groups of 32
+//   silu_and_mul=True (all three)      a gated MLP's gate/up weight packed from interleave_gate_up (cpu_ops.py):
+//                                      y = silu(x gate^T) * (x up^T), (rows, out_features = n), in the epilogue
 //   fp32_linear_available()            whether this build has the fp32 kernel (the CPU has AVX-512F)
 //   bf16_linear_available()            whether it has the bf16, int8 and int4 ones (AVX-512 BF16)
 //
@@ -207,7 +209,7 @@ inline void panel_row(const void* rows, int64_t k, uint32_t* widened, __m512i w[
 #endif
 }
 
-// The first n (< 16) lanes of v rounded to T and stored (rounding as the bf16 store below: to nearest even).
+// The first n (1 ... 16) lanes of v rounded to T and stored (bf16: to nearest even, as the store below).
 template <typename T>
 inline void store_lanes(T* y, __m512 v, int64_t n) {
   const __mmask16 mask = static_cast<__mmask16>((1u << n) - 1);
