@@ -338,7 +338,7 @@ for name in dict.fromkeys(k[0] for k in results):
 # vector `expf` is a function call, and a call makes the compiler save every live register around it, the
 # tile's 24 accumulators included; the first version (a call per row) made the fused matmul *slower* than the
 # matmul plus a separate pass. An inline polynomial exp (`exp16`: 2^n times a degree-7 series) made the
-# epilogue free: a 4,096-row bf16 gate/up matmul plus SiLU, 41.5 ms separately, 38.2 ms fused (2026-11-27).
+# epilogue free: a 4,096-row bf16 gate/up matmul plus SiLU, 42.0 ms separately, 38.2 ms fused (2026-11-27).
 #
 # Same answers, different layout: the packed matmul equals `F.linear` to fp32 rounding (a different order
 # of additions), which is why greedy outputs still match Hugging Face token for token with it on. The cell also

@@ -26,7 +26,7 @@ memory's bandwidth (README, "Measured"). MINIVLLM_CPU_OWN_GEMM=0 keeps oneDNN.
 
 A gated MLP's gate/up weight is packed for it in gate/up panels (`fuse_silu_and_mul`): the matmul then also
 computes silu(gate) * up from its accumulators, and the (rows, 2 * intermediate) activation is never written
-nor read again. A 4,096-row prefill's gate/up matmul plus SiLU took 41.5 ms in bf16 with the separate pass and
+nor read again. A 4,096-row prefill's gate/up matmul plus SiLU took 42.0 ms in bf16 with the separate pass and
 38.2 ms fused (README, "Measured"). MINIVLLM_CPU_FUSED_SILU=0 keeps the separate pass.
 """
 
