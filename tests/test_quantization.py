@@ -148,6 +148,22 @@ def test_quantized_gate_up_panels_give_the_separate_silu_pass_bit_for_bit(method
         assert torch.equal(quant.dequantize(fused), quant.dequantize(plain))
 
 
+def test_an_int8_gate_up_on_pytorchs_kernel_keeps_silu_separate(monkeypatch):
+    """Where PyTorch's int8 kernel runs the layer (no AVX-512 BF16, or an odd `in`), it has no gate/up panels: the
+    layer drops the flag, and silu_and_mul runs SiLU after the plain product."""
+    from minivllm.model.layers import MergedColumnParallelLinear, SiluAndMul
+    monkeypatch.setattr(quant, "own_quantized_kernels", lambda: False)
+    layer = MergedColumnParallelLinear(64, [40, 40], False, TPGroup(), feeds_silu_and_mul=True)
+    layer.weight.data = torch.randn(80, 64, generator=torch.Generator().manual_seed(5))
+    layer.packed_silu_and_mul = True                          # as if quantize_linear_weights had asked for panels
+    layer.quant_method = quant.Int8WeightOnlyMethod()
+    layer.quant_method.process_weights_after_loading(layer)
+    assert not layer.packed_silu_and_mul and layer.qweight.dim() == 2
+    x = torch.randn(3, 64).bfloat16()
+    assert layer(x).shape == (3, 80)
+    assert torch.equal(layer.silu_and_mul(x), SiluAndMul()(layer(x)))
+
+
 def test_gguf_refuses_weights_that_are_not_q4_1_values():
     layer = linear_with(torch.randn(32, 64))
     with pytest.raises(ValueError, match="Q4_1 values.*int4"):

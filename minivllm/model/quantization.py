@@ -66,6 +66,7 @@ class Int8WeightOnlyMethod:
             layer.qscale = scale                                          # fp32, one per packed column
         else:
             layer.qweight, layer.qscale = q, scale.to(ACT_DTYPE)           # PyTorch's kernel: (out, in), bf16 scales
+            layer.packed_silu_and_mul = False                             # it has no gate/up panels: SiLU separate
 
     def apply(self, layer: torch.nn.Module, x: torch.Tensor, bias: torch.Tensor | None,
               silu_and_mul: bool = False) -> torch.Tensor:
@@ -175,8 +176,7 @@ def quantize_linear_weights(model: torch.nn.Module, name: str, device: torch.dev
         if isinstance(module, (ColumnParallelLinear, RowParallelLinear, ParallelLMHead)):
             # gguf: the default model's GGUF stores its embedding (= the LM head) in an 8-bit format, not Q4_1
             this = Int8WeightOnlyMethod() if name == "gguf" and isinstance(module, ParallelLMHead) else method
-            module.packed_silu_and_mul = (dtype == ACT_DTYPE and own_quantized_kernels()
-                                          and cpu_gemm.fuse_silu_and_mul(module, ACT_DTYPE))
+            module.packed_silu_and_mul = dtype == ACT_DTYPE and cpu_gemm.fuse_silu_and_mul(module, ACT_DTYPE)
             this.process_weights_after_loading(module)
             module.quant_method = this
             module.in_features = module.weight.shape[1]
