@@ -149,7 +149,7 @@ def test_quantized_gate_up_panels_give_the_separate_silu_pass_bit_for_bit(method
 
 
 def test_an_int8_gate_up_on_pytorchs_kernel_keeps_silu_separate(monkeypatch):
-    """Where PyTorch's int8 kernel runs the layer (no AVX-512 BF16, or an odd `in`), it has no gate/up panels: the
+    """Where PyTorch's int8 kernel runs the layer (no AVX-512 BF16), it has no gate/up panels: the
     layer drops the flag, and silu_and_mul runs SiLU after the plain product."""
     from minivllm.model.layers import MergedColumnParallelLinear, SiluAndMul
     monkeypatch.setattr(quant, "own_quantized_kernels", lambda: False)
@@ -162,6 +162,12 @@ def test_an_int8_gate_up_on_pytorchs_kernel_keeps_silu_separate(monkeypatch):
     x = torch.randn(3, 64).bfloat16()
     assert layer(x).shape == (3, 80)
     assert torch.equal(layer.silu_and_mul(x), SiluAndMul()(layer(x)))
+
+
+def test_int8_refuses_an_odd_in_features_with_a_clear_error():
+    """PyTorch's int8 kernel crashes the process on an odd `in`, and minivllm's takes pairs: a clear error instead."""
+    with pytest.raises(ValueError, match="in_features divisible by 2; a layer has 33"):
+        quant.Int8WeightOnlyMethod().process_weights_after_loading(linear_with(torch.randn(8, 33)))
 
 
 def test_gguf_refuses_weights_that_are_not_q4_1_values():

@@ -58,8 +58,14 @@ class Int8WeightOnlyMethod:
         return torch.round(w / scale[:, None]).clamp(-128, 127).to(torch.int8), scale
 
     def process_weights_after_loading(self, layer: torch.nn.Module) -> None:
+        in_features = layer.weight.shape[1]
+        if in_features % 2:
+            # minivllm's kernel takes int8 pairs; PyTorch's _weight_int8pack_mm crashes the process on an odd
+            # `in` (a segmentation fault, torch 2.13, 2026-11-27)
+            raise ValueError(f"quantization='int8' needs in_features divisible by 2; a layer has {in_features}. "
+                             "Leave quantization unset for this model.")
         q, scale = self.quantize(layer.weight.detach().float())
-        if own_quantized_kernels() and q.shape[1] % 2 == 0:
+        if own_quantized_kernels():
             if getattr(layer, "packed_silu_and_mul", False):              # gate/up panels (quantize_linear_weights)
                 q, scale = kernels.cpu_ops.interleave_gate_up(q), kernels.cpu_ops.interleave_gate_up(scale)
             layer.qweight = kernels.cpu_ops.pack_int8_linear(q)            # (panels, in / 2, 48) int16: int8 pairs
