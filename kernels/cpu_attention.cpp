@@ -103,11 +103,12 @@ inline void axpy(float p, const C* v, float* acc, int64_t head_dim) {
   for (; d < head_dim; ++d) acc[d] += p * to_float(v[d]);
 }
 
-// Asks for `bytes` from p into the cache ahead of use. The blocks of a sequence are scattered over the pool, so
+// Asks for `bytes` from p into the L2 cache ahead of use (prefetcht1: asking for L1 instead holds one of its few
+// miss buffers per line, and measured 1.5x slower). The blocks of a sequence are scattered over the pool, so
 // the hardware prefetcher, which follows one address stream, stalls at every block boundary; each pass asks
-// for the next block's token while it reads the current block's.
+// for blocks ahead of the one it reads.
 inline void prefetch(const void* p, int64_t bytes) {
-  for (int64_t off = 0; off < bytes; off += 64) __builtin_prefetch(static_cast<const char*>(p) + off);
+  for (int64_t off = 0; off < bytes; off += 64) __builtin_prefetch(static_cast<const char*>(p) + off, 0, 2);
 }
 
 // s[0 ... n-1] = exp(s - max s), the softmax's numerators (exact two-pass form, fp32); returns their sum.
@@ -142,40 +143,68 @@ inline float exp_and_sum(float* s, int64_t n) {
 }
 
 #if defined(__AVX512F__)
-// ---- the AVX-512 decode path: a (sequence, KV head) per work item, its rows' vectors in registers ----
+// ---- the AVX-512 decode path: a sequence (or one of its KV heads) per work item, block by block ----
 //
 // For fp32 and bf16 caches with head_dim 32, 64 or 128 and the GQA groups listed in try_decode_tiled (the
-// default model: 3 x 64). A work item is one sequence's one KV head, so it reads only that head's slice of
-// each block (two cache lines a token at head_dim 64 in bf16). Pass 1 converts each key row to fp32 once, into NC registers of 16 lanes, and
-// multiplies it by all G query rows (held in registers); pass 2 converts each value row once and adds it into
-// G x NC accumulator registers, which stay in registers for the whole sequence. The other decode path
-// (below) converts each row once per query head and keeps its accumulators in memory. Measured on 30 layers'
-// bf16 caches at batch 32 (contexts 64-512, 211 MB of K and V, 2 cores, AMD EPYC Zen 4): 25.5-28.6 ms with
-// that path, 18.1-19.8 ms with this one (7.4-8.3 against 10.6-11.6 GB/s). Its remaining cost is waiting for
-// rows from memory, so the slices are asked for kAheadBlocks blocks ahead, and the first value blocks during
-// the last key blocks. Items are handed out longest first from a shared counter.
-typedef float v16 __attribute__((vector_size(64)));
-constexpr int64_t kAheadBlocks = 2;            // a block's slice is asked for this many blocks ahead
+// default model: 3 x 64). A work item is one sequence with all its KV heads when there are enough sequences
+// (at least 4 a thread), else one sequence's one KV head (batch 1 still uses every thread). Both passes walk
+// the item's blocks in order and, within a block, its heads in order, so each block's rows (contiguous in the
+// cache) are read front to back once, the way the hardware streams memory best.
+//   Pass 1 (scores): for each run of up to 16 tokens and each of the G query rows that share the KV head, 16
+//     registers of partial products (dot_lanes: vdpbf16ps straight from the bf16 values where the CPU has it,
+//     else fp32 multiply-adds), then one transpose-and-add (transpose_sum16) turns them into one register of 16
+//     scores. A horizontal sum per score costs 8 dependent instructions; this costs about 3.
+//   Pass 2 (P V): each value row is loaded once and added into G x NC accumulator registers, held in registers
+//     for a block and kept in a small buffer between blocks. A bf16 row is split into its even and odd elements
+//     (a shift and a mask: no conversion instructions), so the accumulators hold the dims in that order until
+//     the output is written.
+// Memory: a pass asks for the block kAheadBlocks on while it reads the current one (into L2: prefetcht1, which
+// measured 1.5x faster here than asking for L1, whose few miss buffers fill), the first value blocks during the
+// last key blocks, and the next item's first key blocks during the last value blocks (a thread claims its next
+// item when it starts one). Items are handed out longest first from a shared counter.
+// Measured on 30 layers' bf16 caches at batch 32 (contexts 64-512, a 2,048-block pool, 2 cores, AMD EPYC Zen 4,
+// tools alternating in one process): 0.60 ms a layer with the earlier form of this path (an item per KV head,
+// one horizontal sum per score, asking for L1), 0.34 ms with this one (11.6 against 20.4 GB/s); contexts
+// 129-160: 0.35-0.47 against 0.20-0.22 ms.
+constexpr int64_t kAheadBlocks = 2;            // a block's slices are asked for this many blocks ahead
+typedef float v16 __attribute__((vector_size(64)));   // 16 fp32 lanes (the same type as __m512)
 
-template <typename C>
-inline v16 load16(const C* p) {
-  if constexpr (std::is_same_v<C, float>) {
-    v16 v;
-    std::memcpy(&v, p, sizeof v);
-    return v;
-  } else {                                     // bf16: the top half of an fp32
-    typedef uint16_t u16x16 __attribute__((vector_size(32)));
-    typedef uint32_t u32x16 __attribute__((vector_size(64)));
-    u16x16 h;
-    std::memcpy(&h, p, sizeof h);
-    const u32x16 w = __builtin_convertvector(h, u32x16) << 16;
-    v16 v;
-    std::memcpy(&v, &w, sizeof v);
-    return v;
+// A register whose lane i is the sum of p[i]'s 16 lanes: 16 scores' horizontal sums in 45 shuffles and adds
+// (one _mm512_reduce_add_ps per score is 8, in a chain). Each step adds pairs of registers after interleaving
+// them, halving the count: 32-bit lanes, then 64-bit, then 128-bit quarters twice.
+inline __m512 transpose_sum16(const __m512 (&p)[16]) {
+  __m512 a[8], b[4], c[2];
+  for (int j = 0; j < 8; ++j)       // per quarter: [p0+p2, q0+q2, p1+p3, q1+q3] of rows 2j (p) and 2j+1 (q)
+    a[j] = _mm512_add_ps(_mm512_unpacklo_ps(p[2 * j], p[2 * j + 1]), _mm512_unpackhi_ps(p[2 * j], p[2 * j + 1]));
+  for (int j = 0; j < 4; ++j) {     // per quarter: rows 4j ... 4j+3, each summed over that quarter's 4 lanes
+    const __m512d x = _mm512_castps_pd(a[2 * j]), y = _mm512_castps_pd(a[2 * j + 1]);
+    b[j] = _mm512_add_ps(_mm512_castpd_ps(_mm512_unpacklo_pd(x, y)), _mm512_castpd_ps(_mm512_unpackhi_pd(x, y)));
   }
+  for (int j = 0; j < 2; ++j)       // quarters 0+1 and 2+3 of b[2j], then of b[2j+1]
+    c[j] = _mm512_add_ps(_mm512_shuffle_f32x4(b[2 * j], b[2 * j + 1], _MM_SHUFFLE(2, 0, 2, 0)),
+                         _mm512_shuffle_f32x4(b[2 * j], b[2 * j + 1], _MM_SHUFFLE(3, 1, 3, 1)));
+  // quarter k of the result: rows 4k ... 4k+3
+  return _mm512_add_ps(_mm512_shuffle_f32x4(c[0], c[1], _MM_SHUFFLE(2, 0, 2, 0)),
+                       _mm512_shuffle_f32x4(c[0], c[1], _MM_SHUFFLE(3, 1, 3, 1)));
 }
 
-inline float sum16(v16 v) { return _mm512_reduce_add_ps(v); }
+// 16 lanes whose sum is q . k over head_dim = 16 NC (q and k in the cache's dtype): vdpbf16ps on bf16 pairs
+// where the CPU has it (products exact in fp32, sums in fp32), else fp32 multiply-adds.
+template <typename C, int NC>
+inline __m512 dot_lanes(const C* q, const C* k) {
+#if defined(__AVX512BF16__)
+  if constexpr (std::is_same_v<C, c10::BFloat16>) {
+    __m512 a = _mm512_setzero_ps();
+    for (int c = 0; c < NC / 2; ++c)
+      a = _mm512_dpbf16_ps(a, (__m512bh)_mm512_loadu_si512(q + 32 * c), (__m512bh)_mm512_loadu_si512(k + 32 * c));
+    return a;
+  }
+#endif
+  __m512 a = _mm512_mul_ps(minivllm_cpu::load16(q), minivllm_cpu::load16(k));
+  for (int c = 1; c < NC; ++c)
+    a = _mm512_fmadd_ps(minivllm_cpu::load16(q + 16 * c), minivllm_cpu::load16(k + 16 * c), a);
+  return a;
+}
 
 template <typename Q, typename C, int G, int NC>
 void decode_tiled(const Q* query, const C* key_cache, const C* value_cache, const int32_t* block_tables,
@@ -183,73 +212,112 @@ void decode_tiled(const Q* query, const C* key_cache, const C* value_cache, cons
                   int64_t block_size, int64_t max_blocks, float scale, float v_scale) {
   constexpr int64_t head_dim = 16 * NC;
   const int64_t token_stride = num_kv_heads * head_dim, block_stride = block_size * token_stride;
-  std::vector<int64_t> order(num_seqs * num_kv_heads);          // items (seq, kv head), longest first
+  const int64_t span = num_seqs >= 4 * at::get_num_threads() ? num_kv_heads : 1;
+  const int64_t items_per_seq = num_kv_heads / span;
+  std::vector<int64_t> order(num_seqs * items_per_seq);          // items, longest first
   std::iota(order.begin(), order.end(), 0);
   std::stable_sort(order.begin(), order.end(), [&](int64_t a, int64_t b) {
-    return seq_lens[a / num_kv_heads] > seq_lens[b / num_kv_heads];
+    return seq_lens[a / items_per_seq] > seq_lens[b / items_per_seq];
   });
   std::atomic<int64_t> next_item{0};
   at::parallel_for(0, at::get_num_threads(), 1, [&](int64_t, int64_t) {
     std::vector<float> scores;
-    for (int64_t index; (index = next_item.fetch_add(1)) < static_cast<int64_t>(order.size());) {
-      const int64_t seq = order[index] / num_kv_heads, h = order[index] % num_kv_heads;
+    std::vector<v16> accs(span * G * NC);                        // accumulators between blocks: row r, part c
+    std::vector<float> total(span * G);                          // the softmax's denominators
+    const int64_t num_items = static_cast<int64_t>(order.size());
+    // the item after this one is claimed when this one starts, so that this one's last value blocks can ask for
+    // its first key blocks
+    for (int64_t index = next_item.fetch_add(1), upcoming; index < num_items; index = upcoming) {
+      upcoming = next_item.fetch_add(1);
+      const int64_t seq = order[index] / items_per_seq, h0 = (order[index] % items_per_seq) * span;
       const int64_t len = seq_lens[seq], num_blocks = (len + block_size - 1) / block_size;
       const int32_t* table = block_tables + seq * max_blocks;
-      v16 q[G][NC];                                              // the G query rows, times the scale
-      for (int g = 0; g < G; ++g)
-        for (int c = 0; c < NC; ++c) {
-          const Q* row = query + (seq * num_heads + h * G + g) * head_dim + 16 * c;
-          float lanes[16];
-          for (int l = 0; l < 16; ++l) lanes[l] = to_float(row[l]) * scale;
-          std::memcpy(&q[g][c], lanes, sizeof lanes);
-        }
-      scores.resize(G * len);                                    // scores[g * len + t]
-      // Pass 1: scores, block by block; a key row is converted once for all G rows.
+      const C* upcoming_keys = nullptr;                          // the upcoming item's key slices, block 0 ...
+      const int32_t* upcoming_table = nullptr;
+      int64_t upcoming_blocks = 0;
+      if (upcoming < num_items) {
+        const int64_t s2 = order[upcoming] / items_per_seq;
+        upcoming_keys = key_cache + (order[upcoming] % items_per_seq) * span * head_dim;
+        upcoming_table = block_tables + s2 * max_blocks;
+        upcoming_blocks = (seq_lens[s2] + block_size - 1) / block_size;
+      }
+      scores.resize(span * G * len);                             // scores[r * len + t]
       for (int64_t b = 0; b < num_blocks; ++b) {
-        const C* block = key_cache + table[b] * block_stride + h * head_dim;
-        // asks for the block kAheadBlocks on (past the last key block: the first value blocks)
+        const C* block = key_cache + table[b] * block_stride + h0 * head_dim;
         const int64_t ahead = b + kAheadBlocks;
-        const C* next = ahead < num_blocks ? key_cache + table[ahead] * block_stride + h * head_dim
+        const C* next = ahead < num_blocks ? key_cache + table[ahead] * block_stride + h0 * head_dim
                                            : value_cache + table[std::min(ahead - num_blocks, num_blocks - 1)] *
-                                                 block_stride + h * head_dim;
+                                                 block_stride + h0 * head_dim;
         const int64_t t0 = b * block_size, n = std::min(block_size, len - t0);
-        for (int64_t i = 0; i < n; ++i) {
-          prefetch(next + i * token_stride, head_dim * sizeof(C));
-          v16 k[NC];
-          for (int c = 0; c < NC; ++c) k[c] = load16(block + i * token_stride + 16 * c);
-          for (int g = 0; g < G; ++g) {
-            v16 a = q[g][0] * k[0];
-            for (int c = 1; c < NC; ++c) a += q[g][c] * k[c];
-            scores[g * len + t0 + i] = sum16(a);
+        for (int64_t hh = 0; hh < span; ++hh) {
+          const C* rows = block + hh * head_dim;                 // token i's slice: rows + i * token_stride
+          const C* q_rows = query + (seq * num_heads + (h0 + hh) * G) * head_dim;
+          float* srow = scores.data() + hh * G * len + t0;
+          for (int64_t i0 = 0; i0 < n; i0 += 16) {
+            const int64_t m = std::min<int64_t>(16, n - i0);
+            for (int64_t i = 0; i < m; ++i)
+              prefetch(next + (i0 + i) * token_stride + hh * head_dim, head_dim * sizeof(C));
+            for (int g = 0; g < G; ++g) {
+              __m512 part[16];
+#pragma GCC unroll 16
+              for (int i = 0; i < 16; ++i)
+                part[i] = i < m ? dot_lanes<C, NC>(q_rows + g * head_dim, rows + (i0 + i) * token_stride)
+                                : _mm512_setzero_ps();
+              const __mmask16 lanes = static_cast<__mmask16>(m == 16 ? 0xffff : (1u << m) - 1);
+              _mm512_mask_storeu_ps(srow + g * len + i0, lanes,
+                                    _mm512_mul_ps(transpose_sum16(part), _mm512_set1_ps(scale)));
+            }
           }
         }
       }
-      float total[G];                                            // softmax: p = exp(s - max), and its sum
-      for (int g = 0; g < G; ++g) total[g] = exp_and_sum(scores.data() + g * len, len);
-      // Pass 2: acc[g] = sum_t p[g][t] * v_t; a value row is converted once for all G rows.
-      v16 acc[G][NC] = {};
+      for (int64_t r = 0; r < span * G; ++r) total[r] = exp_and_sum(scores.data() + r * len, len);
+      std::fill(accs.begin(), accs.end(), v16{});
       for (int64_t b = 0; b < num_blocks; ++b) {
-        const C* block = value_cache + table[b] * block_stride + h * head_dim;
-        const C* next = b + kAheadBlocks < num_blocks
-                            ? value_cache + table[b + kAheadBlocks] * block_stride + h * head_dim : nullptr;
+        const C* block = value_cache + table[b] * block_stride + h0 * head_dim;
+        const int64_t ahead = b + kAheadBlocks;
+        const C* next = ahead < num_blocks ? value_cache + table[ahead] * block_stride + h0 * head_dim
+                        : ahead - num_blocks < upcoming_blocks
+                            ? upcoming_keys + upcoming_table[ahead - num_blocks] * block_stride : nullptr;
         const int64_t t0 = b * block_size, n = std::min(block_size, len - t0);
-        for (int64_t i = 0; i < n; ++i) {
-          if (next != nullptr) prefetch(next + i * token_stride, head_dim * sizeof(C));
-          v16 v[NC];
-          for (int c = 0; c < NC; ++c) v[c] = load16(block + i * token_stride + 16 * c);
-          for (int g = 0; g < G; ++g) {
-            const float p = scores[g * len + t0 + i];
-            for (int c = 0; c < NC; ++c) acc[g][c] += p * v[c];
+        for (int64_t hh = 0; hh < span; ++hh) {
+          v16 acc[G][NC];
+          for (int g = 0; g < G; ++g)
+            for (int c = 0; c < NC; ++c) acc[g][c] = accs[(hh * G + g) * NC + c];
+          const float* prow = scores.data() + hh * G * len + t0;
+          for (int64_t i = 0; i < n; ++i) {
+            if (next != nullptr) prefetch(next + i * token_stride + hh * head_dim, head_dim * sizeof(C));
+            v16 v[NC];
+            if constexpr (std::is_same_v<C, c10::BFloat16>) {
+              // a register of 32 bf16 values gives two of fp32: the even elements and the odd ones, so
+              // acc[g][2 c2] holds dims 32 c2 + 0, 2, 4 ... and acc[g][2 c2 + 1] dims 32 c2 + 1, 3, 5 ...
+              for (int c2 = 0; c2 < NC / 2; ++c2) {
+                const __m512i w = _mm512_loadu_si512(block + i * token_stride + hh * head_dim + 32 * c2);
+                v[2 * c2] = (v16)_mm512_slli_epi32(w, 16);
+                v[2 * c2 + 1] = (v16)_mm512_and_si512(w, _mm512_set1_epi32(static_cast<int>(0xffff0000u)));
+              }
+            } else {
+              for (int c = 0; c < NC; ++c)
+                v[c] = minivllm_cpu::load16(block + i * token_stride + hh * head_dim + 16 * c);
+            }
+            for (int g = 0; g < G; ++g) {
+              const float p = prow[g * len + i];
+              for (int c = 0; c < NC; ++c) acc[g][c] += p * v[c];
+            }
           }
+          for (int g = 0; g < G; ++g)
+            for (int c = 0; c < NC; ++c) accs[(hh * G + g) * NC + c] = acc[g][c];
         }
       }
-      for (int g = 0; g < G; ++g) {
-        Q* o = out + (seq * num_heads + h * G + g) * head_dim;
-        const float norm = v_scale / total[g];
+      for (int64_t r = 0; r < span * G; ++r) {
+        Q* o = out + (seq * num_heads + h0 * G + r) * head_dim;
+        const float norm = v_scale / total[r];
         for (int c = 0; c < NC; ++c) {
           float lanes[16];
-          std::memcpy(lanes, &acc[g][c], sizeof lanes);
-          for (int l = 0; l < 16; ++l) o[16 * c + l] = from_float<Q>(lanes[l] * norm);
+          std::memcpy(lanes, &accs[r * NC + c], sizeof lanes);
+          for (int l = 0; l < 16; ++l) {
+            const int64_t d = std::is_same_v<C, c10::BFloat16> ? 32 * (c / 2) + 2 * l + c % 2 : 16 * c + l;
+            o[d] = from_float<Q>(lanes[l] * norm);
+          }
         }
       }
     }

@@ -50,11 +50,16 @@ def test_decode_kernel_equals_the_reference_fp32(num_seqs, heads, kv_heads, head
 
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
 @pytest.mark.parametrize("num_seqs", [2, 33])
-def test_decode_kernel_half_precision_is_within_one_rounding_of_fp32(dtype, num_seqs):
+# head_dim 32, 64, 128: one, two and four 32-value registers a row in the bf16 path (its even/odd split of V);
+# block 32: two runs of 16 scores a block
+@pytest.mark.parametrize("heads,kv_heads,head_dim,block_size", [(9, 3, 64, 16), (8, 2, 128, 32), (4, 1, 32, 16)])
+def test_decode_kernel_half_precision_is_within_one_rounding_of_fp32(dtype, num_seqs, heads, kv_heads, head_dim,
+                                                                     block_size):
     """bf16/fp16 in, fp32 inside: the answer is the fp32 attention over the same rounded inputs, rounded once."""
-    query, kc, vc, tables, lens = _case(num_seqs, 9, 3, 64, 16, dtype)
-    got = cpu_ops.paged_decode_attention(query, kc, vc, tables, lens, 0.125)
-    exact = ref.paged_decode_attention(query.float(), kc.float(), vc.float(), tables, lens, 0.125)
+    query, kc, vc, tables, lens = _case(num_seqs, heads, kv_heads, head_dim, block_size, dtype)
+    scale = head_dim ** -0.5
+    got = cpu_ops.paged_decode_attention(query, kc, vc, tables, lens, scale)
+    exact = ref.paged_decode_attention(query.float(), kc.float(), vc.float(), tables, lens, scale)
     assert got.dtype == dtype
     eps = torch.finfo(dtype).eps
     assert ((got.float() - exact).abs() <= eps * exact.abs() + 1e-6).all()
