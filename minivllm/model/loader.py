@@ -17,7 +17,7 @@ from minivllm.model.cpu_gemm import prepack_linear_weights
 from minivllm.model.quantization import quantize_linear_weights
 from minivllm.model.layers import PPStage, TPGroup
 from minivllm.model.llama import LlamaForCausalLM, ModelConfig
-from minivllm.platforms.cpu import has_bf16_arithmetic
+from minivllm.platforms.cpu import gather_on_huge_pages, has_bf16_arithmetic
 
 logger = logging.getLogger(__name__)
 
@@ -129,11 +129,31 @@ def load_model(path: Path, cfg: ModelConfig, dtype: torch.dtype, device: torch.d
             p.data = p.data.to(dtype)
     elif device.type == "cpu" and not prepack_linear_weights(model):     # oneDNN's layout (cpu_gemm.py),
         use_column_major_linear_weights(model)                            # else the best one for MKL
+    if device.type == "cpu":
+        put_streamed_weights_on_huge_pages(model)
     expected = {_checkpoint_name(n) for n, _ in model.named_parameters()}
     missing = sorted(expected - {_checkpoint_name(n) for n in loaded})
     if missing:
         raise ValueError(f"{path} is missing weights {missing[:5]}{' ...' if len(missing) > 5 else ''}.")
     return model.eval()
+
+
+# The weights a CPU step reads whole, where a layer has them: packed for minivllm's matmul (cpu_gemm.py) or
+# quantized (quantization.py). A layer without them reads `weight` through F.linear.
+STREAMED_WEIGHTS = ("packed_weight", "qweight", "qscale", "qscales_zeros")
+
+
+def put_streamed_weights_on_huge_pages(model: torch.nn.Module) -> int:
+    """Move every layer's STREAMED_WEIGHTS into one buffer on 2 MB pages (platforms/cpu.py says why); returns
+    the bytes moved (0 where Linux offers no huge pages, or MINIVLLM_CPU_HUGE_PAGES=0). The values are copied
+    exactly: only where they live changes."""
+    slots = [(m, name) for m in model.modules() for name in STREAMED_WEIGHTS
+             if isinstance(getattr(m, name, None), torch.Tensor) and getattr(m, name).numel() > 0]
+    unique = list({id(getattr(m, name)): getattr(m, name) for m, name in slots}.values())
+    moved = dict(zip(map(id, unique), gather_on_huge_pages(unique)))
+    for m, name in slots:
+        setattr(m, name, moved[id(getattr(m, name))])
+    return sum(t.numel() * t.element_size() for t in unique if moved[id(t)] is not t)
 
 
 def use_column_major_linear_weights(model: torch.nn.Module) -> None:

@@ -18,6 +18,7 @@ tokens 1 and 2: `prompt_logprob_spans`); requests that don't ask add no rows.
 
 from __future__ import annotations
 
+import math
 import time
 from dataclasses import dataclass, field
 
@@ -31,6 +32,7 @@ from minivllm.model.layers import PPStage, TPGroup
 from minivllm.model.llama import ModelConfig
 from minivllm.model.loader import load_model, load_tokenizer, resolve_dtype
 from minivllm.model._kernels import kernels
+from minivllm.platforms.cpu import empty_on_huge_pages, settle_on_huge_pages
 from minivllm.core.request import Request
 from minivllm.worker.logprobs import PromptLogprobsSpan
 from minivllm.worker.rejection_sampler import RejectionSampler
@@ -131,8 +133,13 @@ class ModelRunner:
             # fp8: scales first, from a prefill of a fixed text on a temporary cache in the model's dtype.
             from minivllm.worker.kv_scales import calibrate_kv_scales, calibration_token_ids
             self.kv_scales = calibrate_kv_scales(self, calibration_token_ids(load_tokenizer(self.model_path)))
-        self.kv_cache = torch.zeros(2, self.num_layers, num_kv_blocks, self.block_size,
-                                    self.num_kv_heads, c.head_dim, dtype=self.kv_cache_dtype, device=self.device)
+        shape = (2, self.num_layers, num_kv_blocks, self.block_size, self.num_kv_heads, c.head_dim)
+        if self.device.type == "cpu":          # on 2 MB pages: every decode step reads the whole context from it
+            buf = empty_on_huge_pages(math.prod(shape) * torch.tensor([], dtype=self.kv_cache_dtype).element_size())
+            self.kv_cache = buf.view(self.kv_cache_dtype).view(shape).zero_()
+            settle_on_huge_pages(buf)
+        else:
+            self.kv_cache = torch.zeros(shape, dtype=self.kv_cache_dtype, device=self.device)
         self.kv_caches = [(self.kv_cache[0, i], self.kv_cache[1, i]) for i in range(self.num_layers)]
         # The CPU pool that preemption_mode="swap" copies whole blocks to and from (same layout).
         self.num_cpu_blocks = (int(self.config.swap_space * 1024 ** 3 // self.bytes_per_block)
