@@ -45,8 +45,10 @@ def test_the_buffer_is_on_2mb_pages():
 
 @needs_huge_pages
 def test_gather_refuses_a_strided_tensor():
-    with pytest.raises(ValueError, match="contiguous CPU tensors"):
+    with pytest.raises(ValueError, match="contiguous \\(strided\\) CPU tensors"):
         cpu.gather_on_huge_pages([torch.randn(8, 8).t()])
+    with pytest.raises(ValueError, match="layout torch._mkldnn"):               # oneDNN's opaque packed weight
+        cpu.gather_on_huge_pages([torch.randn(8, 8).to_mkldnn()])
 
 
 def test_the_opt_out_keeps_plain_tensors(monkeypatch):

@@ -139,7 +139,8 @@ def load_model(path: Path, cfg: ModelConfig, dtype: torch.dtype, device: torch.d
 
 
 # The weights a CPU step reads whole, where a layer has them: packed for minivllm's matmul (cpu_gemm.py) or
-# quantized (quantization.py). A layer without them reads `weight` through F.linear.
+# quantized (quantization.py). A layer without them reads `weight` through F.linear. oneDNN's packed weights
+# (MINIVLLM_CPU_OWN_GEMM=0, or no C++ kernels) are opaque tensors that only oneDNN may copy: they stay put.
 STREAMED_WEIGHTS = ("packed_weight", "qweight", "qscale", "qscales_zeros")
 
 
@@ -148,7 +149,8 @@ def put_streamed_weights_on_huge_pages(model: torch.nn.Module) -> int:
     the bytes moved (0 where Linux offers no huge pages, or MINIVLLM_CPU_HUGE_PAGES=0). The values are copied
     exactly: only where they live changes."""
     slots = [(m, name) for m in model.modules() for name in STREAMED_WEIGHTS
-             if isinstance(getattr(m, name, None), torch.Tensor) and getattr(m, name).numel() > 0]
+             if isinstance(getattr(m, name, None), torch.Tensor) and getattr(m, name).layout == torch.strided
+             and getattr(m, name).numel() > 0]
     unique = list({id(getattr(m, name)): getattr(m, name) for m, name in slots}.values())
     moved = dict(zip(map(id, unique), gather_on_huge_pages(unique)))
     for m, name in slots:

@@ -149,9 +149,10 @@ def gather_on_huge_pages(tensors: list) -> list:
         return list(tensors)
     offsets, total = [], 0
     for t in tensors:
-        if t.device.type != "cpu" or not t.is_contiguous():
-            raise ValueError(f"gather_on_huge_pages takes contiguous CPU tensors, got one of shape "
-                             f"{tuple(t.shape)} on {t.device} (contiguous: {t.is_contiguous()})")
+        if t.device.type != "cpu" or t.layout != torch.strided or not t.is_contiguous():
+            raise ValueError(f"gather_on_huge_pages takes contiguous (strided) CPU tensors, got one of shape "
+                             f"{tuple(t.shape)} on {t.device}, layout {t.layout}"
+                             + ("" if t.layout != torch.strided else f", contiguous: {t.is_contiguous()}"))
         offsets.append(total)
         total += -(-t.numel() * t.element_size() // 4096) * 4096
     buf = empty_on_huge_pages(total)
