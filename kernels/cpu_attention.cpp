@@ -103,11 +103,17 @@ inline void axpy(float p, const C* v, float* acc, int64_t head_dim) {
   for (; d < head_dim; ++d) acc[d] += p * to_float(v[d]);
 }
 
-// Asks for `bytes` from p into the L2 cache ahead of use (prefetcht1: asking for L1 instead holds one of its few
-// miss buffers per line, and measured 1.5x slower). The blocks of a sequence are scattered over the pool, so
+// Asks for `bytes` from p into the cache ahead of use. The blocks of a sequence are scattered over the pool, so
 // the hardware prefetcher, which follows one address stream, stalls at every block boundary; each pass asks
-// for blocks ahead of the one it reads.
+// for the next block's token while it reads the current block's.
 inline void prefetch(const void* p, int64_t bytes) {
+  for (int64_t off = 0; off < bytes; off += 64) __builtin_prefetch(static_cast<const char*>(p) + off);
+}
+
+// The same into L2 only (prefetcht1), for the AVX-512 decode path, which asks for whole blocks ahead from memory:
+// a request into L1 holds one of its few miss buffers per line until the line arrives, and there, measured
+// 1.5x slower (README, "Measured", twelfth session).
+inline void prefetch_l2(const void* p, int64_t bytes) {
   for (int64_t off = 0; off < bytes; off += 64) __builtin_prefetch(static_cast<const char*>(p) + off, 0, 2);
 }
 
@@ -256,7 +262,7 @@ void decode_tiled(const Q* query, const C* key_cache, const C* value_cache, cons
           for (int64_t i0 = 0; i0 < n; i0 += 16) {
             const int64_t m = std::min<int64_t>(16, n - i0);
             for (int64_t i = 0; i < m; ++i)
-              prefetch(next + (i0 + i) * token_stride + hh * head_dim, head_dim * sizeof(C));
+              prefetch_l2(next + (i0 + i) * token_stride + hh * head_dim, head_dim * sizeof(C));
             for (int g = 0; g < G; ++g) {
               __m512 part[16];
 #pragma GCC unroll 16
@@ -285,7 +291,7 @@ void decode_tiled(const Q* query, const C* key_cache, const C* value_cache, cons
             for (int c = 0; c < NC; ++c) acc[g][c] = accs[(hh * G + g) * NC + c];
           const float* prow = scores.data() + hh * G * len + t0;
           for (int64_t i = 0; i < n; ++i) {
-            if (next != nullptr) prefetch(next + i * token_stride + hh * head_dim, head_dim * sizeof(C));
+            if (next != nullptr) prefetch_l2(next + i * token_stride + hh * head_dim, head_dim * sizeof(C));
             v16 v[NC];
             if constexpr (std::is_same_v<C, c10::BFloat16>) {
               // a register of 32 bf16 values gives two of fp32: the even elements and the odd ones, so
