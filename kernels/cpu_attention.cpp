@@ -217,6 +217,8 @@ void decode_tiled(const Q* query, const C* key_cache, const C* value_cache, cons
                   const int32_t* seq_lens, Q* out, int64_t num_seqs, int64_t num_heads, int64_t num_kv_heads,
                   int64_t block_size, int64_t max_blocks, float scale, float v_scale) {
   constexpr int64_t head_dim = 16 * NC;
+  static_assert(!std::is_same_v<C, c10::BFloat16> || NC % 2 == 0,
+                "bf16 rows are read 32 values a register (dot_lanes, the even/odd split of V)");
   const int64_t token_stride = num_kv_heads * head_dim, block_stride = block_size * token_stride;
   const int64_t span = num_seqs >= 4 * at::get_num_threads() ? num_kv_heads : 1;
   const int64_t items_per_seq = num_kv_heads / span;

@@ -26,7 +26,7 @@ memory with 2 MB pages ("transparent huge pages") where a program asks with `mad
 setting on most distributions (`/sys/kernel/mm/transparent_hugepage/enabled` = madvise), or everywhere
 (= always). `empty_on_huge_pages` hands out a 2 MB-aligned buffer with that advice, and `settle_on_huge_pages`
 asks (`MADV_COLLAPSE`, Linux 6.1+) for pages already filled with 4 KB ones to be merged. Measured
-(README, "2 MB pages"): 4-9% off each of a decode step's matmuls and attention.
+(README, "Measured", twelfth session): 4-9% off each of a decode step's matmuls and attention.
 `MINIVLLM_CPU_HUGE_PAGES=0` keeps plain pages.
 
 Must never: re-start a process that did not come from the command line (a notebook, pytest, a caller of
