@@ -20,7 +20,7 @@ starts (a tensor-parallel worker) inherits that mask. Measured numbers are in th
 "Online: the sampler's draw and Intel's OpenMP").
 
 Why 2 MB pages: a decode step reads all the weights and the whole KV context, a few hundred MB. In 4 KB pages
-that is tens of thousands of pages, far more than the CPU's TLB holds (about 3,000 entries on the cores measured),
+that is tens of thousands of pages, far more than the CPU's TLB holds (a few thousand entries on current cores),
 so reads keep waiting on page-table walks, and the hardware prefetcher stops at every 4 KB boundary. Linux backs
 memory with 2 MB pages ("transparent huge pages") where a program asks with `madvise(MADV_HUGEPAGE)`, the default
 setting on most distributions (`/sys/kernel/mm/transparent_hugepage/enabled` = madvise), or everywhere

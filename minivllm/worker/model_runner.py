@@ -135,7 +135,7 @@ class ModelRunner:
             self.kv_scales = calibrate_kv_scales(self, calibration_token_ids(load_tokenizer(self.model_path)))
         shape = (2, self.num_layers, num_kv_blocks, self.block_size, self.num_kv_heads, c.head_dim)
         if self.device.type == "cpu":          # on 2 MB pages: every decode step reads the whole context from it
-            buf = empty_on_huge_pages(math.prod(shape) * torch.tensor([], dtype=self.kv_cache_dtype).element_size())
+            buf = empty_on_huge_pages(math.prod(shape) * self.kv_cache_dtype.itemsize)
             self.kv_cache = buf.view(self.kv_cache_dtype).view(shape).zero_()
             settle_on_huge_pages(buf)
         else:
