@@ -35,7 +35,10 @@
 #
 # The engine thread's loop: run every queued command (add, abort, pause, ...), then one step, and sleep on
 # the queue when there is nothing to step. Continuous batching needs nothing more: a request added between
-# two steps simply joins the next one. If a step raises (in the model, the sampler, the detokenizer), the
+# two steps simply joins the next one. That is also why the HTTP routes take a single trip to the engine thread
+# per request (`add_requests(build)`: tokenize, size `max_tokens` from the prompt, add, all in one command):
+# every command waits for the step in flight, so a tokenize command and then an add command would make each
+# request sit out one whole step before it joins. If a step raises (in the model, the sampler, the detokenizer), the
 # engine rolls it back, so the scheduler and the KV cache are exactly as they were before it; only the
 # requests that step had scheduled end, with an error (the API answers them with a 500), and the rest keep
 # being served.

@@ -205,6 +205,47 @@ def test_sixteen_concurrent_streams_are_batched_together(server):
     check_integrity(server)
 
 
+def test_a_request_sent_during_a_step_joins_the_very_next_step(client, server):
+    """The route tokenizes, sizes and adds a request in one trip to the engine thread (add_requests). Each trip
+    waits for the step in flight, so a tokenize and then an add joined the batch a whole step later: this test
+    slows every step to 0.3 s, sends a request just after one began, and finds its prefill in the next step."""
+    import threading
+
+    traces, stop_recording = record_traces(server)
+    started, inflight = threading.Event(), []
+
+    def slow_steps(engine):
+        step = engine.step
+
+        def slow_step():
+            inflight.append(len(traces))      # the index in `traces` of the trace this step will append
+            started.set()
+            time.sleep(0.3)
+            return step()
+        engine.step = slow_step
+
+    server.engine.call(slow_steps).result(timeout=30)
+    try:
+        long_one = client.chat.completions.create(model=MODEL, messages=CHAT, max_tokens=30, temperature=0,
+                                                  stream=True, extra_body={"ignore_eos": True})
+        chunks = iter(long_one)
+        next(chunks)                           # it is decoding now, one slow step after another
+        started.clear()
+        assert started.wait(10)
+        in_flight = inflight[-1]
+        out = client.completions.create(model=MODEL, prompt="The capital of France is", max_tokens=1,
+                                        temperature=0)
+        list(chunks)
+    finally:
+        server.engine.call(lambda engine: engine.__dict__.pop("step")).result(timeout=30)
+        stop_recording()
+    assert out.choices[0].finish_reason == "length"
+    prefills = [i for i, t in enumerate(traces) if i > in_flight and t.num_prefill_tokens]
+    assert prefills and prefills[0] == in_flight + 1, (in_flight, prefills)
+    drained(server)
+    check_integrity(server)
+
+
 def test_a_client_that_hangs_up_mid_stream_is_aborted_and_its_blocks_freed(client, server):
     stream = client.chat.completions.create(model=MODEL, messages=CHAT, max_tokens=300, temperature=0,
                                             stream=True, extra_body={"ignore_eos": True})

@@ -159,6 +159,47 @@ def test_a_bad_request_raises_valueerror_and_the_others_finish(async_engine):
     assert async_engine.is_running
 
 
+def test_add_requests_adds_all_in_one_command_or_none(async_engine, engine):
+    """add_requests runs `build` on the engine thread and adds what it returns: all of it, or (if `build` or any
+    request is refused) none, with no counter moved."""
+    from minivllm.engine.async_llm import NewRequest
+
+    def build(e, bad=None):
+        assert threading.current_thread() is async_engine._thread          # tokenizing on the engine thread
+        _, ids = e.tokenize("Hello there")
+        news = [NewRequest({"prompt_token_ids": ids}, greedy(4), f"ok-{i}") for i in range(2)]
+        return news + ([bad] if bad else [])
+
+    async def add(make):
+        return await async_engine.add_requests(make)
+
+    before = engine.get_stats()
+    for make, error in ((lambda e: build(e, NewRequest("Hi", greedy(NUM_KV_BLOCKS * 16 + 10), "too-big")), "pool"),
+                        (lambda e: build(e, NewRequest("Hi", greedy(4), "ok-0")), "already in use"),
+                        (lambda e: 1 / 0, "division")):
+        with pytest.raises((ValueError, ZeroDivisionError), match=error):
+            asyncio.run(add(make))
+        assert not engine.has_unfinished_requests() and async_engine.snapshot().num_requests == 0
+    after = engine.get_stats()
+    assert after == before and async_engine.snapshot().num_prompt_tokens == 0
+
+    async def run_both():
+        streams = await async_engine.add_requests(build)
+        finals = []
+        for stream in streams:
+            async with stream:
+                async for out in stream:
+                    pass
+            finals.append(out)
+        return finals
+
+    with engine.record_traces() as traces:
+        finals = asyncio.run(run_both())
+    assert [f.outputs[0].token_ids for f in finals][0] == finals[1].outputs[0].token_ids
+    assert [len(f.outputs[0].token_ids) for f in finals] == [4, 4]
+    assert traces[0].num_prefill_tokens == 2 * len(finals[0].prompt_token_ids)   # both in the first step
+
+
 def test_a_failing_step_ends_its_requests_with_an_error_and_the_loop_goes_on(async_engine, engine):
     runner = engine.model_runner
     real = runner.execute_model

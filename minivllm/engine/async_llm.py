@@ -49,6 +49,15 @@ class RequestError(RuntimeError):
 
 
 @dataclass
+class NewRequest:
+    """One request for add_requests: what LLMEngine.add_request takes."""
+    prompt: PromptType
+    params: SamplingParams
+    request_id: str | None = None
+    priority: int = 0
+
+
+@dataclass
 class _Command:
     fn: Callable[[], Any]
     future: concurrent.futures.Future
@@ -146,25 +155,49 @@ class AsyncLLMEngine:
     async def add_request(self, prompt: PromptType, sampling_params: SamplingParams | None = None,
                           request_id: str | None = None, priority: int = 0) -> RequestStream:
         """Validate and queue a request; returns its stream. Raises ValueError (bad input) before anything runs."""
-        loop = asyncio.get_running_loop()
         params = sampling_params or SamplingParams()
+        streams = await self.add_requests(lambda engine: [NewRequest(prompt, params, request_id, priority)])
+        return streams[0]
 
-        def add() -> RequestStream:
-            req = self.engine.add_request(prompt, params, request_id, priority)
-            stream = RequestStream(req.request_id, loop, self.abort,
-                                   delta=params.output_kind is RequestOutputKind.DELTA)
-            self._tracked[req.request_id] = _Tracked(stream)
+    async def add_requests(self, build: Callable[[LLMEngine], list[NewRequest]]) -> list[RequestStream]:
+        """Run `build(engine)` on the engine thread and add the requests it returns, all in one command: one trip
+        to the engine thread, so they join the next step together. `build` may tokenize (engine.tokenize) and
+        size each request from its prompt; what it raises comes back here. All or none: if `build` or any add
+        raises, none of them stays in the engine.
+
+        One trip instead of a tokenize and then an add matters under load: each trip waits for the step in
+        flight, so a request that needed two joined the batch one whole step later (README, "Measured")."""
+        loop = asyncio.get_running_loop()
+
+        def add_all() -> list[RequestStream]:
+            streams: list[RequestStream] = []
+            num_prompt_tokens = 0
+            news = build(self.engine)
+            for new in news:                             # validate all first, so that adds rarely need undoing
+                self.engine.validate_request(self.engine.tokenize(new.prompt)[1], new.params, new.priority)
+            try:
+                for new in news:
+                    req = self.engine.add_request(new.prompt, new.params, new.request_id, new.priority)
+                    streams.append(RequestStream(req.request_id, loop, self.abort,
+                                                 delta=new.params.output_kind is RequestOutputKind.DELTA))
+                    self._tracked[req.request_id] = _Tracked(streams[-1])
+                    num_prompt_tokens += req.num_prompt_tokens
+            except BaseException:
+                for stream in streams:                   # the ones added before the failure: gone again
+                    del self._tracked[stream.request_id]
+                    self.engine.abort_request(stream.request_id)
+                raise
             with self._lock:
-                self._num_prompt_tokens += req.num_prompt_tokens
-            return stream
+                self._num_prompt_tokens += num_prompt_tokens
+            return streams
 
-        future = self._submit(add)
+        future = self._submit(add_all)
         try:
             return await asyncio.wrap_future(future)
         except asyncio.CancelledError:
-            # The caller went away while the engine thread was adding the request: nobody will read
-            # its stream, so abort it as soon as it exists.
-            future.add_done_callback(lambda f: f.cancelled() or f.exception() or f.result().close())
+            # The caller went away while the engine thread was adding the requests: nobody will read
+            # their streams, so abort them as soon as they exist.
+            future.add_done_callback(lambda f: f.cancelled() or f.exception() or [s.close() for s in f.result()])
             raise
 
     async def generate(self, prompt: PromptType, sampling_params: SamplingParams | None = None,

@@ -43,7 +43,7 @@ from starlette.exceptions import HTTPException as StarletteHTTPException
 
 import minivllm
 from minivllm.core.sampling_params import SamplingParams
-from minivllm.engine.async_llm import AsyncLLMEngine, RequestError
+from minivllm.engine.async_llm import AsyncLLMEngine, NewRequest, RequestError
 from minivllm.engine.request_stream import RequestStream
 from minivllm.entrypoints.metrics import render_metrics
 from minivllm.entrypoints.protocol import (APIError, LogprobsRequest, ParsedRequest, ResponseMeta, chat_logprobs,
@@ -198,24 +198,25 @@ def build_api_server(async_engine: AsyncLLMEngine, served_model_name: str | None
 
     # ------------------------------------------------------------------ running a request
     async def serve(request: Request, parsed: ParsedRequest, chat: bool):
-        prompts, params, echo = await prepare(parsed, chat)
+        checked = sampling_params_from_body(parsed.body, chat, default_max_tokens=1)   # bad fields first: no engine work
         request_id = f"{'chatcmpl' if chat else 'cmpl'}-{uuid.uuid4().hex[:16]}"
-        streams: list[RequestStream] = []
+        echo_texts: list[EchoText] = []       # filled on the engine thread by plan(), read after it answered
+
+        def build(engine) -> list[NewRequest]:
+            prompts, params = plan(engine, parsed, chat, checked, echo_texts)
+            return [NewRequest(prompt, p, request_id if len(prompts) == 1 else f"{request_id}-{i}")
+                    for i, (prompt, p) in enumerate(zip(prompts, params))]   # one engine request per prompt, as vLLM
+
         try:
-            for i, (prompt, p) in enumerate(zip(prompts, params)):   # one engine request per prompt, as vLLM
-                streams.append(await async_engine.add_request(
-                    prompt, p, request_id if len(prompts) == 1 else f"{request_id}-{i}"))
+            streams = await async_engine.add_requests(build)
+        except APIError:
+            raise
         except ValueError as e:                    # the engine's own checks: length, pool size, token ids
-            close_all(streams)
             raise APIError(str(e), param=parsed.prompt_param) from None
         except RequestError as e:
-            close_all(streams)
             raise APIError(str(e), status_code=503, type="service_unavailable") from None
-        except BaseException:
-            close_all(streams)
-            raise
         meta = ResponseMeta(request_id, int(time.time()), name, chat)
-        shape = ChoiceShape(params[0].n, read_logprobs_request(parsed.body, chat), echo)
+        shape = ChoiceShape(checked.n, read_logprobs_request(parsed.body, chat), echo_texts)
         if parsed.stream:
             # The background task runs once the response is over, even when the client hung up before the
             # first event (the generator never started, so its `async with` never ran).
@@ -224,29 +225,27 @@ def build_api_server(async_engine: AsyncLLMEngine, served_model_name: str | None
                                      background=BackgroundTask(close_async, streams))
         return await until_disconnect(request, full_response(streams, shape, meta), streams)
 
-    async def prepare(parsed: ParsedRequest, chat: bool) -> tuple[list[dict], list[SamplingParams], list[EchoText]]:
-        """Each prompt (tokenized once, on the engine thread, and passed on as ids), its SamplingParams and, for
-        echo, its text. An explicit max_tokens must fit the context with the prompt (400 otherwise, as vLLM).
+    def plan(engine, parsed: ParsedRequest, chat: bool, checked: SamplingParams,
+             echo_texts: list[EchoText]) -> tuple[list[dict], list[SamplingParams]]:
+        """On the engine thread, in the same command that adds the requests (AsyncLLMEngine.add_requests): each
+        prompt, tokenized once and passed on as ids, and its SamplingParams; for echo, each prompt's text goes
+        into `echo_texts`. An explicit max_tokens must fit the context with the prompt (400 otherwise, as vLLM).
         Without one, completions take 16 tokens (OpenAI's default) and chat the rest of the context, both capped
         by it."""
-        checked = sampling_params_from_body(parsed.body, chat, default_max_tokens=1)   # bad fields first: no engine work
         if checked.structured_outputs is not None:     # compile now (cached): a bad grammar is its field's 400
             try:
-                await async_engine.call_async(
-                    lambda e: e.structured_output_manager.grammar_for(checked.structured_outputs))
+                engine.structured_output_manager.grammar_for(checked.structured_outputs)
             except ValueError as e:
                 raise APIError(str(e), param=structured_outputs_param(parsed.body)) from None
-        echo = not chat and read_logprobs_request(parsed.body, chat).echo
         max_tokens_name, max_tokens = requested_max_tokens(parsed.body, chat)
         try:
-            tokenized = await async_engine.call_async(lambda e: [e.tokenize(p) for p in parsed.prompts])
+            tokenized = [engine.tokenize(p) for p in parsed.prompts]
         except ValueError as e:
             raise APIError(str(e), param=parsed.prompt_param) from None
-        echo_texts = []
-        if echo:      # the prompt's text (decoded for a prompt of token ids) and its first token's, as echo shows them
-            echo_texts = await async_engine.call_async(lambda e: [EchoText(
-                text if text is not None else e.tokenizer.decode(ids), e.tokenizer.decode(ids[:1]))
-                for text, ids in tokenized])
+        if not chat and read_logprobs_request(parsed.body, chat).echo:
+            # the prompt's text (decoded for a prompt of token ids) and its first token's, as echo shows them
+            echo_texts.extend(EchoText(text if text is not None else engine.tokenizer.decode(ids),
+                                       engine.tokenizer.decode(ids[:1])) for text, ids in tokenized)
         prompts, params = [], []
         limit = async_engine.max_model_len
         for text, ids in tokenized:
@@ -259,7 +258,7 @@ def build_api_server(async_engine: AsyncLLMEngine, served_model_name: str | None
             default = room if chat else min(16, max(1, limit - len(ids)))
             prompts.append({"prompt": text, "prompt_token_ids": ids} if text is not None else ids)
             params.append(sampling_params_from_body(parsed.body, chat, default_max_tokens=default))
-        return prompts, params, echo_texts
+        return prompts, params
 
     return app
 
