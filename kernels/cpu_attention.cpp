@@ -151,8 +151,8 @@ inline float exp_and_sum(float* s, int64_t n) {
 #if defined(__AVX512F__)
 // ---- the AVX-512 decode path: a sequence (or one of its KV heads) per work item, block by block ----
 //
-// For fp32 and bf16 caches with head_dim 32, 64 or 128 and the GQA groups listed in try_decode_tiled (the
-// default model: 3 x 64). A work item is one sequence with all its KV heads when there are enough sequences
+// For fp32 and bf16 caches, and fp8 e4m3 caches under an fp32 or bf16 model (widened block by block: widen_e4m3),
+// with head_dim 32, 64 or 128 and the GQA groups listed in try_decode_tiled (the default model: 3 x 64). A work item is one sequence with all its KV heads when there are enough sequences
 // (at least 4 a thread), else one sequence's one KV head (batch 1 still uses every thread). Both passes walk
 // the item's blocks in order and, within a block, its heads in order, so each block's rows (contiguous in the
 // cache) are read front to back once, the way the hardware streams memory best.
@@ -212,13 +212,69 @@ inline __m512 dot_lanes(const C* q, const C* k) {
   return a;
 }
 
+// An fp8 e4m3 cache in this path: each block's slice of K or V is widened first, once for all G query heads, into a
+// small buffer of Row values (bf16 for a bf16 model, fp32 for fp32), and the passes read that. Every e4m3 value
+// is exactly a bf16 value (4 exponent bits and 3 mantissa bits fit in bf16's 8 and 7), so this loses nothing.
+// Row<Q, C>: what the passes read: the cache's own dtype, or for fp8 the query's.
+template <typename Q, typename C>
+using Row = std::conditional_t<std::is_same_v<C, c10::Float8_e4m3fn>, Q, C>;
+
+// The bf16 bits of the e4m3 magnitudes 0 ... 127 (sign bit clear), as four registers of 32: a table lookup is
+// exact for subnormals and NaN alike, where bit arithmetic needs a case for each.
+struct E4m3Table {
+  alignas(64) uint16_t bits[128];
+  E4m3Table() {
+    for (int m = 0; m < 128; ++m) {
+      const c10::BFloat16 b(static_cast<float>(c10::Float8_e4m3fn(static_cast<uint8_t>(m), c10::Float8_e4m3fn::from_bits())));
+      bits[m] = b.x;
+    }
+  }
+};
+inline const E4m3Table& e4m3_table() {
+  static const E4m3Table table;
+  return table;
+}
+
+// 32 e4m3 values -> 32 bf16 (exact): the magnitude's 7 bits index the 128-entry table (two 64-entry lookups,
+// vpermt2w, chosen by bit 6), then the sign bit moves from bit 7 to bit 15.
+inline __m512i e4m3x32_to_bf16(const void* p, const __m512i (&table)[4]) {
+  const __m512i b = _mm512_cvtepu8_epi16(_mm256_loadu_si256(static_cast<const __m256i*>(p)));
+  const __m512i lo = _mm512_permutex2var_epi16(table[0], b, table[1]);     // indexes use bits 0-5 only
+  const __m512i hi = _mm512_permutex2var_epi16(table[2], b, table[3]);
+  const __m512i mag = _mm512_mask_blend_epi16(_mm512_test_epi16_mask(b, _mm512_set1_epi16(0x40)), lo, hi);
+  return _mm512_or_si512(mag, _mm512_and_si512(_mm512_slli_epi16(b, 8), _mm512_set1_epi16(static_cast<short>(0x8000))));
+}
+
+// dst[i * head_dim + d] = row i's value d widened to R (bf16 or fp32), for the n rows of a block slice of an fp8
+// cache (rows `token_stride` apart); head_dim is a multiple of 32.
+template <typename R>
+void widen_e4m3(const c10::Float8_e4m3fn* src, int64_t n, int64_t token_stride, int64_t head_dim, R* dst) {
+  const uint16_t* bits = e4m3_table().bits;
+  const __m512i table[4] = {_mm512_load_si512(bits), _mm512_load_si512(bits + 32), _mm512_load_si512(bits + 64),
+                            _mm512_load_si512(bits + 96)};
+  for (int64_t i = 0; i < n; ++i)
+    for (int64_t d = 0; d < head_dim; d += 32) {
+      const __m512i v = e4m3x32_to_bf16(src + i * token_stride + d, table);
+      if constexpr (std::is_same_v<R, c10::BFloat16>) {
+        _mm512_storeu_si512(dst + i * head_dim + d, v);
+      } else {                                                   // fp32: a bf16's bits are an fp32's top half
+        _mm512_storeu_si512(dst + i * head_dim + d,
+                            _mm512_slli_epi32(_mm512_cvtepu16_epi32(_mm512_castsi512_si256(v)), 16));
+        _mm512_storeu_si512(dst + i * head_dim + d + 16,
+                            _mm512_slli_epi32(_mm512_cvtepu16_epi32(_mm512_extracti64x4_epi64(v, 1)), 16));
+      }
+    }
+}
+
 template <typename Q, typename C, int G, int NC>
 void decode_tiled(const Q* query, const C* key_cache, const C* value_cache, const int32_t* block_tables,
                   const int32_t* seq_lens, Q* out, int64_t num_seqs, int64_t num_heads, int64_t num_kv_heads,
                   int64_t block_size, int64_t max_blocks, float scale, float v_scale) {
   constexpr int64_t head_dim = 16 * NC;
-  static_assert(!std::is_same_v<C, c10::BFloat16> || NC % 2 == 0,
-                "bf16 rows are read 32 values a register (dot_lanes, the even/odd split of V)");
+  using R = Row<Q, C>;                                           // what the passes read (see widen_e4m3)
+  constexpr bool kFp8 = !std::is_same_v<R, C>;
+  static_assert((!std::is_same_v<R, c10::BFloat16> && !kFp8) || NC % 2 == 0,
+                "bf16 and fp8 rows are read 32 values a register (dot_lanes, the even/odd split of V, widen_e4m3)");
   const int64_t token_stride = num_kv_heads * head_dim, block_stride = block_size * token_stride;
   const int64_t span = num_seqs >= 4 * at::get_num_threads() ? num_kv_heads : 1;
   const int64_t items_per_seq = num_kv_heads / span;
@@ -232,6 +288,7 @@ void decode_tiled(const Q* query, const C* key_cache, const C* value_cache, cons
     std::vector<float> scores;
     std::vector<v16> accs(span * G * NC);                        // accumulators between blocks: row r, part c
     std::vector<float> total(span * G);                          // the softmax's denominators
+    std::vector<R> wide(kFp8 ? block_size * head_dim : 0);        // fp8: a block slice widened, rows head_dim apart
     const int64_t num_items = static_cast<int64_t>(order.size());
     // the item after this one is claimed when this one starts, so that this one's last value blocks can ask for
     // its first key blocks
@@ -258,8 +315,14 @@ void decode_tiled(const Q* query, const C* key_cache, const C* value_cache, cons
                                                  block_stride + h0 * head_dim;
         const int64_t t0 = b * block_size, n = std::min(block_size, len - t0);
         for (int64_t hh = 0; hh < span; ++hh) {
-          const C* rows = block + hh * head_dim;                 // token i's slice: rows + i * token_stride
-          const C* q_rows = query + (seq * num_heads + (h0 + hh) * G) * head_dim;
+          // token i's slice: rows + i * stride
+          const R* rows = reinterpret_cast<const R*>(block + hh * head_dim);
+          int64_t stride = token_stride;
+          if constexpr (kFp8) {
+            widen_e4m3(block + hh * head_dim, n, token_stride, head_dim, wide.data());
+            rows = wide.data(), stride = head_dim;
+          }
+          const R* q_rows = query + (seq * num_heads + (h0 + hh) * G) * head_dim;
           float* srow = scores.data() + hh * G * len + t0;
           for (int64_t i0 = 0; i0 < n; i0 += 16) {
             const int64_t m = std::min<int64_t>(16, n - i0);
@@ -269,7 +332,7 @@ void decode_tiled(const Q* query, const C* key_cache, const C* value_cache, cons
               __m512 part[16];
 #pragma GCC unroll 16
               for (int i = 0; i < 16; ++i)
-                part[i] = i < m ? dot_lanes<C, NC>(q_rows + g * head_dim, rows + (i0 + i) * token_stride)
+                part[i] = i < m ? dot_lanes<R, NC>(q_rows + g * head_dim, rows + (i0 + i) * stride)
                                 : _mm512_setzero_ps();
               const __mmask16 lanes = static_cast<__mmask16>(m == 16 ? 0xffff : (1u << m) - 1);
               _mm512_mask_storeu_ps(srow + g * len + i0, lanes,
@@ -292,20 +355,26 @@ void decode_tiled(const Q* query, const C* key_cache, const C* value_cache, cons
           for (int g = 0; g < G; ++g)
             for (int c = 0; c < NC; ++c) acc[g][c] = accs[(hh * G + g) * NC + c];
           const float* prow = scores.data() + hh * G * len + t0;
+          const R* rows = reinterpret_cast<const R*>(block + hh * head_dim);   // token i's slice: rows + i * stride
+          int64_t stride = token_stride;
+          if constexpr (kFp8) {
+            widen_e4m3(block + hh * head_dim, n, token_stride, head_dim, wide.data());
+            rows = wide.data(), stride = head_dim;
+          }
           for (int64_t i = 0; i < n; ++i) {
             if (next != nullptr) prefetch_l2(next + i * token_stride + hh * head_dim, head_dim * sizeof(C));
             v16 v[NC];
-            if constexpr (std::is_same_v<C, c10::BFloat16>) {
+            if constexpr (std::is_same_v<R, c10::BFloat16>) {
               // a register of 32 bf16 values gives two of fp32: the even elements and the odd ones, so
               // acc[g][2 c2] holds dims 32 c2 + 0, 2, 4 ... and acc[g][2 c2 + 1] dims 32 c2 + 1, 3, 5 ...
               for (int c2 = 0; c2 < NC / 2; ++c2) {
-                const __m512i w = _mm512_loadu_si512(block + i * token_stride + hh * head_dim + 32 * c2);
+                const __m512i w = _mm512_loadu_si512(rows + i * stride + 32 * c2);
                 v[2 * c2] = (v16)_mm512_slli_epi32(w, 16);
                 v[2 * c2 + 1] = (v16)_mm512_and_si512(w, _mm512_set1_epi32(static_cast<int>(0xffff0000u)));
               }
             } else {
               for (int c = 0; c < NC; ++c)
-                v[c] = minivllm_cpu::load16(block + i * token_stride + hh * head_dim + 16 * c);
+                v[c] = minivllm_cpu::load16(rows + i * stride + 16 * c);
             }
             for (int g = 0; g < G; ++g) {
               const float p = prow[g * len + i];
@@ -323,7 +392,7 @@ void decode_tiled(const Q* query, const C* key_cache, const C* value_cache, cons
           float lanes[16];
           std::memcpy(lanes, &accs[r * NC + c], sizeof lanes);
           for (int l = 0; l < 16; ++l) {
-            const int64_t d = std::is_same_v<C, c10::BFloat16> ? 32 * (c / 2) + 2 * l + c % 2 : 16 * c + l;
+            const int64_t d = std::is_same_v<R, c10::BFloat16> ? 32 * (c / 2) + 2 * l + c % 2 : 16 * c + l;
             o[d] = from_float<Q>(lanes[l] * norm);
           }
         }
@@ -337,7 +406,8 @@ template <typename Q, typename C>
 bool try_decode_tiled(const Q* query, const C* key_cache, const C* value_cache, const int32_t* block_tables,
                       const int32_t* seq_lens, Q* out, int64_t num_seqs, int64_t num_heads, int64_t num_kv_heads,
                       int64_t head_dim, int64_t block_size, int64_t max_blocks, float scale, float v_scale) {
-  if constexpr (!std::is_same_v<Q, C> || !(std::is_same_v<C, float> || std::is_same_v<C, c10::BFloat16>)) {
+  using R = Row<Q, C>;
+  if constexpr (!std::is_same_v<Q, R> || !(std::is_same_v<R, float> || std::is_same_v<R, c10::BFloat16>)) {
     return false;
   } else {
     const int64_t group = num_heads / num_kv_heads;

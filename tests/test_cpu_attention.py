@@ -66,8 +66,13 @@ def test_decode_kernel_half_precision_is_within_one_rounding_of_fp32(dtype, num_
 
 
 @pytest.mark.parametrize("model_dtype", [torch.float32, torch.bfloat16])
-def test_decode_kernel_over_an_fp8_cache_equals_the_reference(model_dtype):
-    query, kc, vc, tables, lens = _case(17, 9, 3, 64, 16, torch.float32)
+@pytest.mark.parametrize("num_seqs", [2, 17])
+# the AVX-512 path's shapes (it widens each fp8 block slice first), and head_dim 40, which takes the generic path
+@pytest.mark.parametrize("heads,kv_heads,head_dim,block_size", [(9, 3, 64, 16), (8, 2, 128, 32), (4, 1, 32, 16),
+                                                                (4, 2, 40, 16)])
+def test_decode_kernel_over_an_fp8_cache_equals_the_reference(model_dtype, num_seqs, heads, kv_heads, head_dim,
+                                                              block_size):
+    query, kc, vc, tables, lens = _case(num_seqs, heads, kv_heads, head_dim, block_size, torch.float32)
     k_scale, v_scale = 0.05, 0.02
     kq, vq = ref.quantize_fp8(kc, k_scale), ref.quantize_fp8(vc, v_scale)
     query = query.to(model_dtype)
@@ -76,6 +81,26 @@ def test_decode_kernel_over_an_fp8_cache_equals_the_reference(model_dtype):
     got = cpu_ops.paged_decode_attention(query, kq, vq, tables, lens, 0.125, k_scale=k_scale, v_scale=v_scale)
     tol = 2e-5 if model_dtype == torch.float32 else 1e-2
     torch.testing.assert_close(got.float(), want.float(), atol=tol, rtol=tol)
+
+
+@pytest.mark.parametrize("model_dtype", [torch.float32, torch.bfloat16])
+def test_decode_kernel_widens_every_fp8_value_exactly(model_dtype):
+    """All 256 e4m3 bit patterns (subnormals, both zeros and NaN included) read back through V: each sequence
+    holds one token, so its softmax weight is exactly 1 and the output is its V row times v_scale (a power of
+    two: exact in bf16 too). The AVX-512 path widens them with a table lookup (widen_e4m3)."""
+    heads, kv_heads, head_dim, block_size = 3, 1, 64, 16
+    num_seqs = 256 // head_dim
+    bits = torch.zeros(num_seqs, block_size, kv_heads, head_dim, dtype=torch.uint8)
+    bits[:, 0, 0] = torch.arange(256, dtype=torch.uint8).view(num_seqs, head_dim)
+    vc = bits.view(torch.float8_e4m3fn)
+    kc = torch.zeros_like(vc)
+    tables = torch.arange(num_seqs, dtype=torch.int32).view(num_seqs, 1)
+    lens = torch.ones(num_seqs, dtype=torch.int32)
+    query = torch.randn(num_seqs, heads, head_dim).to(model_dtype)
+    got = cpu_ops.paged_decode_attention(query, kc, vc, tables, lens, 0.125, k_scale=1.0, v_scale=0.5)
+    want = (vc[:, 0].float() * 0.5).expand(num_seqs, heads, head_dim)
+    assert got.dtype == model_dtype and torch.isnan(want).sum() == 2 * heads
+    torch.testing.assert_close(got.float(), want, rtol=0, atol=0, equal_nan=True)
 
 
 def test_decode_kernel_refuses_bad_input_with_a_clear_error():
