@@ -570,7 +570,7 @@ void store_kv_cache(const at::Tensor& key, const at::Tensor& value, at::Tensor& 
               "store_kv_cache: key rows do not match the cache's (num_kv_heads, head_dim)");
   TORCH_CHECK(key.scalar_type() == key_cache.scalar_type() && value.scalar_type() == key_cache.scalar_type() &&
               value_cache.scalar_type() == key_cache.scalar_type(), "store_kv_cache: key, value and caches must "
-              "share one dtype (an fp8 cache goes through the reference, which quantizes)");
+              "share one dtype (for an fp8 cache, quantize K and V first: reference.quantize_fp8)");
   TORCH_CHECK(slot_mapping.scalar_type() == at::kLong && slot_mapping.is_contiguous() &&
               slot_mapping.numel() == key.size(0), "store_kv_cache: slot_mapping must be int64 (num_tokens,)");
   const int64_t num_slots = key_cache.size(0) * key_cache.size(1);

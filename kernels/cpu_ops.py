@@ -104,7 +104,8 @@ def prefill_attention(query: torch.Tensor, key: torch.Tensor, value: torch.Tenso
 
 def store_kv_cache(key: torch.Tensor, value: torch.Tensor, key_cache: torch.Tensor, value_cache: torch.Tensor,
                    slot_mapping: torch.Tensor) -> None:
-    """As reference.store_kv_cache, for caches in key's dtype (not fp8): slots of -1 are skipped."""
+    """As reference.store_kv_cache, for caches in key's dtype (an fp8 cache takes K and V already quantized:
+    reference.quantize_fp8): slots of -1 are skipped."""
     load().store_kv_cache(key, value, key_cache, value_cache, slot_mapping.to(torch.int64).contiguous())
 
 

@@ -182,8 +182,7 @@ def test_fresh_prompts_attend_to_their_own_kv_and_equal_the_reference(dtype, mon
     """A mixed step: two fresh prompts, a chunk with cached context, two decodes. The cpu backend attends the fresh
     prompts from the step's own K/V in one C++ call (the reference's prefill runs only for the chunk with context:
     both counted); every row equals the torch backend's up to the order of fp32 sums (and, in bf16, one rounding
-    of the output), and the chunk's rows are the reference's own numbers; with an fp8 cache every prefill takes
-    the reference's path."""
+    of the output), and the chunk's rows are the reference's own numbers; the same over an fp8 cache."""
     from minivllm.model.attention import AttentionMetadata, CpuAttentionBackend, TorchAttentionBackend
     g = torch.Generator().manual_seed(0)
     heads, kv_heads, d, bs = 9, 3, 64, 16
@@ -215,10 +214,20 @@ def test_fresh_prompts_attend_to_their_own_kv_and_equal_the_reference(dtype, mon
     torch.testing.assert_close(got, want, **tol)
     assert fresh_calls == [([0, 42], [37, 64])]       # both fresh prompts in one call (rows of the prefill batch)
     assert torch.equal(got[37:42], want[37:42])           # the chunk with context: the reference's own numbers
+    # An fp8 cache: the fresh prompts attend in C++ to this step's K and V rounded to the cache's bytes (the
+    # reference reads them back from the cache); the stored bytes are the reference's own.
+    fp8 = ref.quantize_fp8(cache.float(), 0.5)
+    scales = dict(k_scale=0.5, v_scale=0.25)
+    want_cache, got_cache = fp8.clone(), fp8.clone()
     prefills.clear()
-    fp8 = torch.zeros(2, 40, bs, kv_heads, d, dtype=ref.FP8_DTYPE)
-    CpuAttentionBackend().forward(q, k, v, fp8[0], fp8[1], meta, scale=0.125)
-    assert prefills == [37 + 5 + 64]                                       # fp8: attend to the rounded cache
+    want = TorchAttentionBackend().forward(q, k, v, want_cache[0], want_cache[1], meta, scale=0.125, **scales)
+    assert prefills == [37 + 5 + 64]
+    prefills.clear(), fresh_calls.clear()
+    got = CpuAttentionBackend().forward(q, k, v, got_cache[0], got_cache[1], meta, scale=0.125, **scales)
+    assert prefills == [5] and fresh_calls == [([0, 42], [37, 64])]
+    assert torch.equal(got_cache.view(torch.uint8), want_cache.view(torch.uint8))
+    torch.testing.assert_close(got, want, **tol)
+    assert torch.equal(got[37:42], want[37:42])
 
 
 def _causal_attention_fp64(q, k, v, scale):

@@ -142,10 +142,18 @@ class CpuAttentionBackend(TorchAttentionBackend):
 
     name = "cpu"
 
+    def forward(self, q, k, v, key_cache, value_cache, meta, scale, k_scale=1.0, v_scale=1.0):
+        if key_cache.dtype == kernels.reference.FP8_DTYPE and k.dtype != key_cache.dtype:
+            # An fp8 cache: this step's K and V rounded once, to the bytes the cache will hold (the reference's
+            # quantize_fp8). The C++ store copies them, and fresh prompts attend to them as they would read them
+            # back (_prefill), so no prompt gathers its own blocks back from the cache.
+            k, v = kernels.reference.quantize_fp8(k, k_scale), kernels.reference.quantize_fp8(v, v_scale)
+        return super().forward(q, k, v, key_cache, value_cache, meta, scale, k_scale, v_scale)
+
     @staticmethod
     def _store_kv(k, v, key_cache, value_cache, slot_mapping, k_scale, v_scale):
         """The same copies as the reference's, in one C++ pass with no host sync (the reference asks the host
-        whether any slot is -1, per layer). An fp8 cache keeps the reference's, which quantizes."""
+        whether any slot is -1, per layer). An fp8 cache gets K and V already quantized (forward)."""
         if key_cache.dtype != k.dtype:
             TorchAttentionBackend._store_kv(k, v, key_cache, value_cache, slot_mapping, k_scale, v_scale)
         else:
@@ -158,20 +166,23 @@ class CpuAttentionBackend(TorchAttentionBackend):
     def _prefill(self, q, k, v, key_cache, value_cache, block_tables, cu_seqlens_q, seq_lens, scale, q_lens_cpu,
                  seq_lens_cpu, k_scale, v_scale):
         """Sequences with no cached context (fresh prompts: q_len == seq_len) attend causally to this step's own K and
-        V: the same values the cache holds (not for an fp8 cache, which rounds them), without gathering their
-        blocks back or building a mask, all of them in one C++ call (kernels/cpu_attention.cpp,
-        prefill_attention: register tiles, fp32 inside; only the order of the sums differs from the reference).
-        Sequences with context (a prefix-cache hit, a later chunk) take the reference's path."""
-        if key_cache.dtype != k.dtype:                                   # fp8: attend to the rounded cache
-            return super()._prefill(q, k, v, key_cache, value_cache, block_tables, cu_seqlens_q, seq_lens, scale,
-                                    q_lens_cpu, seq_lens_cpu, k_scale, v_scale)
+        V: the same values the cache holds, without gathering their blocks back or building a mask, all of them in
+        one C++ call (kernels/cpu_attention.cpp, prefill_attention: register tiles, fp32 inside; only the order of
+        the sums differs from the reference). With an fp8 cache, k and v are the cache's bytes (forward): widened
+        to the model's dtype (exact), with k_scale in the softmax scale and v_scale on the output, as the
+        reference reads the cache. Sequences with context (a prefix-cache hit, a later chunk) take the
+        reference's path."""
+        fp8 = k.dtype != q.dtype
         starts = [0]
         for q_len in q_lens_cpu[:-1]:
             starts.append(starts[-1] + q_len)
         fresh = [i for i, (q_len, seq_len) in enumerate(zip(q_lens_cpu, seq_lens_cpu)) if q_len == seq_len]
         if fresh:
-            out = kernels.cpu_ops.prefill_attention(q, k, v, [starts[i] for i in fresh],
-                                                    [q_lens_cpu[i] for i in fresh], scale)
+            kq, vq = (k.to(q.dtype), v.to(q.dtype)) if fp8 else (k, v)
+            out = kernels.cpu_ops.prefill_attention(q, kq, vq, [starts[i] for i in fresh],
+                                                    [q_lens_cpu[i] for i in fresh], scale * k_scale if fp8 else scale)
+            if fp8 and v_scale != 1.0:
+                out = out * v_scale
         else:
             out = torch.empty_like(q)
         for i, (start, q_len, seq_len) in enumerate(zip(starts, q_lens_cpu, seq_lens_cpu)):
