@@ -173,8 +173,9 @@ class AsyncLLMEngine:
             streams: list[RequestStream] = []
             num_prompt_tokens = 0
             news = build(self.engine)
-            for new in news:                             # validate all first, so that adds rarely need undoing
-                self.engine.validate_request(self.engine.tokenize(new.prompt)[1], new.params, new.priority)
+            if len(news) > 1:                            # validate all first, so that adds rarely need undoing
+                for new in news:
+                    self.engine.validate_request(self.engine.tokenize(new.prompt)[1], new.params, new.priority)
             try:
                 for new in news:
                     req = self.engine.add_request(new.prompt, new.params, new.request_id, new.priority)
