@@ -39,6 +39,7 @@
 #include <cstring>
 #include <numeric>
 #include <type_traits>
+#include <utility>
 #if defined(__AVX__)
 #include <immintrin.h>
 #endif
@@ -151,9 +152,9 @@ inline float exp_and_sum(float* s, int64_t n) {
 #if defined(__AVX512F__)
 // ---- the AVX-512 decode path: a sequence (or one of its KV heads) per work item, block by block ----
 //
-// For fp32 and bf16 caches, and fp8 e4m3 caches under an fp32 or bf16 model (widened block by block: widen_e4m3),
-// with head_dim 32, 64 or 128 and the GQA groups listed in try_decode_tiled (the default model: 3 x 64). A work item is one sequence with all its KV heads when there are enough sequences
-// (at least 4 a thread), else one sequence's one KV head (batch 1 still uses every thread). Both passes walk
+// For fp32 and bf16 caches, and fp8 e4m3 caches under an fp32 or bf16 model (widened block by block:
+// widen_e4m3), with head_dim 32, 64 or 128 and the GQA groups listed in try_decode_tiled (the default model:
+// 3 x 64). A work item is one sequence with all its KV heads when there are enough sequences (at least 4 a thread), else one sequence's one KV head (batch 1 still uses every thread). Both passes walk
 // the item's blocks in order and, within a block, its heads in order, so each block's rows (contiguous in the
 // cache) are read front to back once, the way the hardware streams memory best.
 //   Pass 1 (scores): for each run of up to 16 tokens and each of the G query rows that share the KV head, 16
@@ -225,8 +226,8 @@ struct E4m3Table {
   alignas(64) uint16_t bits[128];
   E4m3Table() {
     for (int m = 0; m < 128; ++m) {
-      const c10::BFloat16 b(static_cast<float>(c10::Float8_e4m3fn(static_cast<uint8_t>(m), c10::Float8_e4m3fn::from_bits())));
-      bits[m] = b.x;
+      const c10::Float8_e4m3fn e(static_cast<uint8_t>(m), c10::Float8_e4m3fn::from_bits());
+      bits[m] = c10::BFloat16(static_cast<float>(e)).x;
     }
   }
 };
@@ -242,7 +243,8 @@ inline __m512i e4m3x32_to_bf16(const void* p, const __m512i (&table)[4]) {
   const __m512i lo = _mm512_permutex2var_epi16(table[0], b, table[1]);     // indexes use bits 0-5 only
   const __m512i hi = _mm512_permutex2var_epi16(table[2], b, table[3]);
   const __m512i mag = _mm512_mask_blend_epi16(_mm512_test_epi16_mask(b, _mm512_set1_epi16(0x40)), lo, hi);
-  return _mm512_or_si512(mag, _mm512_and_si512(_mm512_slli_epi16(b, 8), _mm512_set1_epi16(static_cast<short>(0x8000))));
+  const __m512i sign = _mm512_and_si512(_mm512_slli_epi16(b, 8), _mm512_set1_epi16(static_cast<short>(0x8000)));
+  return _mm512_or_si512(mag, sign);
 }
 
 // dst[i * head_dim + d] = row i's value d widened to R (bf16 or fp32), for the n rows of a block slice of an fp8
@@ -264,6 +266,19 @@ void widen_e4m3(const c10::Float8_e4m3fn* src, int64_t n, int64_t token_stride, 
                             _mm512_slli_epi32(_mm512_cvtepu16_epi32(_mm512_extracti64x4_epi64(v, 1)), 16));
       }
     }
+}
+
+// A block slice as the passes read it: token i's values at rows + i * stride. The cache's own rows, or for fp8
+// the slice widened into `wide` (rows head_dim apart).
+template <typename R, typename C>
+inline std::pair<const R*, int64_t> slice_rows(const C* slice, int64_t n, int64_t token_stride, int64_t head_dim,
+                                               R* wide) {
+  if constexpr (std::is_same_v<R, C>) {
+    return {slice, token_stride};
+  } else {
+    widen_e4m3(slice, n, token_stride, head_dim, wide);
+    return {wide, head_dim};
+  }
 }
 
 template <typename Q, typename C, int G, int NC>
@@ -315,13 +330,7 @@ void decode_tiled(const Q* query, const C* key_cache, const C* value_cache, cons
                                                  block_stride + h0 * head_dim;
         const int64_t t0 = b * block_size, n = std::min(block_size, len - t0);
         for (int64_t hh = 0; hh < span; ++hh) {
-          // token i's slice: rows + i * stride
-          const R* rows = reinterpret_cast<const R*>(block + hh * head_dim);
-          int64_t stride = token_stride;
-          if constexpr (kFp8) {
-            widen_e4m3(block + hh * head_dim, n, token_stride, head_dim, wide.data());
-            rows = wide.data(), stride = head_dim;
-          }
+          const auto [rows, stride] = slice_rows<R>(block + hh * head_dim, n, token_stride, head_dim, wide.data());
           const R* q_rows = query + (seq * num_heads + (h0 + hh) * G) * head_dim;
           float* srow = scores.data() + hh * G * len + t0;
           for (int64_t i0 = 0; i0 < n; i0 += 16) {
@@ -355,12 +364,7 @@ void decode_tiled(const Q* query, const C* key_cache, const C* value_cache, cons
           for (int g = 0; g < G; ++g)
             for (int c = 0; c < NC; ++c) acc[g][c] = accs[(hh * G + g) * NC + c];
           const float* prow = scores.data() + hh * G * len + t0;
-          const R* rows = reinterpret_cast<const R*>(block + hh * head_dim);   // token i's slice: rows + i * stride
-          int64_t stride = token_stride;
-          if constexpr (kFp8) {
-            widen_e4m3(block + hh * head_dim, n, token_stride, head_dim, wide.data());
-            rows = wide.data(), stride = head_dim;
-          }
+          const auto [rows, stride] = slice_rows<R>(block + hh * head_dim, n, token_stride, head_dim, wide.data());
           for (int64_t i = 0; i < n; ++i) {
             if (next != nullptr) prefetch_l2(next + i * token_stride + hh * head_dim, head_dim * sizeof(C));
             v16 v[NC];

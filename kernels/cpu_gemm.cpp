@@ -28,9 +28,8 @@
 // So 24 multiply-adds of 16 lanes per 3 loads and 8 broadcasts, the panel streams from memory front to back
 // (asked for ahead with prefetches) and stays in L2 for the other row tiles. Those later tiles compute from
 // cache, so each also asks for a third of the thread's next panel into L2 (Panel::next), and that panel's first
-// tile does not wait on memory: a decode step's matmuls at 32 rows about 10% faster (README, "Measured",
-// thirteenth session). In bf16 a product of two bf16
-// values is exact in fp32, so the sums are fp32 sums of exact products, as oneDNN's are; only their order
+// tile does not wait on memory: a decode step's matmuls at 32 rows 8-15% faster (README, "Measured", thirteenth
+// session). In bf16 a product of two bf16 values is exact in fp32, so the sums are fp32 sums of exact products, as oneDNN's are; only their order
 // differs. The bias is added in fp32, and a bf16 result is rounded once, to nearest even (vcvtneps2bf16).
 //
 // Measured on 2 cores (AMD EPYC, Zen 4), the default model's four matmuls of all 30 layers (weights from

@@ -195,7 +195,7 @@ def test_add_requests_adds_all_in_one_command_or_none(async_engine, engine):
 
     with engine.record_traces() as traces:
         finals = asyncio.run(run_both())
-    assert [f.outputs[0].token_ids for f in finals][0] == finals[1].outputs[0].token_ids
+    assert finals[0].outputs[0].token_ids == finals[1].outputs[0].token_ids
     assert [len(f.outputs[0].token_ids) for f in finals] == [4, 4]
     assert traces[0].num_prefill_tokens == 2 * len(finals[0].prompt_token_ids)   # both in the first step
 

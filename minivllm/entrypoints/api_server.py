@@ -209,8 +209,6 @@ def build_api_server(async_engine: AsyncLLMEngine, served_model_name: str | None
 
         try:
             streams = await async_engine.add_requests(build)
-        except APIError:
-            raise
         except ValueError as e:                    # the engine's own checks: length, pool size, token ids
             raise APIError(str(e), param=parsed.prompt_param) from None
         except RequestError as e:

@@ -154,10 +154,7 @@ class CpuAttentionBackend(TorchAttentionBackend):
     def _store_kv(k, v, key_cache, value_cache, slot_mapping, k_scale, v_scale):
         """The same copies as the reference's, in one C++ pass with no host sync (the reference asks the host
         whether any slot is -1, per layer). An fp8 cache gets K and V already quantized (forward)."""
-        if key_cache.dtype != k.dtype:
-            TorchAttentionBackend._store_kv(k, v, key_cache, value_cache, slot_mapping, k_scale, v_scale)
-        else:
-            kernels.cpu_ops.store_kv_cache(k, v, key_cache, value_cache, slot_mapping)
+        kernels.cpu_ops.store_kv_cache(k, v, key_cache, value_cache, slot_mapping)
 
     def _decode(self, q, key_cache, value_cache, block_tables, seq_lens, seq_lens_cpu, scale, k_scale, v_scale):
         return kernels.cpu_ops.paged_decode_attention(q, key_cache, value_cache, block_tables, seq_lens, scale,
