@@ -7,10 +7,13 @@
 //                                      bias (out,) in that dtype, or None
 //   pack_int8_linear(q), int8_linear(x, packed, scale, out, bias)   weight-only int8 (bf16 x; see below)
 //   pack_int4_linear(q, d, m) -> (packed, dm), int4_linear(x, packed, dm, out, bias)    int4, groups of 32
+//   pack_w8a8_linear(q) -> (packed, offset), w8a8_linear(x, packed, offset, scale, out, bias)    int8 weights
+//                                      and int8 activations, integer dot products (vpdpbusd; see below)
 //   silu_and_mul=True (all three)      a gated MLP's gate/up weight packed from interleave_gate_up (cpu_ops.py):
 //                                      y = silu(x gate^T) * (x up^T), (rows, out_features = n), in the epilogue
 //   fp32_linear_available()            whether this build has the fp32 kernel (the CPU has AVX-512F)
 //   bf16_linear_available()            whether it has the bf16, int8 and int4 ones (AVX-512 BF16)
+//   vnni_linear_available()            whether it has the w8a8 one (AVX-512 VNNI and BF16)
 //
 // Why: a decode step multiplies a few rows (the batch) by every weight of the model, and those weights stream
 // from memory every step (the default model's 538 MB in fp32, 269 MB in bf16, against this CPU's 32 MB of L3).
@@ -80,6 +83,14 @@ bool bf16_linear_available() {
 }
 
 // Weight elements per 32-bit word: 1 in fp32, 2 (a pair along `in`) in bf16.
+bool vnni_linear_available() {
+#if defined(__AVX512VNNI__) && defined(__AVX512BF16__)
+  return true;
+#else
+  return false;
+#endif
+}
+
 int64_t per_word(at::ScalarType dtype) { return dtype == at::kBFloat16 ? 2 : 1; }
 
 // dst[p][k][c] = src[48 p + c][k] for rows of `words` elements of `Elem` (zero columns pad the last panel).
@@ -150,6 +161,31 @@ std::tuple<at::Tensor, at::Tensor> pack_int4_linear(const at::Tensor& q, const a
   return {packed, dm};
 }
 
+// W8A8 (model/quantization.py, quantization="w8a8_int8"): int8 weights per output channel and int8 activations
+// per row (token), quantized as they arrive, multiplied as integers. vpdpbusd multiplies 4 unsigned bytes by 4
+// signed bytes and adds the four products into a 32-bit lane: 64 multiply-adds an instruction, twice
+// vdpbf16ps's 32, and these cores run one of either a cycle (measured: 920 against 459 G multiply-adds x 2 a
+// second on two cores), so a matmul bound by arithmetic (a decode step at batch 32) can run twice as fast.
+//   w[n][k] = scale[n] q[n][k]            q in [-128, 127] (a word: 4 consecutive k of one column)
+//   x[r][k] = s[r] (u[r][k] - 128)        u in [1, 255]: the activation's int8 value plus 128, as vpdpbusd's
+//                                         unsigned operand
+//   y[r][n] = s[r] scale[n] (sum_k u[r][k] q[n][k] - 128 sum_k q[n][k])
+// The sums are exact in int32 (|sum| < 2^31 up to in = 65,536); offset[n] = -128 sum_k q[n][k] is packed with
+// the weight. Only the quantization of x and the final fp32 scaling round.
+// q (out, in) int8, `in` a multiple of 4 -> packed (panels, in / 4, 48) int32 of 4 int8 each, offset (panels, 48)
+std::tuple<at::Tensor, at::Tensor> pack_w8a8_linear(const at::Tensor& qweight) {
+  TORCH_CHECK(qweight.dim() == 2 && qweight.scalar_type() == at::kChar && qweight.size(1) % 4 == 0,
+              "pack_w8a8_linear: an int8 (out, in) weight with `in` a multiple of 4 expected, got ", qweight.sizes(),
+              " ", qweight.scalar_type());
+  const at::Tensor q = qweight.contiguous();
+  const int64_t out = q.size(0), words = q.size(1) / 4;
+  at::Tensor packed = at::zeros({num_panels(out), words, kPanelCols}, q.options().dtype(at::kInt));
+  to_panels(static_cast<const uint32_t*>(q.data_ptr()), out, words, static_cast<uint32_t*>(packed.data_ptr()));
+  at::Tensor offset = at::zeros({num_panels(out) * kPanelCols}, q.options().dtype(at::kInt));
+  offset.narrow(0, 0, out).copy_(q.to(at::kInt).sum(1).mul(-128));
+  return {packed, offset.view({num_panels(out), kPanelCols})};
+}
+
 #if defined(__AVX512F__)
 // Where a panel's word rows come from: pack_linear's words as they are, or quantized pairs widened to bf16
 // pairs as they are read (int8: pack_int8_linear's; int4: pack_int4_linear's nibble pairs).
@@ -161,6 +197,7 @@ struct Panel {
   uint32_t* widened;       // quantized sources: where to keep the widened rows for later tiles, or null
   const float* scale;      // int8: the columns' scales, or null
   const float* dm;         // int4: (groups, 2, 48) d and m of the columns
+  const int32_t* offset;   // w8a8: the columns' -128 sum_k q, or null
   int64_t cols;            // output columns: those that exist (fewer than 48 in the last panel), or, with
                            // silu_and_mul, the gate/up pairs (24, fewer in the last panel)
   bool silu_and_mul;       // a gate/up panel: the output is silu(gate) * up (store_rows)
@@ -342,6 +379,48 @@ void int4_tile(const uint32_t* x, int64_t pairs, const Panel& panel, const float
   store_rows<R, at::BFloat16>(acc, bias, y, ldy, panel.cols, panel.silu_and_mul);
 }
 
+#if defined(__AVX512VNNI__) && defined(__AVX512BF16__)
+// acc += vpdpbusd(u, q), per 32-bit lane: the 4 unsigned bytes of u times the 4 signed bytes of q, summed.
+// The int32 accumulators live in __m512 (fp32-typed) registers: with __m512i ones GCC 12 kept a tile's 24 on the
+// stack (a load and a store around every vpdpbusd: 43% of the cores' VNNI rate at 512 rows).
+inline __m512 dot_add_u8s8(__m512 acc, __m512i u, __m512i q) {
+  __asm__("vpdpbusd %2, %1, %0" : "+v"(acc) : "v"(u), "v"(q));
+  return acc;
+}
+
+// w8a8: acc[r][c] = sum over words k of vpdpbusd(x word (r, k): 4 bytes u, panel word (k, c): 4 int8 q), in
+// int32 (exact); then y = s[r] scale[c] (acc + offset[c]) (+ bias), rounded to T. x_scale: s of the R rows.
+template <int R, typename T>
+void w8a8_tile(const uint32_t* x, int64_t words, const Panel& panel, const float* x_scale, const T* bias, T* y,
+               int64_t ldy) {
+  __m512 acc[R][3];                                                 // int32 lanes
+#pragma GCC unroll 8
+  for (int r = 0; r < R; ++r)
+    for (int c = 0; c < 3; ++c) acc[r][c] = _mm512_setzero_ps();
+  for (int64_t k = 0; k < words; ++k) {
+    __m512i w[3];
+    panel_row<Source::kWords>(panel.rows, k, nullptr, w);
+    if (panel.next != nullptr) _mm_prefetch(panel.next + 64 * k, _MM_HINT_T1);
+#pragma GCC unroll 8
+    for (int r = 0; r < R; ++r) {
+      const __m512i xr = _mm512_set1_epi32(static_cast<int>(x[r * words + k]));
+      for (int c = 0; c < 3; ++c) acc[r][c] = dot_add_u8s8(acc[r][c], xr, w[c]);
+    }
+  }
+  __m512 out[R][3];
+  float fs[kPanelCols] = {};
+  std::memcpy(fs, panel.scale, (panel.silu_and_mul ? kPanelCols : panel.cols) * sizeof(float));   // gate/up: all 48
+  for (int c = 0; c < 3; ++c) {
+    const __m512i off = _mm512_loadu_si512(panel.offset + 16 * c);
+    const __m512 sc = _mm512_loadu_ps(fs + 16 * c);
+    for (int r = 0; r < R; ++r)
+      out[r][c] = _mm512_cvtepi32_ps(_mm512_add_epi32(_mm512_castps_si512(acc[r][c]), off)) * (sc * _mm512_set1_ps(x_scale[r]));
+  }
+  store_rows<R, T>(out, bias, y, ldy, panel.cols, panel.silu_and_mul);
+}
+
+#endif
+
 template <typename T>
 using TileFn = void (*)(const uint32_t*, int64_t, const Panel&, const float*, const T*, T*, int64_t);
 template <typename T, Source S = Source::kWords>
@@ -350,6 +429,12 @@ constexpr TileFn<T> kTiles[kRowTile + 1] = {nullptr, tile<1, T, S>, tile<2, T, S
 template <Source S = Source::kWords>
 constexpr TileFn<at::BFloat16> kInt4Tiles[kInt4RowTile + 1] = {nullptr, int4_tile<1, S>, int4_tile<2, S>,
                                                                int4_tile<3, S>, int4_tile<4, S>};
+#if defined(__AVX512VNNI__) && defined(__AVX512BF16__)
+template <typename T>
+constexpr TileFn<T> kW8A8Tiles[kRowTile + 1] = {nullptr, w8a8_tile<1, T>, w8a8_tile<2, T>, w8a8_tile<3, T>,
+                                                w8a8_tile<4, T>, w8a8_tile<5, T>, w8a8_tile<6, T>, w8a8_tile<7, T>,
+                                                w8a8_tile<8, T>};
+#endif
 
 // What a weight format needs from the driver: the tiles for the first row tile of a panel (reading the packed
 // bytes) and for the others (quantized formats: reading the widened panel), by row count.
@@ -366,7 +451,7 @@ struct Format {
 template <typename T>
 void run_tiles(const at::Tensor& x, const uint8_t* packed, int64_t panel_bytes, int64_t panels, const Format<T>& f,
                bool quantized, const float* scale, const float* dm, int64_t dm_panel, const float* x_sum,
-               int64_t groups, const T* bias, bool silu_and_mul, at::Tensor& y) {
+               int64_t groups, const T* bias, bool silu_and_mul, at::Tensor& y, const int32_t* offset = nullptr) {
   const int64_t rows = x.size(0), words = x.size(1) / per_word(x.scalar_type()), out = y.size(1);
   const uint32_t* xs = static_cast<const uint32_t*>(x.data_ptr());
   T* ys = static_cast<T*>(y.data_ptr());
@@ -379,14 +464,15 @@ void run_tiles(const at::Tensor& x, const uint8_t* packed, int64_t panel_bytes, 
         const int64_t width = silu_and_mul ? kGateCols : kPanelCols, col0 = p * width;
         Panel panel{packed + p * panel_bytes, reused ? wide.data() : nullptr,
                     scale == nullptr ? nullptr : scale + p * kPanelCols, dm == nullptr ? nullptr : dm + p * dm_panel,
-                    std::min(width, out - col0), silu_and_mul};
+                    offset == nullptr ? nullptr : offset + p * kPanelCols, std::min(width, out - col0), silu_and_mul};
         const T* bc = bias == nullptr ? nullptr : bias + col0;
         for (int64_t r = m0; r < m1; r += f.row_tile) {
           const int64_t n = std::min(f.row_tile, m1 - r);
           if (r == m0) {
             f.first[n](xs + r * words, words, panel, x_sum + r * groups, bc, ys + r * out + col0, out);
           } else {
-            Panel later = quantized ? Panel{wide.data(), nullptr, panel.scale, panel.dm, panel.cols, silu_and_mul}
+            Panel later = quantized ? Panel{wide.data(), nullptr, panel.scale, panel.dm, nullptr, panel.cols,
+                                            silu_and_mul}
                                     : panel;
             // While the later row tiles compute from cache, each asks for 64 bytes a word row of the next panel
             // into L2, so that panel's first tile does not wait on memory (a panel is 192 bytes a word row:
@@ -466,6 +552,80 @@ at::Tensor int4_linear(const at::Tensor& x, const at::Tensor& packed, const at::
   return y;
 }
 
+#if defined(__AVX512VNNI__) && defined(__AVX512BF16__)
+// x (rows, in) fp32 or bf16, `in` a multiple of 16 -> u (rows, in) bytes: round(x / s) + 128 (to nearest even,
+// as torch.round), with s[r] = max(max_k |x[r][k]| / 127, 1e-12) (quantization.quantize_activations: the same
+// fp32 operations, so the same bytes). |x / s| <= 127, so u is 1..255.
+template <typename T>
+void quantize_rows(const at::Tensor& x, uint8_t* u, float* s) {
+  const int64_t in = x.size(1);
+  const T* xs = x.data_ptr<T>();
+  at::parallel_for(0, x.size(0), 16, [&](int64_t r0, int64_t r1) {
+    for (int64_t r = r0; r < r1; ++r) {
+      const T* row = xs + r * in;
+      __m512 amax = _mm512_setzero_ps();
+      for (int64_t k = 0; k < in; k += 16) amax = _mm512_max_ps(amax, _mm512_abs_ps(minivllm_cpu::load16(row + k)));
+      s[r] = std::max(_mm512_reduce_max_ps(amax) / 127.0f, 1e-12f);
+      const __m512 sr = _mm512_set1_ps(s[r]);
+      for (int64_t k = 0; k < in; k += 16) {
+        const __m512i q = _mm512_cvtps_epi32(_mm512_div_ps(minivllm_cpu::load16(row + k), sr));   // nearest even
+        _mm_storeu_si128(reinterpret_cast<__m128i*>(u + r * in + k),
+                         _mm512_cvtepi32_epi8(_mm512_add_epi32(q, _mm512_set1_epi32(128))));
+      }
+    }
+  });
+}
+#endif
+
+// y = x @ w^T (+ bias) in x's dtype (fp32 or bf16), with x quantized per row to int8 here and w from
+// pack_w8a8_linear (q, its offset) and the columns' fp32 scales (out,), or with silu_and_mul one per packed
+// column (interleave_gate_up's).
+at::Tensor w8a8_linear(const at::Tensor& x, const at::Tensor& packed, const at::Tensor& offset,
+                       const at::Tensor& scale, int64_t out_features, const c10::optional<at::Tensor>& bias,
+                       bool silu_and_mul) {
+  const at::ScalarType dtype = x.scalar_type();
+  TORCH_CHECK(vnni_linear_available(), "w8a8_linear: this build has no AVX-512 VNNI and BF16 "
+              "(vnni_linear_available() is False)");
+  TORCH_CHECK(x.dim() == 2 && (dtype == at::kFloat || dtype == at::kBFloat16) && x.size(1) % 16 == 0,
+              "w8a8_linear: x (rows, in) fp32 or bf16 with `in` a multiple of 16 expected, got ", x.sizes(), " ",
+              dtype);
+  TORCH_CHECK(packed.dim() == 3 && packed.scalar_type() == at::kInt && packed.size(2) == kPanelCols &&
+              packed.size(1) * 4 == x.size(1) && packed.size(0) == panels_for(out_features, silu_and_mul),
+              "w8a8_linear: `packed` (", packed.sizes(), ") is not pack_w8a8_linear's layout of a (", out_features,
+              ", ", x.size(1), ") weight", silu_and_mul ? " with gate/up panels (silu_and_mul)" : "");
+  const int64_t scales = silu_and_mul ? packed.size(0) * kPanelCols : out_features;   // one per packed column
+  TORCH_CHECK(offset.scalar_type() == at::kInt && offset.numel() == packed.size(0) * kPanelCols,
+              "w8a8_linear: offset must be pack_w8a8_linear's int32 (", packed.size(0), ", ", kPanelCols, ")");
+  TORCH_CHECK(scale.numel() == scales && scale.scalar_type() == at::kFloat,
+              "w8a8_linear: scale must be fp32 (", scales, ",)");
+  check_silu_and_mul("w8a8_linear", silu_and_mul, bias);
+  TORCH_CHECK(!bias.has_value() || (bias->numel() == out_features && bias->scalar_type() == dtype),
+              "w8a8_linear: bias must be (", out_features, ",) in ", dtype);
+  const at::Tensor xc = x.contiguous(), off = offset.contiguous(), sc = scale.contiguous();
+  const at::Tensor b = bias.has_value() ? bias->contiguous() : at::Tensor();
+  at::Tensor y = at::empty({xc.size(0), out_features}, xc.options());
+#if defined(__AVX512VNNI__) && defined(__AVX512BF16__)
+  at::Tensor u = at::empty({xc.size(0), xc.size(1) / 4}, xc.options().dtype(at::kInt));   // 4 bytes a word
+  at::Tensor s = at::empty({xc.size(0)}, xc.options().dtype(at::kFloat));
+  const uint8_t* w = static_cast<const uint8_t*>(packed.data_ptr());
+  const int64_t panel_bytes = packed.size(1) * kPanelCols * 4;
+  if (dtype == at::kBFloat16) {
+    quantize_rows<at::BFloat16>(xc, static_cast<uint8_t*>(u.data_ptr()), s.data_ptr<float>());
+    const Format<at::BFloat16> f{kW8A8Tiles<at::BFloat16>, kW8A8Tiles<at::BFloat16>, kRowTile};
+    run_tiles<at::BFloat16>(u, w, panel_bytes, packed.size(0), f, false, sc.data_ptr<float>(), nullptr, 0,
+                            s.data_ptr<float>(), 1, b.defined() ? b.data_ptr<at::BFloat16>() : nullptr, silu_and_mul,
+                            y, off.data_ptr<int32_t>());
+  } else {
+    quantize_rows<float>(xc, static_cast<uint8_t*>(u.data_ptr()), s.data_ptr<float>());
+    const Format<float> f{kW8A8Tiles<float>, kW8A8Tiles<float>, kRowTile};
+    run_tiles<float>(u, w, panel_bytes, packed.size(0), f, false, sc.data_ptr<float>(), nullptr, 0,
+                     s.data_ptr<float>(), 1, b.defined() ? b.data_ptr<float>() : nullptr, silu_and_mul, y,
+                     off.data_ptr<int32_t>());
+  }
+#endif
+  return y;
+}
+
 at::Tensor packed_linear(const at::Tensor& x, const at::Tensor& packed, int64_t out_features,
                          const c10::optional<at::Tensor>& bias, bool silu_and_mul) {
   const at::ScalarType dtype = x.scalar_type();
@@ -512,8 +672,12 @@ TORCH_LIBRARY_FRAGMENT(minivllm_cpu, m) {
   m.def("pack_int4_linear(Tensor q, Tensor d, Tensor m) -> (Tensor, Tensor)");
   m.def("int4_linear(Tensor x, Tensor packed, Tensor dm, int out_features, Tensor? bias, "
         "bool silu_and_mul=False) -> Tensor");
+  m.def("pack_w8a8_linear(Tensor qweight) -> (Tensor, Tensor)");
+  m.def("w8a8_linear(Tensor x, Tensor packed, Tensor offset, Tensor scale, int out_features, Tensor? bias, "
+        "bool silu_and_mul=False) -> Tensor");
   m.def("fp32_linear_available", &fp32_linear_available);        // no tensor argument: catch-all kernels
   m.def("bf16_linear_available", &bf16_linear_available);
+  m.def("vnni_linear_available", &vnni_linear_available);
 }
 
 TORCH_LIBRARY_IMPL(minivllm_cpu, CPU, m) {
@@ -523,4 +687,6 @@ TORCH_LIBRARY_IMPL(minivllm_cpu, CPU, m) {
   m.impl("int8_linear", &int8_linear);
   m.impl("pack_int4_linear", &pack_int4_linear);
   m.impl("int4_linear", &int4_linear);
+  m.impl("pack_w8a8_linear", &pack_w8a8_linear);
+  m.impl("w8a8_linear", &w8a8_linear);
 }

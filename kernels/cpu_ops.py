@@ -12,6 +12,8 @@ dtype conversions they include, `cpu_dtype.h`), built on first use with the mach
     packed_linear            F.linear in fp32 or bf16 from a weight packed once (pack_linear); AVX-512 only
     int8_linear, int4_linear the same from weight-only int8 / int4 (pack_int8_linear, pack_int4_linear);
                              AVX-512 BF16 only
+    w8a8_linear              the same from int8 weights with x quantized to int8 per row (pack_w8a8_linear),
+                             integer dot products; AVX-512 VNNI and BF16 only
 
 `load()` compiles the sources once per machine with torch's cpp_extension (about 12 s here; cached under
 TORCH_EXTENSIONS_DIR, ~/.cache/torch_extensions by default) and registers `torch.ops.minivllm_cpu`.
@@ -215,4 +217,26 @@ def int4_linear(x: torch.Tensor, packed: torch.Tensor, dm: torch.Tensor, out_fea
     bf16, from pack_int4_linear(q, d, m). silu_and_mul: as in packed_linear, with q, d and m interleave_gate_up's."""
     shape = x.shape
     y = load().int4_linear(x.reshape(-1, shape[-1]), packed, dm, int(out_features), bias, silu_and_mul)
+    return y.view(*shape[:-1], out_features)
+
+
+def w8a8_linear_available() -> bool:
+    """Whether w8a8_linear runs in this build: the kernels load and the CPU has AVX-512 VNNI and BF16."""
+    return available() and bool(load().vnni_linear_available())
+
+
+def pack_w8a8_linear(qweight: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """qweight (out, in) int8, `in` a multiple of 4 -> (packed, offset) for w8a8_linear: packed (panels, in / 4,
+    48) int32 words, each 4 int8 along `in`; offset (panels, 48) int32, -128 times each column's sum of q."""
+    return load().pack_w8a8_linear(qweight)
+
+
+def w8a8_linear(x: torch.Tensor, packed: torch.Tensor, offset: torch.Tensor, scale: torch.Tensor,
+                out_features: int, bias: torch.Tensor | None = None, silu_and_mul: bool = False) -> torch.Tensor:
+    """x (..., in) fp32 or bf16 (`in` a multiple of 16) -> x8 @ (scale[:, None] * qweight).T + bias in x's dtype,
+    where x8 is x quantized per row to int8 (minivllm.model.quantization.quantize_activations), from
+    pack_w8a8_linear(qweight); scale (out,) fp32. silu_and_mul: as in packed_linear, with qweight and scale both
+    interleave_gate_up's."""
+    shape = x.shape
+    y = load().w8a8_linear(x.reshape(-1, shape[-1]), packed, offset, scale, int(out_features), bias, silu_and_mul)
     return y.view(*shape[:-1], out_features)
