@@ -556,6 +556,10 @@ at::Tensor int4_linear(const at::Tensor& x, const at::Tensor& packed, const at::
 // x (rows, in) fp32 or bf16, `in` a multiple of 16 -> u (rows, in) bytes: round(x / s) + 128 (to nearest even,
 // as torch.round), with s[r] = max(max_k |x[r][k]| / 127, 1e-12) (quantization.quantize_activations: the same
 // fp32 operations, so the same bytes). |x / s| <= 127, so u is 1..255.
+// Divisions with their rounding named: -ffast-math would turn a plain a / b into a times 1 / b, which rounds
+// differently now and then, and the bytes must be quantize_activations' own.
+constexpr int kNearest = _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC;
+
 template <typename T>
 void quantize_rows(const at::Tensor& x, uint8_t* u, float* s) {
   const int64_t in = x.size(1);
@@ -565,10 +569,12 @@ void quantize_rows(const at::Tensor& x, uint8_t* u, float* s) {
       const T* row = xs + r * in;
       __m512 amax = _mm512_setzero_ps();
       for (int64_t k = 0; k < in; k += 16) amax = _mm512_max_ps(amax, _mm512_abs_ps(minivllm_cpu::load16(row + k)));
-      s[r] = std::max(_mm512_reduce_max_ps(amax) / 127.0f, 1e-12f);
+      const __m128 scale = _mm_div_round_ss(_mm_set_ss(_mm512_reduce_max_ps(amax)), _mm_set_ss(127.0f), kNearest);
+      s[r] = std::max(_mm_cvtss_f32(scale), 1e-12f);
       const __m512 sr = _mm512_set1_ps(s[r]);
       for (int64_t k = 0; k < in; k += 16) {
-        const __m512i q = _mm512_cvtps_epi32(_mm512_div_ps(minivllm_cpu::load16(row + k), sr));   // nearest even
+        const __m512 v = _mm512_div_round_ps(minivllm_cpu::load16(row + k), sr, kNearest);
+        const __m512i q = _mm512_cvt_roundps_epi32(v, kNearest);
         _mm_storeu_si128(reinterpret_cast<__m128i*>(u + r * in + k),
                          _mm512_cvtepi32_epi8(_mm512_add_epi32(q, _mm512_set1_epi32(128))));
       }

@@ -38,9 +38,11 @@ class EngineConfig:
         "auto", "weight and KV cache dtype; auto: float32 on a CPU, the checkpoint's dtype on a GPU "
         "(bfloat16 if the checkpoint is float32)", ("auto", "float32", "float16", "bfloat16"))
     quantization: str | None = option(
-        None, "CPU: weight-only quantization of the linear layers and LM head (model/quantization.py): int8 "
+        None, "CPU: quantization of the linear layers and LM head (model/quantization.py). Weight-only: int8 "
         "(per channel), int4 (groups of 32), gguf (int4 from a Q4_1-derived checkpoint's own blocks, such as the "
-        "embedded default model's); faster at small batches, slower at 32 rows", ("int8", "int4", "gguf"))
+        "embedded default model's), faster at small batches; w8a8_int8: int8 weights and int8 activations per "
+        "token (integer dot products, AVX-512 VNNI), faster at large batches and in prefill, at some quality",
+        ("int8", "int4", "gguf", "w8a8_int8"))
     kv_cache_dtype: str = option(
         "auto", "KV cache dtype; auto: the model's dtype; fp8 (alias fp8_e4m3): e4m3 with a per-layer scale for K "
         "and one for V, calibrated at load (half of bf16's KV bytes, a quarter of fp32's)",

@@ -1,10 +1,17 @@
-"""Weight-only quantization of the linear layers on a CPU: `quantization="int8" | "int4" | "gguf"`.
+"""Quantization of the linear layers on a CPU: weight-only `quantization="int8" | "int4" | "gguf"`, and
+`"w8a8_int8"`, int8 weights times int8 activations.
 
 Owns: turning each linear layer's (out, in) weight, once after loading, into fewer bytes, and the matmul
 that reads them (`quant_method.apply(layer, x, bias)`, vLLM's name for the per-layer method object).
 
     int8   per output channel, symmetric:   w[n, :] ~ scale[n] * q[n, :],             q in [-128, 127]
     int4   per group of 32 inputs, with a minimum:  w[n, g] ~ d[n, g] * q + m[n, g],  q in [0, 15]
+    w8a8_int8  int8's weights, and each row of x (a token) quantized as it arrives, symmetric:
+               x[r, :] ~ s[r] * qx[r, :], s[r] = max|x[r, :]| / 127 (quantize_activations); the products are
+               integer (AVX-512 VNNI's vpdpbusd, 64 multiply-adds an instruction, twice bf16's), so a matmul bound by
+               arithmetic (a decode step at batch 32, a prefill) runs up to twice as fast; the rounding of x costs
+               quality (perplexities below). vLLM's W8A8 int8 scheme with dynamic per-token activation scales
+               (compressed-tensors), made from a full checkpoint at load; SGLang names the option w8a8_int8.
     gguf   int4 whose groups *are* the checkpoint's own: the embedded default model was shipped as a Q4_1
            GGUF (exactly the int4 format above: d and m per 32 weights) and dequantized to fp32 once, so its
            Q4_1 blocks come back exactly from the fp32 weights. A checkpoint whose weights are not Q4_1
@@ -37,7 +44,7 @@ import torch
 from minivllm.model import cpu_gemm
 from minivllm.model._kernels import kernels
 
-METHODS = ("int8", "int4", "gguf")
+METHODS = ("int8", "int4", "gguf", "w8a8_int8")
 GROUP_SIZE = 32            # int4 / Q4_1: weights per (scale, minimum) pair along the input dimension
 ACT_DTYPE = torch.bfloat16
 
@@ -130,6 +137,61 @@ class Int4WeightOnlyMethod:
         return y if bias is None else y + bias
 
 
+def quantize_activations(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """x (rows, in) -> q (rows, in) int8 and s (rows,) fp32 with x ~ s[:, None] * q: per row, symmetric, from this
+    x (dynamic). s = max(max|x| / 127, 1e-12), q = round(x / s) to nearest even, in fp32: the same operations as
+    w8a8_linear's quantize_rows (cpu_gemm.cpp), so the same bytes (it stores q + 128)."""
+    xf = x.float()
+    s = (xf.abs().amax(dim=-1) / 127).clamp(min=1e-12)
+    return torch.round(xf / s[..., None]).to(torch.int8), s
+
+
+class W8A8Int8Method:
+    """int8 weights per output channel (Int8WeightOnlyMethod.quantize) and int8 activations per row; the products
+    and their sums are exact integers, so y = s[r] * scale[n] * sum_k qx[r, k] q[n, k] rounds only in the end."""
+
+    name = "w8a8_int8"
+    MULTIPLE = 16              # `in` a multiple of 16: the kernel quantizes x 16 lanes at a time
+
+    def process_weights_after_loading(self, layer: torch.nn.Module) -> None:
+        in_features = layer.weight.shape[1]
+        if in_features % self.MULTIPLE:
+            raise ValueError(f"quantization='w8a8_int8' needs in_features divisible by {self.MULTIPLE}; a layer has "
+                             f"{in_features}. Use quantization='int8' for this model.")
+        q, scale = Int8WeightOnlyMethod.quantize(layer.weight.detach().float())
+        if own_w8a8_kernel():
+            if getattr(layer, "packed_silu_and_mul", False):              # gate/up panels (quantize_linear_weights)
+                q, scale = kernels.cpu_ops.interleave_gate_up(q), kernels.cpu_ops.interleave_gate_up(scale)
+            # (panels, in / 4, 48) int32: 4 int8 along `in`; (panels, 48) int32: -128 sum_k q per column
+            layer.qweight, layer.qoffset = kernels.cpu_ops.pack_w8a8_linear(q)
+        else:
+            layer.qweight = q.t().contiguous()                            # (in, out) for torch._int_mm
+            layer.packed_silu_and_mul = False
+        layer.qscale = scale                                              # fp32, one per (packed) column
+
+    def apply(self, layer: torch.nn.Module, x: torch.Tensor, bias: torch.Tensor | None,
+              silu_and_mul: bool = False) -> torch.Tensor:
+        """y = x @ w.T + bias with x rounded per row to int8; silu_and_mul (gate/up panels): silu(gate) * up."""
+        shape = x.shape
+        x2 = x.reshape(-1, shape[-1])
+        if layer.qweight.dim() == 3:                                      # packed for w8a8_linear
+            out = layer.out_sizes[0] if silu_and_mul else layer.qscale.numel()
+            xin = x2 if x2.dtype in (torch.float32, torch.bfloat16) else x2.float()
+            y = kernels.cpu_ops.w8a8_linear(xin, layer.qweight, layer.qoffset, layer.qscale, out, None, silu_and_mul)
+        else:                                                             # PyTorch: the same integers, int32 sums
+            qx, s = quantize_activations(x2)
+            y = torch._int_mm(qx, layer.qweight).float() * s[:, None] * layer.qscale
+        y = y.to(x.dtype).view(*shape[:-1], y.shape[-1])
+        return y if bias is None else y + bias
+
+
+def own_w8a8_kernel() -> bool:
+    """w8a8_int8 layers go to minivllm's kernel (cpu_gemm.cpp's w8a8_linear) where the CPU has AVX-512 VNNI and
+    BF16 and MINIVLLM_CPU_OWN_GEMM is not 0; elsewhere to torch._int_mm (int8 x int8 -> int32) after
+    quantize_activations."""
+    return cpu_gemm.own_gemm(torch.bfloat16) and kernels.cpu_ops.w8a8_linear_available()
+
+
 class GGUFQ4_1Method(Int4WeightOnlyMethod):
     """int4 that must reproduce the weights exactly (up to fp32 rounding): the checkpoint's own Q4_1 blocks."""
 
@@ -159,7 +221,8 @@ def dequantize(layer: torch.nn.Module) -> torch.Tensor:
 
 
 def get_quant_method(name: str):
-    methods = {"int8": Int8WeightOnlyMethod, "int4": Int4WeightOnlyMethod, "gguf": GGUFQ4_1Method}
+    methods = {"int8": Int8WeightOnlyMethod, "int4": Int4WeightOnlyMethod, "gguf": GGUFQ4_1Method,
+               "w8a8_int8": W8A8Int8Method}
     if name not in methods:
         raise ValueError(f"quantization is {name!r}; choose one of {', '.join(METHODS)} or leave it unset.")
     return methods[name]()
@@ -182,7 +245,11 @@ def quantize_linear_weights(model: torch.nn.Module, name: str, device: torch.dev
         if isinstance(module, (ColumnParallelLinear, RowParallelLinear, ParallelLMHead)):
             # gguf: the default model's GGUF stores its embedding (= the LM head) in an 8-bit format, not Q4_1
             this = Int8WeightOnlyMethod() if name == "gguf" and isinstance(module, ParallelLMHead) else method
-            module.packed_silu_and_mul = dtype == ACT_DTYPE and cpu_gemm.fuse_silu_and_mul(module, ACT_DTYPE)
+            if isinstance(this, W8A8Int8Method):        # its kernel answers in the model's dtype, fp32 or bf16
+                module.packed_silu_and_mul = (dtype in (torch.float32, ACT_DTYPE) and own_w8a8_kernel()
+                                              and cpu_gemm.fuse_silu_and_mul(module, ACT_DTYPE))
+            else:
+                module.packed_silu_and_mul = dtype == ACT_DTYPE and cpu_gemm.fuse_silu_and_mul(module, ACT_DTYPE)
             this.process_weights_after_loading(module)
             module.quant_method = this
             module.in_features = module.weight.shape[1]
