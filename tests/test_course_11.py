@@ -72,3 +72,38 @@ def test_plan_ahead_empty_answer_is_told_to_write_code():
 def test_plan_ahead_wrong_answers_are_rejected_with_the_case():
     rejects(no_placeholder, PLAN, r"a chunk of 6 in flight: it samples, 1 left: expected \(10, 1\), got \(10, 0\)")
     rejects(ignores_in_flight, PLAN, r"a chunk of 6 in flight: it samples, 1 left: expected \(10, 1\), got \(4, 6\)")
+
+
+# ---------------------------------------------------------------------- 11.quantize_activations (W8A8)
+QUANT = "11.quantize_activations"
+
+
+def half_away_from_zero(x):
+    """Rounds ties away from zero (C's round): 2.5 -> 3, where torch.round and the kernel give 2."""
+    import torch
+    xf = x.float()
+    s = (xf.abs().amax(dim=-1) / 127).clamp(min=1e-12)
+    v = xf / s[:, None]
+    return (torch.sign(v) * torch.floor(v.abs() + 0.5)).to(torch.int8), s
+
+
+def one_scale_for_all(x):
+    """One scale for the whole batch: a quiet row would lose its precision to a loud one."""
+    import torch
+    xf = x.float()
+    s = (xf.abs().amax() / 127).clamp(min=1e-12).expand(x.shape[0]).contiguous()
+    return torch.round(xf / s[:, None]).to(torch.int8), s
+
+
+def test_quantize_activations_solution_passes():
+    passes(QUANT)
+
+
+def test_quantize_activations_empty_answer_is_told_to_write_code():
+    rejects(empty, QUANT, "not written yet")
+
+
+def test_quantize_activations_wrong_answers_are_rejected_with_the_case():
+    rejects(half_away_from_zero, QUANT, r"ties go to the even integer, as torch.round: expected \[127, 2, -4, 0, 2, 0, "
+                                        r"0, 126\], got \[127, 3, -4, 1, 2, -1, 0, 127\]")
+    rejects(one_scale_for_all, QUANT, r"a row of its own scale \(max \|x\| = 2\): expected \[-127, 64, 16")

@@ -158,3 +158,64 @@ def check_plan_ahead(fn):
     expect_equal(tokens, e["sync_tokens"], "the greedy tokens of 4 requests scheduled ahead with your plan")
     yield (f"inside an async engine: {sum(placeholders)} decodes read a token still on the device, "
            f"the synchronous engine's tokens")
+
+
+# ---------------------------------------------------------------------- 11.quantize_activations (W8A8)
+def _quantized(fn, x, what):
+    got = fn(x.clone())
+    if not (isinstance(got, tuple) and len(got) == 2):
+        raise ExerciseFailed(f"{what}: expected a tuple (q, s), got {type(got).__name__}")
+    q, s = got
+    expect_equal((q.dtype, tuple(q.shape), s.dtype, tuple(s.shape)),
+                 (torch.int8, tuple(x.shape), torch.float32, (x.shape[0],)), f"{what}: (q dtype, q shape, s dtype, s shape)")
+    return q, s
+
+
+def _w8a8_tokens(prompts, params):
+    from minivllm import LLM
+    llm = LLM(device="cpu", dtype="float32", quantization="w8a8_int8", num_kv_blocks=64, seed=0)
+    return [o.outputs[0].token_ids for o in llm.generate(prompts, params, use_tqdm=False)]
+
+
+def check_quantize_activations(fn):
+    x = torch.tensor([[127.0, 2.5, -3.5, 0.5, 1.5, -0.5, 0.0, 126.5],
+                      [-2.0, 1.0, 0.25, 0.0, 0.0, 0.0, 0.0, 0.0]])
+    q, s = _quantized(fn, x, "two hand-made rows")
+    expect_equal(q[0].tolist(), [127, 2, -4, 0, 2, 0, 0, 126],
+                 "a row with max |x| = 127 (s = 1): ties go to the even integer, as torch.round")
+    expect_equal(q[1].tolist(), [-127, 64, 16, 0, 0, 0, 0, 0], "a row of its own scale (max |x| = 2)")
+    expect_equal(s.tolist(), [1.0, float(torch.tensor(2.0) / 127)], "the scales, one per row: max|x| / 127")
+    q, s = _quantized(fn, torch.zeros(1, 16), "a row of zeros")
+    expect_equal((q.tolist(), float(s[0])), ([[0] * 16], float(torch.tensor(1e-12))),
+                 "a row of zeros: q all 0, s the floor 1e-12 (no division by zero)")
+    yield "per row, round half to even, and a floor under the scale"
+
+    from minivllm.model.quantization import quantize_activations
+    g = torch.Generator().manual_seed(0)
+    for i in range(100):
+        rows, cols = int(torch.randint(1, 40, (1,), generator=g)), 16 * int(torch.randint(1, 40, (1,), generator=g))
+        x = torch.randn(rows, cols, generator=g) * 10 ** float(torch.empty(1).uniform_(-3, 3, generator=g))
+        if i % 2:
+            x = x.bfloat16()
+        q, s = _quantized(fn, x, f"random case {i}")
+        want_q, want_s = quantize_activations(x)
+        if not (torch.equal(q, want_q) and torch.equal(s, want_s)):
+            bad = (q != want_q).nonzero()[:3].tolist()
+            raise ExerciseFailed(f"random case {i} ({x.dtype}, {rows} x {cols}): q or s differ from minivllm's "
+                                 f"quantize_activations (q at {bad}; s equal: {torch.equal(s, want_s)})")
+    yield "100 random matrices (fp32 and bf16) give minivllm's bytes and scales exactly"
+
+    from minivllm import SamplingParams
+    from minivllm.model import quantization
+    prompts = [{"prompt_token_ids": [100 + i] * (8 + 4 * i)} for i in range(4)]
+    params = SamplingParams(temperature=0, max_tokens=8, ignore_eos=True)
+    real_fn, real_own = quantization.quantize_activations, quantization.own_w8a8_kernel
+    quantization.own_w8a8_kernel = lambda: False              # the torch._int_mm path, which calls the rounding
+    try:
+        want = _w8a8_tokens(prompts, params)
+        quantization.quantize_activations = lambda x: fn(x)
+        got = _w8a8_tokens(prompts, params)
+    finally:
+        quantization.quantize_activations, quantization.own_w8a8_kernel = real_fn, real_own
+    expect_equal(got, want, "greedy tokens of 4 requests with every linear layer rounding x with your function")
+    yield "inside the engine (quantization='w8a8_int8' on torch._int_mm): minivllm's tokens"

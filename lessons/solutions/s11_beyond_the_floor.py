@@ -23,3 +23,12 @@ def plan_ahead(num_tokens, num_computed_tokens, num_in_flight):
     start = num_computed_tokens + num_in_flight
     placeholder = 1 if num_in_flight > 0 and start >= num_tokens else 0
     return start, num_tokens + placeholder - start
+
+
+def quantize_activations(x):
+    """W8A8: each row of x (a token) rounded to int8 with its own scale. s = max(max|x| / 127, 1e-12) per row, in
+    fp32; q = round(x / s), ties to the even integer (torch.round). Returns (q int8 (rows, in), s fp32 (rows,))."""
+    import torch
+    xf = x.float()
+    s = (xf.abs().amax(dim=-1) / 127).clamp(min=1e-12)
+    return torch.round(xf / s[:, None]).to(torch.int8), s
