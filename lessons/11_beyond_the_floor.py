@@ -24,8 +24,9 @@
 #    kernels from Python (`minivllm/worker/cuda_graph.py`), rehearsed on a CPU: capture sizes, static buffers
 #    and padding rows. You write the padding yourself and run the engine's decode steps through it.
 # 2. **What moved a CPU decode step, and what did not**: ideas tried inside the engine, and the ones that
-#    stayed (oneDNN's prepacked layout, bf16, weight-only int8/int4: `minivllm/model/cpu_gemm.py`,
-#    `minivllm/model/quantization.py`), measured here on the model's own matmuls.
+#    stayed (oneDNN's prepacked layout, bf16, weight-only int8/int4, and int8 activations with integer dot
+#    products: `minivllm/model/cpu_gemm.py`, `minivllm/model/quantization.py`), measured here on the model's
+#    own matmuls. You write the rounding of a token's activations to int8, and the engine runs with it.
 # 3. **Below the engine**: the memory allocator every op goes through (tcmalloc: `minivllm/platforms/cpu.py`),
 #    and why a fresh 60 MB output costs more than its math.
 # 4. **Decode attention in C++** (`kernels/cpu_attention.cpp`): the same bytes as the gather, read once and in
@@ -274,8 +275,10 @@ for rows in (1, 32):
     if not cpu_gemm.packable(torch.bfloat16):
         results[("F.linear bf16", rows)] = step_time(lambda l, x: F.linear(x, w16[id(l)]), rows, torch.bfloat16)
 kernel = "minivllm's kernel" if quantization.own_quantized_kernels() else "PyTorch's kernel"
+w8a8_kernel = "minivllm's kernel" if quantization.own_w8a8_kernel() else "torch._int_mm"
 for name, method in ((f"int8 ({kernel})", quantization.Int8WeightOnlyMethod()),
-                     (f"int4 ({kernel})", quantization.Int4WeightOnlyMethod())):
+                     (f"int4 ({kernel})", quantization.Int4WeightOnlyMethod()),
+                     (f"w8a8_int8 ({w8a8_kernel})", quantization.W8A8Int8Method())):
     qlayers = []
     for l in layers:
         q = ColumnParallelLinear(l.weight.shape[1], l.weight.shape[0], False, TPGroup())
@@ -326,6 +329,22 @@ for name in dict.fromkeys(k[0] for k in results):
 # it, so there int8 at one row is slower than bf16, and int4 (a quarter of the bytes, and one table lookup for
 # 32 weights) about equal.
 #
+# **Rounding the activations too (W8A8).** At 32 rows the tiles above are bound by arithmetic, not bytes: every
+# weight format does bf16's `vdpbf16ps` work, 32 multiply-adds an instruction, so reading fewer bytes cannot make
+# them faster there (int8 equals bf16 at 32 rows, int4 trails it). AVX-512 VNNI has an integer instruction
+# with twice the work: `vpdpbusd` multiplies 4 unsigned bytes by 4 signed bytes and adds the four products into
+# a 32-bit lane, 64 multiply-adds, at the same one a cycle on these cores (a register-only loop: 920 G against
+# bf16's 459 G multiply-adds x 2 a second on two cores). To use it, x must be integers too:
+# `quantization="w8a8_int8"` rounds each row of x (one token) to int8 with its own scale s = max|x| / 127 as it
+# reaches the layer, vLLM's W8A8 scheme with dynamic per-token scales. The products and sums are then exact
+# integers, and only the end rounds: y = s[r] scale[n] sum_k qx[r][k] q[n][k]. (`vpdpbusd` wants one side
+# unsigned, so the kernel feeds qx + 128 and subtracts 128 sum_k q[n][k], stored with the weight, at the end.)
+# On the 2-core Zen 4 of 2026-11-27 a bf16 model's decode step at batch 32 went from 34.5 ms (bf16) to 25.3 ms,
+# its 4,096-token prefill from 2.5-2.7 s to 1.5 s, and an fp32 model's decode step at 32 from 59-67 to 30-35 ms.
+# The price is quality, since x now carries 8 bits: this README's perplexity went from 45.81 (fp32) to 49.04,
+# against int8's 46.16 and int4's 47.67. One scale per group of 32 inputs instead of per row (llama.cpp's Q8
+# activations) measured 46.49, at the cost of converting and scaling every group's sums.
+#
 # **The activation in the matmul's epilogue.** The MLP's gate/up matmul writes (rows, 2 x intermediate) values
 # that exist only to be read once by SiLU-and-mul, which writes half as many: in a 4,096-token bf16 prefill,
 # 25 MB out and back in for every layer. A tile already holds its outputs in registers when it finishes, so it
@@ -357,6 +376,49 @@ if cpu_gemm.own_gemm(torch.float32):
     fused = ops.packed_linear(x, ops.pack_linear(ops.interleave_gate_up(gate_up)), n, silu_and_mul=True)
     assert torch.equal(fused, separate)
     print("SiLU in the gate/up matmul == matmul, then SiLU-and-mul (bit for bit)")
+
+# %% [markdown]
+# ### Exercise: round each token's activations to int8
+#
+# The heart of W8A8 is the rounding of x, done afresh for every row of every layer. Write
+# `quantize_activations(x)`: x (rows, in), fp32 or bf16, to `(q, s)` with q (rows, in) int8 and s (rows,) fp32,
+# such that x ~ s[:, None] * q, per row:
+#
+# - s = max|x[r]| / 127 in fp32, but never below 1e-12 (a row of zeros must not divide by zero);
+# - q = x / s rounded to the nearest integer, ties to the even one (`torch.round`; C's `round` goes away from zero).
+#
+# The check runs hand-made rows (ties, a row of zeros, two rows of different scales), 100 random matrices
+# against minivllm's bytes, and then the engine: with `quantization="w8a8_int8"` on its PyTorch path
+# (`torch._int_mm`), every linear layer rounds x with your function, and the greedy tokens must be minivllm's.
+# The C++ kernel must make the same bytes too, which is why it spells its divisions with a named rounding
+# (`_mm512_div_round_ps`): built with `-ffast-math`, a plain `x / s` became `x * (1 / s)`, which rounds
+# differently now and then.
+
+# %%
+@exercise("11.quantize_activations")
+def quantize_activations(x):
+    # your code here
+    raise NotImplementedError
+
+
+check(quantize_activations)
+
+# %% [markdown]
+# The kernel on the model's own shapes, against the integer math written out with your rounding: the products
+# and sums are exact, so the only difference is the final fp32 scaling.
+
+# %%
+if quantization.own_w8a8_kernel():
+    w = layers[3].weight                                                   # down: (hidden, intermediate)
+    qw, scale = quantization.Int8WeightOnlyMethod.quantize(w)
+    x = torch.randn(32, w.shape[1])
+    y = kernels.cpu_ops.w8a8_linear(x, *kernels.cpu_ops.pack_w8a8_linear(qw), scale, w.shape[0])
+    qx, s = quantize_activations(x)
+    exact = (qx.long() @ qw.long().t()).double() * s.double()[:, None] * scale.double()
+    assert torch.allclose(y.double(), exact, rtol=1e-6, atol=1e-6)
+    print("w8a8_linear == s * scale * (integer sums), to fp32 rounding;",
+          f"x rounded costs {float((F.linear(x, w) - y).abs().mean() / F.linear(x, w).abs().mean()):.3%} "
+          "of the output (mean relative)")
 
 # %% [markdown]
 # ## 4. Below the engine: the memory allocator
@@ -767,6 +829,9 @@ def self_check():
     # 3. the packed matmul is F.linear to fp32 rounding, and every method was timed at 1 and 32 rows
     assert all(results[(name, rows)] > 0 for name in dict.fromkeys(k[0] for k in results) for rows in (1, 32))
     assert engine.kv_cache_manager.num_free_blocks == engine.kv_cache_manager.num_blocks
+    # 3b. W8A8: your rounding is minivllm's, per row
+    q, s = quantize_activations(torch.tensor([[127.0, 2.5, -3.5], [1.0, 0.0, 0.5]]))
+    assert q.tolist() == [[127, 2, -4], [127, 0, 64]] and s.shape == (2,)
     # 4. both SiLU loops were timed, and the runtime report names a malloc and an OpenMP
     assert fresh_ms > 0 and reused_ms > 0 and set(cpu_runtime.loaded_runtime()) == {"malloc", "openmp"}
     # 5. the C++ decode kernel (where it builds) equals the reference, and both were timed
