@@ -333,8 +333,8 @@ for name in dict.fromkeys(k[0] for k in results):
 # weight format does bf16's `vdpbf16ps` work, 32 multiply-adds an instruction, so reading fewer bytes cannot make
 # them faster there (int8 equals bf16 at 32 rows, int4 trails it). AVX-512 VNNI has an integer instruction
 # with twice the work: `vpdpbusd` multiplies 4 unsigned bytes by 4 signed bytes and adds the four products into
-# a 32-bit lane, 64 multiply-adds, at the same one a cycle on these cores (a register-only loop: 920 G against
-# bf16's 459 G multiply-adds x 2 a second on two cores). To use it, x must be integers too:
+# a 32-bit lane, 64 multiply-adds, at the same one a cycle on these cores (a register-only loop on two cores:
+# 920 G integer operations a second against bf16's 459 G flops). To use it, x must be integers too:
 # `quantization="w8a8_int8"` rounds each row of x (one token) to int8 with its own scale s = max|x| / 127 as it
 # reaches the layer, vLLM's W8A8 scheme with dynamic per-token scales. The products and sums are then exact
 # integers, and only the end rounds: y = s[r] scale[n] sum_k qx[r][k] q[n][k]. (`vpdpbusd` wants one side
@@ -852,4 +852,4 @@ self_check()
 # On a GPU, `python -m minivllm.bench` prints how many decode steps were replayed from CUDA graphs; run it again
 # with `--enforce-eager` to see what they are worth, and with `--async-scheduling` to see what hiding the host's
 # work behind the GPU's is worth. On a CPU, `python -m minivllm.bench --dtype bfloat16` and
-# `--quantization int8` show the last section's matmuls inside whole runs.
+# `--quantization int8` or `--quantization w8a8_int8` show the last section's matmuls inside whole runs.

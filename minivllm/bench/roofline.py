@@ -188,6 +188,10 @@ def print_hardware(hw: dict | None, mv: ThroughputResult, hf: ThroughputResult |
     roof = hw["roofline_output_tokens_per_s"]
     print(f"roofline of the run:  {roof:.1f} output tokens/s (each of its {hw['num_steps']} steps at max(FLOPs / "
           f"matmul rate, bytes / bandwidth)); minivllm at {tps / roof:.0%}")
+    if hw.get("quantization"):
+        print(f"ceilings:             those of the {hw['dtype']} model without quantization (its matmul rate and "
+              f"weight bytes): {hw['quantization']} reads fewer bytes, and w8a8_int8 multiplies integers at up to "
+              "twice bf16's rate, so its floors are lower")
     d = hw["decode"]
     if d is not None:
         print(f"decode steps:         batch {d['batch']}: median {d['median_step_s'] * 1000:.1f} ms vs a memory "
