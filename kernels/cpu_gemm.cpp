@@ -9,11 +9,13 @@
 //   pack_int4_linear(q, d, m) -> (packed, dm), int4_linear(x, packed, dm, out, bias)    int4, groups of 32
 //   pack_w8a8_linear(q) -> (packed, offset), w8a8_linear(x, packed, offset, scale, out, bias)    int8 weights
 //                                      and int8 activations, integer dot products (vpdpbusd; see below)
+//   pack_w4a8_linear(q, d, m) -> (packed, dm), w4a8_linear(x, packed, dm, out, bias)    int4 weights (groups
+//                                      of 32 with a minimum) and int8 activations in groups of 32 (see below)
 //   silu_and_mul=True (all three)      a gated MLP's gate/up weight packed from interleave_gate_up (cpu_ops.py):
 //                                      y = silu(x gate^T) * (x up^T), (rows, out_features = n), in the epilogue
 //   fp32_linear_available()            whether this build has the fp32 kernel (the CPU has AVX-512F)
 //   bf16_linear_available()            whether it has the bf16, int8 and int4 ones (AVX-512 BF16)
-//   vnni_linear_available()            whether it has the w8a8 one (AVX-512 VNNI and BF16)
+//   vnni_linear_available()            whether it has the w8a8 and w4a8 ones (AVX-512 VNNI and BF16)
 //
 // Why: a decode step multiplies a few rows (the batch) by every weight of the model, and those weights stream
 // from memory every step (the default model's 538 MB in fp32, 269 MB in bf16, against this CPU's 32 MB of L3).
@@ -186,6 +188,38 @@ std::tuple<at::Tensor, at::Tensor> pack_w8a8_linear(const at::Tensor& qweight) {
   at::Tensor offset = at::zeros({num_panels(out) * kPanelCols}, q.options().dtype(at::kInt));
   offset.narrow(0, 0, out).copy_(q.to(at::kInt).sum(1).mul(-128));
   return {packed, offset.view({num_panels(out), kPanelCols})};
+}
+
+// W4A8 (quantization="w4a8_int8"): int4's weights (w = d q + m per group of 32 along `in`, q in 0..15) times x
+// rounded to int8 in groups of 32 too, each with its own scale (llama.cpp's Q4_1 times Q8_1):
+//   x[r][k] = s[r][g] qx[r][k]        qx in [-127, 127], s[r][g] = max over the group |x| / 127
+//   y[r][n] = sum_g s[r][g] (d[n][g] sum_{k in g} q[n][k] qx[r][k] + m[n][g] sum_{k in g} qx[r][k])
+// q is unsigned and qx signed, exactly vpdpbusd's operands, so the group's dot product is exact in int32 with no
+// offset; each group then costs a conversion, a product d s and two FMAs per 16 lanes, against 8 vpdpbusd.
+// q (out, in) uint8 0..15, `in` a multiple of 32; d, m (out, in / 32) fp32 ->
+//   packed (panels, in / 8, 192) uint8: chunk j holds word rows 2j (low nibbles) and 2j + 1 (high nibbles), a
+//          word row being 48 columns x 4 consecutive k (192 bytes, vpdpbusd's layout), so that one AND and one
+//          shift make two registers of unsigned bytes;
+//   dm (panels, in / 32, 2, 48) fp32: each group's d then m for the panel's columns (as pack_int4_linear's).
+std::tuple<at::Tensor, at::Tensor> pack_w4a8_linear(const at::Tensor& q, const at::Tensor& d, const at::Tensor& m) {
+  TORCH_CHECK(q.dim() == 2 && q.scalar_type() == at::kByte && q.size(1) % kInt4Group == 0,
+              "pack_w4a8_linear: a uint8 (out, in) weight of values 0..15 with `in` a multiple of ", kInt4Group,
+              " expected, got ", q.sizes(), " ", q.scalar_type());
+  TORCH_CHECK(q.numel() == 0 || q.max().item<uint8_t>() <= 15, "pack_w4a8_linear: values must be 0..15");
+  const int64_t out = q.size(0), words = q.size(1) / 4, groups = q.size(1) / kInt4Group;
+  for (const at::Tensor* t : {&d, &m})
+    TORCH_CHECK(t->scalar_type() == at::kFloat && t->dim() == 2 && t->size(0) == out && t->size(1) == groups,
+                "pack_w4a8_linear: d and m must be fp32 (", out, ", ", groups, "), got ", t->sizes());
+  // word rows as pack_w8a8_linear lays them out: (panels, words, 48) words of 4 bytes
+  at::Tensor rows = at::zeros({num_panels(out), words, kPanelCols * 4}, q.options());
+  const at::Tensor qc = q.contiguous();
+  to_panels(static_cast<const uint32_t*>(qc.data_ptr()), out, words, static_cast<uint32_t*>(rows.data_ptr()));
+  const at::Tensor pairs = rows.view({num_panels(out), words / 2, 2, kPanelCols * 4});
+  at::Tensor packed = at::bitwise_or(pairs.select(2, 0), at::bitwise_left_shift(pairs.select(2, 1), 4)).contiguous();
+  const at::Tensor both = at::stack({d, m}, 2).contiguous();
+  at::Tensor dm = at::zeros({num_panels(out), groups, 2, kPanelCols}, d.options());
+  to_panels(both.data_ptr<float>(), out, groups * 2, dm.data_ptr<float>());
+  return {packed, dm};
 }
 
 #if defined(__AVX512F__)
@@ -423,6 +457,60 @@ void w8a8_tile(const uint32_t* x, int64_t words, const Panel& panel, const float
 
 #endif
 
+#if defined(__AVX512VNNI__) && defined(__AVX512BF16__)
+// w4a8: for each group g, part[r][c] = sum over its 8 word rows of vpdpbusd(q word (k, c): 4 unsigned bytes,
+// x word (r, k): 4 signed bytes), exact in int32; then acc += d[g][c] s[r][g] part + m[g][c] (s sum qx)[r][g].
+// x_sm: (R, groups, 2) per row: s and s times the sum of qx, of each group.
+template <int R, typename T>
+void w4a8_tile(const uint32_t* x, int64_t words, const Panel& panel, const float* x_sm, const T* bias, T* y,
+               int64_t ldy) {
+  const int64_t groups = words / (kInt4Group / 4);
+  const uint8_t* chunks = static_cast<const uint8_t*>(panel.rows);
+  const __m512i low = _mm512_set1_epi8(0x0F);
+  __m512 acc[R][3];
+#pragma GCC unroll 4
+  for (int r = 0; r < R; ++r)
+    for (int c = 0; c < 3; ++c) acc[r][c] = _mm512_setzero_ps();
+  for (int64_t g = 0; g < groups; ++g) {
+    __m512 part[R][3];                                             // int32 lanes (dot_add_u8s8)
+#pragma GCC unroll 4
+    for (int r = 0; r < R; ++r)
+      for (int c = 0; c < 3; ++c) part[r][c] = _mm512_setzero_ps();
+    for (int64_t j = 4 * g; j < 4 * g + 4; ++j) {                  // a chunk: word rows 2j and 2j + 1
+      const uint8_t* chunk = chunks + j * 4 * kPanelCols;
+      _mm_prefetch(reinterpret_cast<const char*>(chunk + kPrefetchAhead * 4 * kPanelCols), _MM_HINT_T0);
+      _mm_prefetch(reinterpret_cast<const char*>(chunk + kPrefetchAhead * 4 * kPanelCols + 64), _MM_HINT_T0);
+      _mm_prefetch(reinterpret_cast<const char*>(chunk + kPrefetchAhead * 4 * kPanelCols + 128), _MM_HINT_T0);
+      if (panel.next != nullptr) _mm_prefetch(panel.next + 64 * j, _MM_HINT_T1);
+      __m512i lo[3], hi[3];
+      for (int c = 0; c < 3; ++c) {
+        const __m512i v = _mm512_loadu_si512(chunk + 64 * c);
+        lo[c] = _mm512_and_si512(v, low);
+        hi[c] = _mm512_and_si512(_mm512_srli_epi16(v, 4), low);
+      }
+#pragma GCC unroll 4
+      for (int r = 0; r < R; ++r) {
+        const __m512i x0 = _mm512_set1_epi32(static_cast<int>(x[r * words + 2 * j]));
+        const __m512i x1 = _mm512_set1_epi32(static_cast<int>(x[r * words + 2 * j + 1]));
+        for (int c = 0; c < 3; ++c) part[r][c] = dot_add_u8s8(dot_add_u8s8(part[r][c], lo[c], x0), hi[c], x1);
+      }
+    }
+    const float* dm = panel.dm + g * 2 * kPanelCols;
+    for (int c = 0; c < 3; ++c) {
+      const __m512 dc = _mm512_loadu_ps(dm + 16 * c), mc = _mm512_loadu_ps(dm + kPanelCols + 16 * c);
+#pragma GCC unroll 4
+      for (int r = 0; r < R; ++r) {
+        const float* sm = x_sm + (r * groups + g) * 2;
+        const __m512 dot = _mm512_cvtepi32_ps(_mm512_castps_si512(part[r][c]));
+        acc[r][c] = _mm512_fmadd_ps(dot, dc * _mm512_set1_ps(sm[0]),
+                                    _mm512_fmadd_ps(mc, _mm512_set1_ps(sm[1]), acc[r][c]));
+      }
+    }
+  }
+  store_rows<R, T>(acc, bias, y, ldy, panel.cols, panel.silu_and_mul);
+}
+#endif
+
 template <typename T>
 using TileFn = void (*)(const uint32_t*, int64_t, const Panel&, const float*, const T*, T*, int64_t);
 template <typename T, Source S = Source::kWords>
@@ -432,6 +520,9 @@ template <Source S = Source::kWords>
 constexpr TileFn<at::BFloat16> kInt4Tiles[kInt4RowTile + 1] = {nullptr, int4_tile<1, S>, int4_tile<2, S>,
                                                                int4_tile<3, S>, int4_tile<4, S>};
 #if defined(__AVX512VNNI__) && defined(__AVX512BF16__)
+template <typename T>
+constexpr TileFn<T> kW4A8Tiles[kInt4RowTile + 1] = {nullptr, w4a8_tile<1, T>, w4a8_tile<2, T>, w4a8_tile<3, T>,
+                                                    w4a8_tile<4, T>};
 template <typename T>
 constexpr TileFn<T> kW8A8Tiles[kRowTile + 1] = {nullptr, w8a8_tile<1, T>, w8a8_tile<2, T>, w8a8_tile<3, T>,
                                                 w8a8_tile<4, T>, w8a8_tile<5, T>, w8a8_tile<6, T>, w8a8_tile<7, T>,
@@ -481,7 +572,7 @@ void run_tiles(const at::Tensor& x, const uint8_t* packed, int64_t panel_bytes, 
             // three tiles ask for all of it).
             const int64_t ahead = (r - m0) / f.row_tile - 1;         // 0 for the second row tile
             if (!quantized && p + 1 < p1 && ahead < 3)
-              later.next = reinterpret_cast<const char*>(packed + (p + 1) * panel_bytes) + ahead * words * 64;
+              later.next = reinterpret_cast<const char*>(packed + (p + 1) * panel_bytes) + ahead * (panel_bytes / 3);
             f.rest[n](xs + r * words, words, later, x_sum + r * groups, bc, ys + r * out + col0, out);
           }
         }
@@ -585,6 +676,80 @@ void quantize_rows(const at::Tensor& x, uint8_t* u, float* s) {
 }
 #endif
 
+#if defined(__AVX512VNNI__) && defined(__AVX512BF16__)
+// x (rows, in) fp32 or bf16, `in` a multiple of 32 -> qx (rows, in) int8 and sm (rows, in / 32, 2) fp32: per group
+// of 32, s = max(max |x| / 127, 1e-12), qx = round(x / s) (to nearest even) and s times the sum of qx
+// (quantization.quantize_activation_groups: the same fp32 operations, so the same bytes).
+template <typename T>
+void quantize_groups(const at::Tensor& x, int8_t* qx, float* sm) {
+  const int64_t in = x.size(1), groups = in / kInt4Group;
+  const T* xs = x.data_ptr<T>();
+  at::parallel_for(0, x.size(0), 16, [&](int64_t r0, int64_t r1) {
+    for (int64_t r = r0; r < r1; ++r)
+      for (int64_t g = 0; g < groups; ++g) {
+        const int64_t k = r * in + g * kInt4Group;
+        const __m512 a = minivllm_cpu::load16(xs + k), b = minivllm_cpu::load16(xs + k + 16);
+        const float amax = _mm512_reduce_max_ps(_mm512_max_ps(_mm512_abs_ps(a), _mm512_abs_ps(b)));
+        const float s = std::max(_mm_cvtss_f32(_mm_div_round_ss(_mm_set_ss(amax), _mm_set_ss(127.0f), kNearest)),
+                                 1e-12f);
+        const __m512 sv = _mm512_set1_ps(s);
+        const __m512i qa = _mm512_cvt_roundps_epi32(_mm512_div_round_ps(a, sv, kNearest), kNearest);
+        const __m512i qb = _mm512_cvt_roundps_epi32(_mm512_div_round_ps(b, sv, kNearest), kNearest);
+        _mm_storeu_si128(reinterpret_cast<__m128i*>(qx + k), _mm512_cvtepi32_epi8(qa));
+        _mm_storeu_si128(reinterpret_cast<__m128i*>(qx + k + 16), _mm512_cvtepi32_epi8(qb));
+        sm[(r * groups + g) * 2] = s;
+        sm[(r * groups + g) * 2 + 1] = s * static_cast<float>(_mm512_reduce_add_epi32(_mm512_add_epi32(qa, qb)));
+      }
+  });
+}
+#endif
+
+// y = x @ w^T (+ bias) in x's dtype (fp32 or bf16), w[n][k] = d[n][k / 32] q[n][k] + m[n][k / 32] from
+// pack_w4a8_linear, with x rounded to int8 in groups of 32 here.
+at::Tensor w4a8_linear(const at::Tensor& x, const at::Tensor& packed, const at::Tensor& dm, int64_t out_features,
+                       const c10::optional<at::Tensor>& bias, bool silu_and_mul) {
+  const at::ScalarType dtype = x.scalar_type();
+  TORCH_CHECK(vnni_linear_available(), "w4a8_linear: this build has no AVX-512 VNNI and BF16 "
+              "(vnni_linear_available() is False)");
+  TORCH_CHECK(x.dim() == 2 && (dtype == at::kFloat || dtype == at::kBFloat16) && x.size(1) % kInt4Group == 0,
+              "w4a8_linear: x (rows, in) fp32 or bf16 with `in` a multiple of ", kInt4Group, " expected, got ",
+              x.sizes(), " ", dtype);
+  const int64_t groups = x.size(1) / kInt4Group;
+  TORCH_CHECK(packed.dim() == 3 && packed.scalar_type() == at::kByte && packed.size(2) == 4 * kPanelCols &&
+              packed.size(1) * 8 == x.size(1) && packed.size(0) == panels_for(out_features, silu_and_mul),
+              "w4a8_linear: `packed` (", packed.sizes(), ") is not pack_w4a8_linear's layout of a (", out_features,
+              ", ", x.size(1), ") weight", silu_and_mul ? " with gate/up panels (silu_and_mul)" : "");
+  TORCH_CHECK(dm.dim() == 4 && dm.scalar_type() == at::kFloat && dm.size(0) == packed.size(0) &&
+              dm.size(1) == groups && dm.size(2) == 2 && dm.size(3) == kPanelCols,
+              "w4a8_linear: dm (", dm.sizes(), ") is not pack_w4a8_linear's d and m of a (", out_features, ", ",
+              x.size(1), ") weight");
+  check_silu_and_mul("w4a8_linear", silu_and_mul, bias);
+  TORCH_CHECK(!bias.has_value() || (bias->numel() == out_features && bias->scalar_type() == dtype),
+              "w4a8_linear: bias must be (", out_features, ",) in ", dtype);
+  const at::Tensor xc = x.contiguous(), dmc = dm.contiguous();
+  const at::Tensor b = bias.has_value() ? bias->contiguous() : at::Tensor();
+  at::Tensor y = at::empty({xc.size(0), out_features}, xc.options());
+#if defined(__AVX512VNNI__) && defined(__AVX512BF16__)
+  at::Tensor qx = at::empty({xc.size(0), xc.size(1) / 4}, xc.options().dtype(at::kInt));   // 4 int8 a word
+  at::Tensor sm = at::empty({xc.size(0), groups, 2}, xc.options().dtype(at::kFloat));
+  const int64_t panel_bytes = packed.size(1) * 4 * kPanelCols;
+  if (dtype == at::kBFloat16) {
+    quantize_groups<at::BFloat16>(xc, static_cast<int8_t*>(qx.data_ptr()), sm.data_ptr<float>());
+    const Format<at::BFloat16> f{kW4A8Tiles<at::BFloat16>, kW4A8Tiles<at::BFloat16>, kInt4RowTile};
+    run_tiles<at::BFloat16>(qx, packed.data_ptr<uint8_t>(), panel_bytes, packed.size(0), f, false, nullptr,
+                            dmc.data_ptr<float>(), groups * 2 * kPanelCols, sm.data_ptr<float>(), groups * 2,
+                            b.defined() ? b.data_ptr<at::BFloat16>() : nullptr, silu_and_mul, y);
+  } else {
+    quantize_groups<float>(xc, static_cast<int8_t*>(qx.data_ptr()), sm.data_ptr<float>());
+    const Format<float> f{kW4A8Tiles<float>, kW4A8Tiles<float>, kInt4RowTile};
+    run_tiles<float>(qx, packed.data_ptr<uint8_t>(), panel_bytes, packed.size(0), f, false, nullptr,
+                     dmc.data_ptr<float>(), groups * 2 * kPanelCols, sm.data_ptr<float>(), groups * 2,
+                     b.defined() ? b.data_ptr<float>() : nullptr, silu_and_mul, y);
+  }
+#endif
+  return y;
+}
+
 // y = x @ w^T (+ bias) in x's dtype (fp32 or bf16), with x quantized per row to int8 here and w from
 // pack_w8a8_linear (q, its offset) and the columns' fp32 scales (out,), or with silu_and_mul one per packed
 // column (interleave_gate_up's).
@@ -683,6 +848,9 @@ TORCH_LIBRARY_FRAGMENT(minivllm_cpu, m) {
   m.def("pack_w8a8_linear(Tensor qweight) -> (Tensor, Tensor)");
   m.def("w8a8_linear(Tensor x, Tensor packed, Tensor offset, Tensor scale, int out_features, Tensor? bias, "
         "bool silu_and_mul=False) -> Tensor");
+  m.def("pack_w4a8_linear(Tensor q, Tensor d, Tensor m) -> (Tensor, Tensor)");
+  m.def("w4a8_linear(Tensor x, Tensor packed, Tensor dm, int out_features, Tensor? bias, "
+        "bool silu_and_mul=False) -> Tensor");
   m.def("fp32_linear_available", &fp32_linear_available);        // no tensor argument: catch-all kernels
   m.def("bf16_linear_available", &bf16_linear_available);
   m.def("vnni_linear_available", &vnni_linear_available);
@@ -697,4 +865,6 @@ TORCH_LIBRARY_IMPL(minivllm_cpu, CPU, m) {
   m.impl("int4_linear", &int4_linear);
   m.impl("pack_w8a8_linear", &pack_w8a8_linear);
   m.impl("w8a8_linear", &w8a8_linear);
+  m.impl("pack_w4a8_linear", &pack_w4a8_linear);
+  m.impl("w4a8_linear", &w4a8_linear);
 }

@@ -14,6 +14,8 @@ dtype conversions they include, `cpu_dtype.h`), built on first use with the mach
                              AVX-512 BF16 only
     w8a8_linear              the same from int8 weights with x quantized to int8 per row (pack_w8a8_linear),
                              integer dot products; AVX-512 VNNI and BF16 only
+    w4a8_linear              the same from int4 weights (groups of 32) with x quantized to int8 in groups of 32
+                             (pack_w4a8_linear); AVX-512 VNNI and BF16 only
 
 `load()` compiles the sources once per machine with torch's cpp_extension (about 12 s here; cached under
 TORCH_EXTENSIONS_DIR, ~/.cache/torch_extensions by default) and registers `torch.ops.minivllm_cpu`.
@@ -239,4 +241,22 @@ def w8a8_linear(x: torch.Tensor, packed: torch.Tensor, offset: torch.Tensor, sca
     interleave_gate_up's."""
     shape = x.shape
     y = load().w8a8_linear(x.reshape(-1, shape[-1]), packed, offset, scale, int(out_features), bias, silu_and_mul)
+    return y.view(*shape[:-1], out_features)
+
+
+def pack_w4a8_linear(q: torch.Tensor, d: torch.Tensor, m: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """q (out, in) uint8 values 0..15 (`in` a multiple of 32), d and m (out, in / 32) fp32 -> (packed, dm) for
+    w4a8_linear: packed (panels, in / 8, 192) uint8, two word rows of 48 columns x 4 k a chunk (low nibbles, then
+    high); dm (panels, in / 32, 2, 48) fp32, each group's d and m."""
+    return load().pack_w4a8_linear(q, d, m)
+
+
+def w4a8_linear(x: torch.Tensor, packed: torch.Tensor, dm: torch.Tensor, out_features: int,
+                bias: torch.Tensor | None = None, silu_and_mul: bool = False) -> torch.Tensor:
+    """x (..., in) fp32 or bf16 -> x8 @ w.T + bias in x's dtype, w[n][k] = d[n][k // 32] q[n][k] + m[n][k // 32]
+    from pack_w4a8_linear(q, d, m), x8 = x rounded to int8 in groups of 32
+    (minivllm.model.quantization.quantize_activation_groups). silu_and_mul: as in packed_linear, with q, d and m
+    interleave_gate_up's."""
+    shape = x.shape
+    y = load().w4a8_linear(x.reshape(-1, shape[-1]), packed, dm, int(out_features), bias, silu_and_mul)
     return y.view(*shape[:-1], out_features)
