@@ -41,8 +41,9 @@ class EngineConfig:
         None, "CPU: quantization of the linear layers and LM head (model/quantization.py). Weight-only: int8 "
         "(per channel), int4 (groups of 32), gguf (int4 from a Q4_1-derived checkpoint's own blocks, such as the "
         "embedded default model's), faster at small batches; w8a8_int8: int8 weights and int8 activations per "
-        "token (integer dot products, AVX-512 VNNI), faster at large batches and in prefill, at some quality",
-        ("int8", "int4", "gguf", "w8a8_int8"))
+        "token, w4a8_int8: int4 weights and int8 activations per group of 32 (integer dot products, AVX-512 "
+        "VNNI), faster than bf16 at every batch size and in prefill, at some quality",
+        ("int8", "int4", "gguf", "w8a8_int8", "w4a8_int8"))
     kv_cache_dtype: str = option(
         "auto", "KV cache dtype; auto: the model's dtype; fp8 (alias fp8_e4m3): e4m3 with a per-layer scale for K "
         "and one for V, calibrated at load (half of bf16's KV bytes, a quarter of fp32's)",

@@ -177,7 +177,7 @@ def test_gguf_refuses_weights_that_are_not_q4_1_values():
 
 
 def test_bad_values_and_devices_are_refused_with_the_choices():
-    with pytest.raises(ValueError, match="quantization is 'fp4'; choose one of int8, int4, gguf, w8a8_int8"):
+    with pytest.raises(ValueError, match="quantization is 'fp4'; choose one of int8, int4, gguf, w8a8_int8, w4a8_int8"):
         EngineConfig(quantization="fp4").validate()
     with pytest.raises(ValueError, match="CPU only"):
         quant.quantize_linear_weights(linear_with(torch.randn(8, 32)), "int8", torch.device("cuda"))

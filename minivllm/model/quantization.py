@@ -1,5 +1,5 @@
 """Quantization of the linear layers on a CPU: weight-only `quantization="int8" | "int4" | "gguf"`, and
-`"w8a8_int8"`, int8 weights times int8 activations.
+`"w8a8_int8"` / `"w4a8_int8"`, int8 or int4 weights times int8 activations.
 
 Owns: turning each linear layer's (out, in) weight, once after loading, into fewer bytes, and the matmul
 that reads them (`quant_method.apply(layer, x, bias)`, vLLM's name for the per-layer method object).
@@ -12,6 +12,10 @@ that reads them (`quant_method.apply(layer, x, bias)`, vLLM's name for the per-l
                arithmetic (a decode step at batch 32, a prefill) runs up to twice as fast; the rounding of x costs
                quality (perplexities below). vLLM's W8A8 int8 scheme with dynamic per-token activation scales
                (compressed-tensors), made from a full checkpoint at load; SGLang names the option w8a8_int8.
+    w4a8_int8  int4's weights, and x rounded to int8 in groups of 32 along `in`, each with its own scale
+               (quantize_activation_groups): llama.cpp's Q4_1 x Q8_1 arithmetic. q (0..15) and qx are exactly
+               vpdpbusd's unsigned and signed operands; each group's exact int32 sum is then scaled by d s and
+               m s sum(qx). Perplexity close to int4's (a group's scale follows its own values); AVX-512 VNNI only.
     gguf   int4 whose groups *are* the checkpoint's own: the embedded default model was shipped as a Q4_1
            GGUF (exactly the int4 format above: d and m per 32 weights) and dequantized to fp32 once, so its
            Q4_1 blocks come back exactly from the fp32 weights. A checkpoint whose weights are not Q4_1
@@ -51,7 +55,7 @@ import torch
 from minivllm.model import cpu_gemm
 from minivllm.model._kernels import kernels
 
-METHODS = ("int8", "int4", "gguf", "w8a8_int8")
+METHODS = ("int8", "int4", "gguf", "w8a8_int8", "w4a8_int8")
 GROUP_SIZE = 32            # int4 / Q4_1: weights per (scale, minimum) pair along the input dimension
 ACT_DTYPE = torch.bfloat16
 
@@ -192,6 +196,50 @@ class W8A8Int8Method:
         return y if bias is None else y + bias
 
 
+def quantize_activation_groups(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """x (rows, in), `in` a multiple of 32 -> qx (rows, in) int8, s and s_sum (rows, in / 32) fp32, per group of 32
+    along `in`: s = max(max|x| / 127, 1e-12), qx = round(x / s) to nearest even, s_sum = s * sum(qx), in fp32 (the
+    operations of w4a8_linear's quantize_groups in cpu_gemm.cpp, so the same bytes)."""
+    rows, cols = x.shape
+    xg = x.float().view(rows, cols // GROUP_SIZE, GROUP_SIZE)
+    s = (xg.abs().amax(dim=-1) / 127).clamp(min=1e-12)
+    qx = torch.round(xg / s[..., None]).to(torch.int8)
+    return qx.view(rows, cols), s, s * qx.sum(dim=-1).float()
+
+
+class W4A8Int8Method(Int4WeightOnlyMethod):
+    """int4 weights (Int4WeightOnlyMethod's groups) times x rounded to int8 per group of 32 (Q4_1 x Q8_1):
+    y[r, n] = sum_g s[r, g] (d[n, g] sum_{k in g} q[n, k] qx[r, k] + m[n, g] sum_{k in g} qx[r, k])."""
+
+    name = "w4a8_int8"
+
+    def process_weights_after_loading(self, layer: torch.nn.Module) -> None:
+        if not own_w8a8_kernel():
+            raise ValueError("quantization='w4a8_int8' runs on minivllm's kernel only, which needs AVX-512 VNNI and "
+                             "BF16 (and MINIVLLM_CPU_OWN_GEMM not 0); this CPU or setting has none. Use "
+                             "quantization='int4' (the same weights, bf16 activations) or 'w8a8_int8'.")
+        w = layer.weight.detach().float()
+        out_features, in_features = w.shape
+        if in_features % GROUP_SIZE:
+            raise ValueError(f"quantization='w4a8_int8' needs in_features divisible by {GROUP_SIZE}; a layer has "
+                             f"{in_features}. Use quantization='w8a8_int8' for this model.")
+        q, d, m = self.quantize_groups(w.view(out_features, in_features // GROUP_SIZE, GROUP_SIZE))
+        q = q.view(out_features, in_features)
+        if getattr(layer, "packed_silu_and_mul", False):                  # gate/up panels (quantize_linear_weights)
+            q, d, m = (kernels.cpu_ops.interleave_gate_up(t) for t in (q, d, m))
+        # (panels, in / 8, 192) nibbles of two word rows; (panels, groups, 2, 48) fp32 d and m
+        layer.qweight, layer.qscales_zeros = kernels.cpu_ops.pack_w4a8_linear(q.to(torch.uint8), d, m)
+        layer.qout = q.shape[0]                                           # packed columns
+
+    def apply(self, layer: torch.nn.Module, x: torch.Tensor, bias: torch.Tensor | None,
+              silu_and_mul: bool = False) -> torch.Tensor:
+        """y = x @ w.T + bias with x rounded to int8 per group; silu_and_mul (gate/up panels): silu(gate) * up."""
+        out = layer.out_sizes[0] if silu_and_mul else layer.qout
+        xin = x if x.dtype in (torch.float32, torch.bfloat16) else x.float()
+        y = kernels.cpu_ops.w4a8_linear(xin, layer.qweight, layer.qscales_zeros, out, None, silu_and_mul).to(x.dtype)
+        return y if bias is None else y + bias
+
+
 def own_w8a8_kernel() -> bool:
     """w8a8_int8 layers go to minivllm's kernel (cpu_gemm.cpp's w8a8_linear) where the CPU has AVX-512 VNNI and
     BF16 and MINIVLLM_CPU_OWN_GEMM is not 0; elsewhere to torch._int_mm (int8 x int8 -> int32) after
@@ -229,7 +277,7 @@ def dequantize(layer: torch.nn.Module) -> torch.Tensor:
 
 def get_quant_method(name: str):
     methods = {"int8": Int8WeightOnlyMethod, "int4": Int4WeightOnlyMethod, "gguf": GGUFQ4_1Method,
-               "w8a8_int8": W8A8Int8Method}
+               "w8a8_int8": W8A8Int8Method, "w4a8_int8": W4A8Int8Method}
     if name not in methods:
         raise ValueError(f"quantization is {name!r}; choose one of {', '.join(METHODS)} or leave it unset.")
     return methods[name]()
@@ -252,7 +300,7 @@ def quantize_linear_weights(model: torch.nn.Module, name: str, device: torch.dev
         if isinstance(module, (ColumnParallelLinear, RowParallelLinear, ParallelLMHead)):
             # gguf: the default model's GGUF stores its embedding (= the LM head) in an 8-bit format, not Q4_1
             this = Int8WeightOnlyMethod() if name == "gguf" and isinstance(module, ParallelLMHead) else method
-            if isinstance(this, W8A8Int8Method):        # its kernel answers in the model's dtype, fp32 or bf16
+            if isinstance(this, (W8A8Int8Method, W4A8Int8Method)):    # these answer in the model's dtype
                 module.packed_silu_and_mul = (dtype in (torch.float32, ACT_DTYPE) and own_w8a8_kernel()
                                               and cpu_gemm.fuse_silu_and_mul(module, ACT_DTYPE))
             else:
