@@ -278,7 +278,9 @@ kernel = "minivllm's kernel" if quantization.own_quantized_kernels() else "PyTor
 w8a8_kernel = "minivllm's kernel" if quantization.own_w8a8_kernel() else "torch._int_mm"
 for name, method in ((f"int8 ({kernel})", quantization.Int8WeightOnlyMethod()),
                      (f"int4 ({kernel})", quantization.Int4WeightOnlyMethod()),
-                     (f"w8a8_int8 ({w8a8_kernel})", quantization.W8A8Int8Method())):
+                     (f"w8a8_int8 ({w8a8_kernel})", quantization.W8A8Int8Method())) + (
+                    (("w4a8_int8 (minivllm's kernel)", quantization.W4A8Int8Method()),)
+                    if quantization.own_w8a8_kernel() else ()):
     qlayers = []
     for l in layers:
         q = ColumnParallelLinear(l.weight.shape[1], l.weight.shape[0], False, TPGroup())
@@ -342,8 +344,12 @@ for name in dict.fromkeys(k[0] for k in results):
 # On the 2-core Zen 4 of 2026-11-27 a bf16 model's decode step at batch 32 went from 34.5 ms (bf16) to 25.3 ms,
 # its 4,096-token prefill from 2.5-2.7 s to 1.5 s, and an fp32 model's decode step at 32 from 59-67 to 30-35 ms.
 # The price is quality, since x now carries 8 bits: this README's perplexity went from 45.81 (fp32) to 49.04,
-# against int8's 46.16 and int4's 47.67. One scale per group of 32 inputs instead of per row (llama.cpp's Q8
-# activations) measured 46.49, at the cost of converting and scaling every group's sums.
+# against int8's 46.16 and int4's 47.89. A scale per group of 32 inputs instead of per row follows the values
+# more closely, at the cost of converting and scaling each group's integer sums: `quantization="w4a8_int8"`
+# does that with int4's weights (llama.cpp's Q4_1 x Q8_1), whose groups need that treatment anyway, and whose
+# unsigned 0..15 are exactly `vpdpbusd`'s unsigned operand. It kept int4's quality (47.87) and was the fastest
+# format at one row (a decode step 7.6-7.8 ms against bf16's 11-16) and faster than bf16 at 32 (29-33 ms
+# against 37.5-40 in the same run).
 #
 # **The activation in the matmul's epilogue.** The MLP's gate/up matmul writes (rows, 2 x intermediate) values
 # that exist only to be read once by SiLU-and-mul, which writes half as many: in a 4,096-token bf16 prefill,
