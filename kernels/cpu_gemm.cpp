@@ -40,8 +40,8 @@
 // Measured on 2 cores (AMD EPYC, Zen 4), the default model's four matmuls of all 30 layers (weights from
 // memory), bf16: 32 rows 18 ms against oneDNN's 24 ms; 1 row 7.2 against 11.5 ms (28 GB/s: the memory's
 // bandwidth); equal from 2,048 rows up. fp32: 32 rows 37.2 against 41.8 ms, 1 row 11.1 against 20.6 ms.
-// int8 and int4: below, and the README's "Measured". w8a8 (int8 x int8, vpdpbusd): 32 rows 12.3 ms, 512 rows
-// at 78% of the cores' integer peak (README, "Measured", fourteenth session).
+// int8 and int4: below, and the README's "Measured". With int8 activations (vpdpbusd), 32 rows: w8a8 12.4 ms,
+// w4a8 15.7 ms; w8a8 at 512 rows at 73-78% of the cores' integer peak (README, "Measured", fourteenth session).
 
 #include <ATen/ATen.h>
 #include <ATen/Parallel.h>
@@ -85,7 +85,6 @@ bool bf16_linear_available() {
 #endif
 }
 
-// Weight elements per 32-bit word: 1 in fp32, 2 (a pair along `in`) in bf16.
 bool vnni_linear_available() {
 #if defined(__AVX512VNNI__) && defined(__AVX512BF16__)
   return true;
@@ -94,6 +93,7 @@ bool vnni_linear_available() {
 #endif
 }
 
+// Weight elements per 32-bit word: 1 in fp32, 2 (a pair along `in`) in bf16.
 int64_t per_word(at::ScalarType dtype) { return dtype == at::kBFloat16 ? 2 : 1; }
 
 // dst[p][k][c] = src[48 p + c][k] for rows of `words` elements of `Elem` (zero columns pad the last panel).
@@ -449,15 +449,14 @@ void w8a8_tile(const uint32_t* x, int64_t words, const Panel& panel, const float
   for (int c = 0; c < 3; ++c) {
     const __m512i off = _mm512_loadu_si512(panel.offset + 16 * c);
     const __m512 sc = _mm512_loadu_ps(fs + 16 * c);
-    for (int r = 0; r < R; ++r)
-      out[r][c] = _mm512_cvtepi32_ps(_mm512_add_epi32(_mm512_castps_si512(acc[r][c]), off)) * (sc * _mm512_set1_ps(x_scale[r]));
+    for (int r = 0; r < R; ++r) {
+      const __m512i sum = _mm512_add_epi32(_mm512_castps_si512(acc[r][c]), off);
+      out[r][c] = _mm512_cvtepi32_ps(sum) * (sc * _mm512_set1_ps(x_scale[r]));
+    }
   }
   store_rows<R, T>(out, bias, y, ldy, panel.cols, panel.silu_and_mul);
 }
 
-#endif
-
-#if defined(__AVX512VNNI__) && defined(__AVX512BF16__)
 // w4a8: for each group g, part[r][c] = sum over its 8 word rows of vpdpbusd(q word (k, c): 4 unsigned bytes,
 // x word (r, k): 4 signed bytes), exact in int32; then acc += d[g][c] s[r][g] part + m[g][c] (s sum qx)[r][g].
 // x_sm: (R, groups, 2) per row: s and s times the sum of qx, of each group.
@@ -674,9 +673,7 @@ void quantize_rows(const at::Tensor& x, uint8_t* u, float* s) {
     }
   });
 }
-#endif
 
-#if defined(__AVX512VNNI__) && defined(__AVX512BF16__)
 // x (rows, in) fp32 or bf16, `in` a multiple of 32 -> qx (rows, in) int8 and sm (rows, in / 32, 2) fp32: per group
 // of 32, s = max(max |x| / 127, 1e-12), qx = round(x / s) (to nearest even) and s times the sum of qx
 // (quantization.quantize_activation_groups: the same fp32 operations, so the same bytes).

@@ -167,7 +167,8 @@ def _quantized(fn, x, what):
         raise ExerciseFailed(f"{what}: expected a tuple (q, s), got {type(got).__name__}")
     q, s = got
     expect_equal((q.dtype, tuple(q.shape), s.dtype, tuple(s.shape)),
-                 (torch.int8, tuple(x.shape), torch.float32, (x.shape[0],)), f"{what}: (q dtype, q shape, s dtype, s shape)")
+                 (torch.int8, tuple(x.shape), torch.float32, (x.shape[0],)),
+                 f"{what}: (q dtype, q shape, s dtype, s shape)")
     return q, s
 
 
