@@ -147,6 +147,10 @@ def test_a_layer_whose_in_features_the_kernel_cannot_take_is_refused():
     with pytest.raises(ValueError, match="w8a8_int8' needs in_features divisible by 16; a layer has 40. Use "
                                          "quantization='int8'"):
         quant.W8A8Int8Method().process_weights_after_loading(linear_with(torch.randn(8, 40)))
+    if quant.own_w8a8_kernel():
+        with pytest.raises(ValueError, match="w4a8_int8' needs in_features divisible by 32; a layer has 48. Use "
+                                             "quantization='w8a8_int8'"):
+            quant.W4A8Int8Method().process_weights_after_loading(linear_with(torch.randn(8, 48)))
 
 
 def q4_groups(w):

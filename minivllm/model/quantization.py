@@ -111,15 +111,20 @@ class Int4WeightOnlyMethod:
     """Groups of 32 along the input: q = round((w - m) / d) with m the group's minimum and d = range / 15."""
 
     name = "int4"
+    FALLBACK = "int8"          # what the error suggests where a layer's `in` is not a multiple of 32
 
-    def process_weights_after_loading(self, layer: torch.nn.Module) -> None:
+    def weight_groups(self, layer: torch.nn.Module) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """The layer's weight as q (out, in) and d, m (out, in / 32) (quantize_groups), `in` checked first."""
         w = layer.weight.detach().float()
         out_features, in_features = w.shape
         if in_features % GROUP_SIZE:
             raise ValueError(f"quantization={self.name!r} needs in_features divisible by {GROUP_SIZE}; a layer "
-                             f"has {in_features}. Use quantization='int8' for this model.")
+                             f"has {in_features}. Use quantization={self.FALLBACK!r} for this model.")
         q, d, m = self.quantize_groups(w.view(out_features, in_features // GROUP_SIZE, GROUP_SIZE))
-        q = q.view(out_features, in_features)
+        return q.view(out_features, in_features), d, m
+
+    def process_weights_after_loading(self, layer: torch.nn.Module) -> None:
+        q, d, m = self.weight_groups(layer)
         if own_quantized_kernels():
             if getattr(layer, "packed_silu_and_mul", False):              # gate/up panels (quantize_linear_weights)
                 q, d, m = (kernels.cpu_ops.interleave_gate_up(t) for t in (q, d, m))
@@ -215,19 +220,14 @@ class W4A8Int8Method(Int4WeightOnlyMethod):
     y[r, n] = sum_g s[r, g] (d[n, g] sum_{k in g} q[n, k] qx[r, k] + m[n, g] sum_{k in g} qx[r, k])."""
 
     name = "w4a8_int8"
+    FALLBACK = "w8a8_int8"
 
     def process_weights_after_loading(self, layer: torch.nn.Module) -> None:
         if not own_w8a8_kernel():
             raise ValueError("quantization='w4a8_int8' runs on minivllm's kernel only, which needs AVX-512 VNNI and "
                              "BF16 (and MINIVLLM_CPU_OWN_GEMM not 0); this CPU or setting has none. Use "
                              "quantization='int4' (the same weights, bf16 activations) or 'w8a8_int8'.")
-        w = layer.weight.detach().float()
-        out_features, in_features = w.shape
-        if in_features % GROUP_SIZE:
-            raise ValueError(f"quantization='w4a8_int8' needs in_features divisible by {GROUP_SIZE}; a layer has "
-                             f"{in_features}. Use quantization='w8a8_int8' for this model.")
-        q, d, m = self.quantize_groups(w.view(out_features, in_features // GROUP_SIZE, GROUP_SIZE))
-        q = q.view(out_features, in_features)
+        q, d, m = self.weight_groups(layer)
         if getattr(layer, "packed_silu_and_mul", False):                  # gate/up panels (quantize_linear_weights)
             q, d, m = (kernels.cpu_ops.interleave_gate_up(t) for t in (q, d, m))
         # (panels, in / 8, 192) nibbles of two word rows; (panels, groups, 2, 48) fp32 d and m
