@@ -3,6 +3,7 @@
 import json
 
 import pytest
+import torch
 
 from minivllm.bench import kernels
 from minivllm.bench.cli import main
@@ -121,6 +122,27 @@ def test_workload_flops_count_every_fed_token_and_every_sampled_row():
     prefill = roofline.step_floor_s(cfg, 4, rate, bw, num_tokens=4096, attention_pairs=4096 * 4097 // 2,
                                     num_sampled=1, kv_tokens_read=4096)
     assert prefill > (roofline.weight_bytes(cfg, 4) + roofline.kv_bytes_per_token(cfg, 4) * 4096) / bw
+
+
+@pytest.mark.parametrize("quantization,fraction", [("int8", 0.5), ("int4", 0.375), ("w8a8_int8", 0.5),
+                                                    ("w4a8_int8", 0.375)])
+def test_a_quantized_run_is_measured_against_its_own_bytes_and_kernels(quantization, fraction):
+    """measure_quantized packs the model's shapes in the format and times its own kernels: int8 weights are about
+    half of bf16's bytes, int4 about 3/8 (4 bits plus d and m in fp32 per 32); the floor of a decode step uses
+    those bytes."""
+    from minivllm.bench import roofline
+    from minivllm.model import quantization as quant
+    from minivllm.model.llama import ModelConfig
+    if quantization == "w4a8_int8" and not quant.own_w8a8_kernel():
+        pytest.skip("w4a8_int8 needs AVX-512 VNNI and BF16")
+    # every out a multiple of the kernels' 48-column panels, so no padding columns count
+    cfg = ModelConfig("LlamaForCausalLM", 480, 96, 192, 2, 6, 3, 16, 1e-6, 1e4, None, 256, False, False, False,
+                      "bfloat16", ())
+    rate, weights = roofline.measure_quantized(cfg, quantization, torch.bfloat16, min_time_s=0.05)
+    assert rate > 0
+    assert weights == pytest.approx(fraction * roofline.weight_bytes(cfg, 2), rel=0.12)
+    floor = roofline.step_floor_s(cfg, 2, 1e12, 1e10, 2, 200, 2, 200, weights)
+    assert floor == (weights + roofline.kv_bytes_per_token(cfg, 2) * 200) / 1e10
 
 
 def test_spec_mode_compares_speculation_off_and_on_with_identical_greedy_outputs(tmp_path, capsys):

@@ -145,9 +145,8 @@ def main_offline(args: argparse.Namespace, config: EngineConfig) -> int:
         hf = bench_hf(model, workload, args.hf_batch_size)
         del model
         gc.collect()
-    hw = measure_hardware(model_cfg, device, dtype, workload, steps, args.no_ceiling, args.decode_batch)
-    if hw is not None:
-        hw["quantization"] = config.quantization
+    hw = measure_hardware(model_cfg, device, dtype, workload, steps, args.no_ceiling, args.decode_batch,
+                          config.quantization)
     host_end = host_info()
 
     if hf is not None:

@@ -77,6 +77,48 @@ def measure_matmul_rate(cfg: ModelConfig, dtype=torch.float32, device="cpu", bat
     return flops * reps / elapsed
 
 
+QUANTIZED_TENSORS = ("qweight", "qscale", "qscales_zeros", "qoffset")   # what quant methods leave on a layer
+
+
+def measure_quantized(cfg: ModelConfig, quantization: str, dtype=torch.bfloat16, batch_tokens: int = 256,
+                      min_time_s: float = 1.0) -> tuple[float, int]:
+    """For `quantization` (model/quantization.py) on a CPU: the FLOP/s of one decoder layer's four matmuls through
+    that format's own kernels at `batch_tokens` rows of `dtype` x, and the bytes of every weight a decode step
+    reads in that format (the quantized layers and LM head, the norms in `dtype`). Random weights of the model's
+    shapes; gguf is timed as int4 layers with an int8 head, as it runs (random weights are not Q4_1 values)."""
+    from minivllm.model.layers import ColumnParallelLinear, TPGroup
+    from minivllm.model.quantization import get_quant_method
+
+    def quantized(i: int, o: int, name: str) -> ColumnParallelLinear:
+        layer = ColumnParallelLinear(i, o, False, TPGroup())
+        layer.weight.data = torch.randn(o, i) * 0.02
+        layer.quant_method = get_quant_method(name)
+        layer.quant_method.process_weights_after_loading(layer)
+        return layer
+
+    def nbytes(layer: ColumnParallelLinear) -> int:
+        return sum(getattr(layer, n).nbytes for n in QUANTIZED_TENSORS if hasattr(layer, n))
+
+    layers = [quantized(i, o, "int4" if quantization == "gguf" else quantization) for i, o in linear_shapes(cfg)]
+    head = quantized(cfg.hidden_size, cfg.vocab_size, "int8" if quantization == "gguf" else quantization)
+    norms = (2 * cfg.num_hidden_layers + 1) * cfg.hidden_size * dtype.itemsize
+    total_bytes = cfg.num_hidden_layers * sum(nbytes(layer) for layer in layers) + nbytes(head) + norms
+    x = {i: torch.randn(batch_tokens, i, dtype=dtype) for i, _ in linear_shapes(cfg)}
+    flops = 2 * batch_tokens * sum(i * o for i, o in linear_shapes(cfg))
+
+    def layer_step():
+        for (i, _), layer in zip(linear_shapes(cfg), layers):
+            layer.quant_method.apply(layer, x[i], None)
+
+    layer_step()                                          # warm up
+    reps, elapsed, start = 0, 0.0, time.perf_counter()
+    while elapsed < min_time_s:
+        layer_step()
+        reps += 1
+        elapsed = time.perf_counter() - start
+    return flops * reps / elapsed, total_bytes
+
+
 def weight_bytes(cfg: ModelConfig, itemsize: int) -> int:
     """Bytes of every weight a decode step reads (the embedding table is only indexed, so left out;
     the LM head is read once whether or not it is tied)."""
@@ -89,14 +131,17 @@ def kv_bytes_per_token(cfg: ModelConfig, itemsize: int) -> int:
 
 
 def step_floor_s(cfg: ModelConfig, itemsize: int, flops_per_s: float, bandwidth_bytes_s: float,
-                 num_tokens: int, attention_pairs: int, num_sampled: int, kv_tokens_read: int) -> float:
+                 num_tokens: int, attention_pairs: int, num_sampled: int, kv_tokens_read: int,
+                 weights: int | None = None) -> float:
     """The fastest one engine step can be: its FLOPs at the matmul rate or its bytes at the copy
     bandwidth, whichever takes longer (a roofline). Decode steps are memory-bound (every weight is read
-    for a handful of rows); large prefills are compute-bound."""
+    for a handful of rows); large prefills are compute-bound. `weights`: the bytes of the weights a step
+    reads, if not `itemsize` each (a quantized model)."""
     flops = (2 * cfg.num_hidden_layers * sum(i * o for i, o in linear_shapes(cfg)) * num_tokens
              + 4 * cfg.num_hidden_layers * cfg.num_attention_heads * cfg.head_dim * attention_pairs
              + 2 * cfg.hidden_size * cfg.vocab_size * num_sampled)
-    nbytes = weight_bytes(cfg, itemsize) + kv_bytes_per_token(cfg, itemsize) * kv_tokens_read
+    weights = weight_bytes(cfg, itemsize) if weights is None else weights
+    nbytes = weights + kv_bytes_per_token(cfg, itemsize) * kv_tokens_read
     return max(flops / flops_per_s, nbytes / bandwidth_bytes_s)
 
 
@@ -144,20 +189,26 @@ def step_work(trace) -> StepWork:
 
 
 def measure_hardware(cfg, device, dtype, workload: Workload, steps: list[StepWork], skip: bool,
-                     decode_batch: int | None = None) -> dict | None:
+                     decode_batch: int | None = None, quantization: str | None = None) -> dict | None:
     """The ceilings, measured after the run on the same machine:
     - matmul: the workload's FLOPs at the model's matmul rate, as output tokens/s;
     - roofline: each step of this run at max(FLOPs / matmul rate, bytes / copy bandwidth), summed;
-    - decode: the fullest decode-only steps against their memory floor."""
+    - decode: the fullest decode-only steps against their memory floor.
+    With `quantization`, the matmul rate is that format's own kernels' and the weight bytes its own
+    (measure_quantized)."""
     if skip:
         return None
     dev = str(device)
-    rate = measure_matmul_rate(cfg, dtype, dev)
+    if quantization is None:
+        rate, weights = measure_matmul_rate(cfg, dtype, dev), None
+    else:
+        rate, weights = measure_quantized(cfg, quantization, dtype)
     bandwidth = measure_copy_bandwidth(dev)
     flops = workload_flops(cfg, [len(p) for p in workload.prompt_token_ids], workload.output_lens)
     floors = [step_floor_s(cfg, dtype.itemsize, rate, bandwidth, st.num_tokens, st.attention_pairs,
-                           st.num_sampled, st.kv_tokens_read) for st in steps]
-    hw = {"device": dev, "dtype": str(dtype), "matmul_flops_per_s": rate, "copy_bandwidth_bytes_per_s": bandwidth,
+                           st.num_sampled, st.kv_tokens_read, weights) for st in steps]
+    hw = {"device": dev, "dtype": str(dtype), "quantization": quantization, "weight_bytes": weights,
+          "matmul_flops_per_s": rate, "copy_bandwidth_bytes_per_s": bandwidth,
           "workload_flops": flops, "matmul_ceiling_output_tokens_per_s": workload.num_output_tokens / (flops / rate),
           "roofline_s": sum(floors), "roofline_output_tokens_per_s": workload.num_output_tokens / sum(floors),
           "num_steps": len(steps), "decode": None}
@@ -178,8 +229,11 @@ def print_hardware(hw: dict | None, mv: ThroughputResult, hf: ThroughputResult |
     if hw is None:
         return
     tps = mv.output_tokens_per_s
-    print(f"matmul rate:          {hw['matmul_flops_per_s'] / 1e9:.1f} GFLOP/s ({hw['dtype']}, the model's layer "
+    kind = hw['dtype'] if not hw.get("quantization") else f"{hw['quantization']} on {hw['dtype']} x, its own kernels"
+    print(f"matmul rate:          {hw['matmul_flops_per_s'] / 1e9:.1f} GFLOP/s ({kind}, the model's layer "
           f"matmuls at 256 tokens, {hw['device']})")
+    if hw.get("weight_bytes"):
+        print(f"weights read a step:  {hw['weight_bytes'] / 1e6:.0f} MB ({hw['quantization']})")
     print(f"copy bandwidth:       {hw['copy_bandwidth_bytes_per_s'] / 1e9:.1f} GB/s (read + write)")
     ceiling = hw["matmul_ceiling_output_tokens_per_s"]
     print(f"matmul ceiling:       {ceiling:.1f} output tokens/s ({hw['workload_flops'] / 1e12:.2f} TFLOP at the "
@@ -188,10 +242,6 @@ def print_hardware(hw: dict | None, mv: ThroughputResult, hf: ThroughputResult |
     roof = hw["roofline_output_tokens_per_s"]
     print(f"roofline of the run:  {roof:.1f} output tokens/s (each of its {hw['num_steps']} steps at max(FLOPs / "
           f"matmul rate, bytes / bandwidth)); minivllm at {tps / roof:.0%}")
-    if hw.get("quantization"):
-        print(f"ceilings:             those of the {hw['dtype']} model without quantization (its matmul rate and "
-              f"weight bytes): {hw['quantization']} reads fewer bytes, and w8a8_int8 multiplies integers at up to "
-              "twice bf16's rate, so its floors are lower")
     d = hw["decode"]
     if d is not None:
         print(f"decode steps:         batch {d['batch']}: median {d['median_step_s'] * 1000:.1f} ms vs a memory "
