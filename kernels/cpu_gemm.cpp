@@ -140,28 +140,39 @@ at::Tensor pack_int8_linear(const at::Tensor& qweight) {
   return packed;
 }
 
+// The int4 packers' checks: q (out, in) uint8 of values 0..15, `in` a multiple of 32; d, m (out, in / 32) fp32.
+void check_int4_groups(const char* op, const at::Tensor& q, const at::Tensor& d, const at::Tensor& m) {
+  TORCH_CHECK(q.dim() == 2 && q.scalar_type() == at::kByte && q.size(1) % kInt4Group == 0,
+              op, ": a uint8 (out, in) weight of values 0..15 with `in` a multiple of ", kInt4Group,
+              " expected, got ", q.sizes(), " ", q.scalar_type());
+  TORCH_CHECK(q.numel() == 0 || q.max().item<uint8_t>() <= 15, op, ": values must be 0..15");
+  const int64_t out = q.size(0), groups = q.size(1) / kInt4Group;
+  for (const at::Tensor* t : {&d, &m})
+    TORCH_CHECK(t->scalar_type() == at::kFloat && t->dim() == 2 && t->size(0) == out && t->size(1) == groups,
+                op, ": d and m must be fp32 (", out, ", ", groups, "), got ", t->sizes());
+}
+
+// d, m (out, groups) -> (panels, groups, 2, 48) fp32: each group's d then m for the panel's columns (zero past `out`).
+at::Tensor dm_panels(const at::Tensor& d, const at::Tensor& m) {
+  const int64_t out = d.size(0), groups = d.size(1);
+  const at::Tensor both = at::stack({d, m}, 2).contiguous();          // (out, groups, 2): (groups * 2) a column
+  at::Tensor dm = at::zeros({num_panels(out), groups, 2, kPanelCols}, d.options());
+  to_panels(both.data_ptr<float>(), out, groups * 2, dm.data_ptr<float>());
+  return dm;
+}
+
 // q (out, in) uint8 values 0..15, `in` a multiple of 32; d, m (out, in / 32) fp32 ->
 //   packed (panels, in / 2, 48) uint8: q[n][2 k2] in the low nibble, q[n][2 k2 + 1] in the high one;
 //   dm (panels, in / 32, 2, 48) fp32: each group's d then m for the panel's columns (zero past `out`).
 std::tuple<at::Tensor, at::Tensor> pack_int4_linear(const at::Tensor& q, const at::Tensor& d, const at::Tensor& m) {
-  TORCH_CHECK(q.dim() == 2 && q.scalar_type() == at::kByte && q.size(1) % kInt4Group == 0,
-              "pack_int4_linear: a uint8 (out, in) weight of values 0..15 with `in` a multiple of ", kInt4Group,
-              " expected, got ", q.sizes(), " ", q.scalar_type());
-  TORCH_CHECK(q.numel() == 0 || q.max().item<uint8_t>() <= 15, "pack_int4_linear: values must be 0..15");
-  const int64_t out = q.size(0), pairs = q.size(1) / 2, groups = q.size(1) / kInt4Group;
-  for (const at::Tensor* t : {&d, &m})
-    TORCH_CHECK(t->scalar_type() == at::kFloat && t->dim() == 2 && t->size(0) == out && t->size(1) == groups,
-                "pack_int4_linear: d and m must be fp32 (", out, ", ", groups, "), got ", t->sizes());
+  check_int4_groups("pack_int4_linear", q, d, m);
+  const int64_t out = q.size(0), pairs = q.size(1) / 2;
   const at::Tensor qc = q.contiguous();
   const at::Tensor q2 = qc.view({out, pairs, 2});
   const at::Tensor nibbles = at::bitwise_or(q2.select(2, 0), at::bitwise_left_shift(q2.select(2, 1), 4)).contiguous();
   at::Tensor packed = at::zeros({num_panels(out), pairs, kPanelCols}, qc.options());
   to_panels(nibbles.data_ptr<uint8_t>(), out, pairs, packed.data_ptr<uint8_t>());
-  // (out, groups, 2) -> panels of (groups * 2) words per column
-  const at::Tensor both = at::stack({d, m}, 2).contiguous();
-  at::Tensor dm = at::zeros({num_panels(out), groups, 2, kPanelCols}, d.options());
-  to_panels(both.data_ptr<float>(), out, groups * 2, dm.data_ptr<float>());
-  return {packed, dm};
+  return {packed, dm_panels(d, m)};
 }
 
 // W8A8 (model/quantization.py, quantization="w8a8_int8"): int8 weights per output channel and int8 activations
@@ -202,24 +213,15 @@ std::tuple<at::Tensor, at::Tensor> pack_w8a8_linear(const at::Tensor& qweight) {
 //          shift make two registers of unsigned bytes;
 //   dm (panels, in / 32, 2, 48) fp32: each group's d then m for the panel's columns (as pack_int4_linear's).
 std::tuple<at::Tensor, at::Tensor> pack_w4a8_linear(const at::Tensor& q, const at::Tensor& d, const at::Tensor& m) {
-  TORCH_CHECK(q.dim() == 2 && q.scalar_type() == at::kByte && q.size(1) % kInt4Group == 0,
-              "pack_w4a8_linear: a uint8 (out, in) weight of values 0..15 with `in` a multiple of ", kInt4Group,
-              " expected, got ", q.sizes(), " ", q.scalar_type());
-  TORCH_CHECK(q.numel() == 0 || q.max().item<uint8_t>() <= 15, "pack_w4a8_linear: values must be 0..15");
-  const int64_t out = q.size(0), words = q.size(1) / 4, groups = q.size(1) / kInt4Group;
-  for (const at::Tensor* t : {&d, &m})
-    TORCH_CHECK(t->scalar_type() == at::kFloat && t->dim() == 2 && t->size(0) == out && t->size(1) == groups,
-                "pack_w4a8_linear: d and m must be fp32 (", out, ", ", groups, "), got ", t->sizes());
+  check_int4_groups("pack_w4a8_linear", q, d, m);
+  const int64_t out = q.size(0), words = q.size(1) / 4;
   // word rows as pack_w8a8_linear lays them out: (panels, words, 48) words of 4 bytes
   at::Tensor rows = at::zeros({num_panels(out), words, kPanelCols * 4}, q.options());
   const at::Tensor qc = q.contiguous();
   to_panels(static_cast<const uint32_t*>(qc.data_ptr()), out, words, static_cast<uint32_t*>(rows.data_ptr()));
   const at::Tensor pairs = rows.view({num_panels(out), words / 2, 2, kPanelCols * 4});
   at::Tensor packed = at::bitwise_or(pairs.select(2, 0), at::bitwise_left_shift(pairs.select(2, 1), 4)).contiguous();
-  const at::Tensor both = at::stack({d, m}, 2).contiguous();
-  at::Tensor dm = at::zeros({num_panels(out), groups, 2, kPanelCols}, d.options());
-  to_panels(both.data_ptr<float>(), out, groups * 2, dm.data_ptr<float>());
-  return {packed, dm};
+  return {packed, dm_panels(d, m)};
 }
 
 #if defined(__AVX512F__)
