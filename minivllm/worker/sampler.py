@@ -163,7 +163,8 @@ def apply_top_k_top_p(logits: torch.Tensor, top_k: list[int], top_p: list[float]
     out = torch.full_like(logits, float("-inf")).scatter_(1, order, top_logits.masked_fill(~keep, float("-inf")))
     unfiltered = [i for i, (kk, pp) in enumerate(zip(k_list, top_p)) if kk == vocab and pp >= 1]
     if unfiltered:                                                            # rows asking for neither: untouched
-        out[unfiltered] = logits[unfiltered]
+        rows = _device_tensor(unfiltered, logits.device)      # (a list index would be a synchronous copy on a GPU)
+        out[rows] = logits[rows]
     undecided = (~decided).nonzero()[:, 0] if width < vocab else []
     if len(undecided):                                                        # the nucleus runs past the candidates
         full_logits, full_order = logits[undecided].sort(dim=-1, descending=True)
@@ -236,7 +237,7 @@ def apply_penalties_and_filters(logits: torch.Tensor, requests: list[Request]) -
     restricted = [i for i, p in enumerate(params) if p.allowed_token_ids is not None]
     if restricted:
         mask = torch.zeros(num_rows, vocab, dtype=torch.bool, device=device)
-        mask[restricted] = True
+        mask[_device_tensor(restricted, device)] = True
         rows = [i for i in restricted for _ in params[i].allowed_token_ids]
         cols = [t for i in restricted for t in params[i].allowed_token_ids]
         mask[_device_tensor(rows, device), _device_tensor(cols, device)] = False
