@@ -286,6 +286,30 @@ SAMPLED = [SamplingParams(temperature=0.8, top_p=0.9, max_tokens=16, ignore_eos=
            SamplingParams(temperature=0, max_tokens=16, ignore_eos=True)]
 
 
+@pytest.mark.parametrize("kw, device_type, on", [
+    ({}, "cuda", True),                                   # vLLM's default: on unless something cannot use it
+    ({}, "cpu", False),                                   # nothing to overlap on a CPU
+    (dict(tensor_parallel_size=2), "cuda", False),
+    (dict(pipeline_parallel_size=2), "cuda", False),
+    (dict(distributed_executor_backend="mp"), "cuda", False),
+    (dict(speculative_config={"method": "ngram", "num_speculative_tokens": 2}), "cuda", False),
+    (dict(async_scheduling=True), "cpu", True),           # set: what was asked, wherever
+    (dict(async_scheduling=False), "cuda", False),
+])
+def test_unset_async_scheduling_is_on_where_it_works_and_pays(kw, device_type, on):
+    from minivllm.config import EngineConfig
+    config = EngineConfig.from_kwargs(**kw)
+    assert config.async_scheduling is kw.get("async_scheduling")
+    assert config.async_scheduling_on(device_type) is on
+
+
+def test_an_engine_left_unset_on_a_cpu_schedules_one_batch_at_a_time(model_dir):
+    with LLM(str(model_dir), device="cpu", dtype="float32", num_kv_blocks=64) as llm:
+        engine = llm.llm_engine
+        assert not engine.async_scheduling and engine.scheduler.async_scheduling is False
+        assert engine.max_concurrent_batches == 1
+
+
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="host syncs are a GPU matter")
 @pytest.mark.parametrize("enforce_eager", [True, False])
 @pytest.mark.parametrize("sampled", ["greedy", "sampled", "logprobs"])

@@ -81,14 +81,14 @@ def config_built_by(command, argv, monkeypatch) -> EngineConfig:
 
 # Fields that cannot join the table's values (async scheduling refuses tp 2, pp 2 and speculation): each has its
 # own flag test below.
-ALONE = {"async_scheduling": (True, ["--async-scheduling"])}
+ALONE = {"async_scheduling": [(True, ["--async-scheduling"]), (False, ["--no-async-scheduling"])]}
 
 
 def test_the_table_covers_every_field_with_a_value_other_than_its_default():
     assert set(VALUES) | set(ALONE) == {f.name for f in fields(EngineConfig)}
     for f in fields(EngineConfig):
         if f.name in ALONE:
-            assert ALONE[f.name][0] != f.default and f.metadata["help"], f.name
+            assert all(value != f.default for value, _ in ALONE[f.name]) and f.metadata["help"], f.name
             continue
         assert VALUES[f.name] != f.default, f.name
         assert f.metadata["help"], f"{f.name} has no help text"
@@ -100,9 +100,8 @@ def test_every_engine_flag_reaches_the_config(command, monkeypatch):
 
 
 @pytest.mark.parametrize("command", COMMANDS)
-@pytest.mark.parametrize("name", ALONE)
-def test_a_flag_outside_the_table_reaches_the_config(command, name, monkeypatch):
-    value, argv = ALONE[name]
+@pytest.mark.parametrize("name, value, argv", [(n, v, a) for n, cases in ALONE.items() for v, a in cases])
+def test_a_flag_outside_the_table_reaches_the_config(command, name, value, argv, monkeypatch):
     assert config_built_by(command, argv, monkeypatch) == EngineConfig(**{name: value})
 
 

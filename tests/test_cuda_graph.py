@@ -111,7 +111,8 @@ def test_cuda_graphs_on_a_gpu_match_eager(model_dir):
 def test_a_gpu_decode_step_does_not_sync_with_the_host(model_dir, enforce_eager):
     """The model's part of a step (inputs -> logits) queues GPU work without waiting for it; the one sync
     of a step is the sampler reading the tokens back."""
-    with LLM(str(model_dir), device="cuda", enforce_eager=enforce_eager, max_num_seqs=8) as llm:
+    with LLM(str(model_dir), device="cuda", enforce_eager=enforce_eager, max_num_seqs=8,
+             async_scheduling=False) as llm:     # the plain step, run by hand (async: tests/test_async_scheduling.py)
         engine = llm.llm_engine
         for i, prompt in enumerate(PROMPTS[:4]):
             engine.add_request(prompt, SamplingParams(temperature=0, max_tokens=8, ignore_eos=True),

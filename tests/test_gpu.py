@@ -113,6 +113,7 @@ def test_prefix_cache_hit_on_the_gpu_gives_the_same_tokens(checkpoint, hf_fp32):
     """The second time, every prompt's full blocks come from the prefix cache: same tokens as HF."""
     (hf, _) = hf_fp32
     with LLM(str(checkpoint), device="cuda", dtype="float32", num_kv_blocks=512, max_num_seqs=8) as llm:
+        assert llm.llm_engine.async_scheduling                      # unset: on, on CUDA with one rank
         first = greedy(llm)
         before = llm.get_stats()
         second = greedy(llm)

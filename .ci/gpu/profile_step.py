@@ -4,7 +4,8 @@ import sys, time, torch
 from minivllm import LLM, SamplingParams
 path = sys.argv[1]
 for eager in (False, True):
-    llm = LLM(path, device="cuda", enforce_eager=eager, max_num_seqs=64, num_kv_blocks=8192)
+    llm = LLM(path, device="cuda", enforce_eager=eager, max_num_seqs=64, num_kv_blocks=8192,
+              async_scheduling=False)                 # one step timed alone: the plain engine's step
     engine = llm.llm_engine
     for i in range(64):
         engine.add_request({"prompt_token_ids": [1000 + (i * 7 + j) % 30000 for j in range(500)]},

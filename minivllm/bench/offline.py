@@ -128,6 +128,9 @@ def main_offline(args: argparse.Namespace, config: EngineConfig) -> int:
                   f"on ({graphs.stats.replays} decode steps replayed, {graphs.stats.eager_steps} eager steps, "
                   f"{len(graphs.sizes)} batch sizes captured)")
     del graphs
+    async_note = ("on" if engine.async_scheduling else "off") + (" (unset, so decided for this device: "
+                                                                 "EngineConfig.async_scheduling_on)"
+                                                                 if config.async_scheduling is None else "")
     llm.shutdown()                                         # workers, if any; frees the weights and the KV cache
     model_cfg, device, dtype = engine.model_config, engine.device, engine.model_runner.dtype
     # minivllm's part now, so a slow or failing baseline cannot take it along (HF at batch 64 on the GPU
@@ -135,6 +138,7 @@ def main_offline(args: argparse.Namespace, config: EngineConfig) -> int:
     print_minivllm_report(workload, mv, latency, kv_utilization)
     if graph_note is not None:
         print(f"CUDA graphs:          {graph_note}", flush=True)
+    print(f"async scheduling:     {async_note}", flush=True)
 
     hf = None
     if args.compare == "hf":
@@ -166,6 +170,7 @@ def main_offline(args: argparse.Namespace, config: EngineConfig) -> int:
             "engine_config": engine_config,
             "host": {"start": host_start, "end": host_end},
             "cuda_graphs": graph_note,
+            "async_scheduling": async_note,
             "minivllm": {**throughput_json(mv), **asdict(latency), "kv_slot_utilization": kv_utilization,
                          "num_steps": after.num_steps - before.num_steps,
                          "num_preemptions": after.num_preemptions - before.num_preemptions},

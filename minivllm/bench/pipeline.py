@@ -93,7 +93,9 @@ def bench_pipeline(engine_kw: dict, pp: int, make_workload, rounds: int
         # VLLM_PP_LAYER_PARTITION names the PP n stages' layers; PP 1 has one stage of all of them.
         hidden = os.environ.pop("VLLM_PP_LAYER_PARTITION", None) if size == 1 else None
         try:
-            llm = LLM(**{**engine_kw, "pipeline_parallel_size": size, "max_concurrent_batches": batches})
+            # async_scheduling off at PP 1 too (unset, a GPU would turn it on there only): rows differ in stages alone
+            llm = LLM(**{**engine_kw, "pipeline_parallel_size": size, "max_concurrent_batches": batches,
+                         "async_scheduling": False})
         finally:
             if hidden is not None:
                 os.environ["VLLM_PP_LAYER_PARTITION"] = hidden

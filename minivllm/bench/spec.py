@@ -97,6 +97,9 @@ def bench_spec(engine_kw: dict, speculative_config: dict, make_workload: Callabl
                rounds: int) -> tuple[Workload, SpecResult]:
     """Build both engines, the workload (`make_workload` gets the first engine, for its tokenizer and
     vocabulary), then run it `rounds` times through each, alternating."""
+    # Both schedule one batch at a time: speculation needs each step's tokens on the host, and the plain engine
+    # would otherwise schedule ahead on a GPU (async_scheduling unset), so the two would differ in more than drafts.
+    engine_kw = {**engine_kw, "async_scheduling": False}
     engines = {False: LLM(**{**engine_kw, "speculative_config": None}),
                True: LLM(**{**engine_kw, "speculative_config": speculative_config})}
     workload = make_workload(engines[False])

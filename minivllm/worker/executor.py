@@ -631,6 +631,7 @@ class ExternalLauncherExecutor(Executor):
 
 
 def make_executor(config: EngineConfig, model_path, model_cfg: ModelConfig, device: torch.device) -> Executor:
+    config = dataclasses.replace(config, async_scheduling=config.async_scheduling_on(device.type))   # None decided
     backend = config.distributed_executor_backend
     world = config.tensor_parallel_size * config.pipeline_parallel_size
     if backend == "auto":
