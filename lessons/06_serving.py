@@ -215,7 +215,9 @@ print("\n".join(lines[start - 1:start + 9]))
 #
 # The engine thread steps as fast as it can, so whom a step batches depends on when requests arrive. To
 # look at it calmly we use the dashboard's teaching controls: `pause()` stops stepping (commands still run),
-# `step_once()` runs exactly one step, `resume()` lets it go.
+# `step_once()` runs exactly one step, `resume()` lets it go. (With async scheduling, on by default on a GPU, a
+# step normally leaves the next batch running on the device; a paused engine first finishes it, and its single
+# steps run one batch all the way, so what you see is all there is.)
 #
 # Three clients ask three questions behind the same system prompt. Each `add_request` validates and queues a
 # request and returns its `RequestStream`; nothing runs while the engine is paused.

@@ -47,8 +47,8 @@ class Spy:
             self.scored_ahead += batch.logprobs_ahead is not None
             return batch
 
-        def spy_step():
-            outputs = step()
+        def spy_step(**kwargs):
+            outputs = step(**kwargs)
             engine.check_integrity()
             return outputs
         engine.scheduler.schedule, engine.step, engine.executor.issue = spy_schedule, spy_step, spy_issue
@@ -264,6 +264,61 @@ def test_the_serving_engine_streams_hfs_tokens_with_async_scheduling(model_dir, 
         assert [t for o in outs for t in o.outputs[0].token_ids] == want
         assert outs[-1].finished
     assert spy.placeholders > 0
+    drained(engine)
+    engine.shutdown()
+
+
+def test_a_paused_server_engine_has_nothing_in_flight_and_steps_one_token_at_a_time(model_dir, prompt_ids,
+                                                                                   hf_reference):
+    """The dashboard's pause and single step over an async-scheduling engine (the default on a GPU): pausing
+    finishes the batch in flight, so the picture shows all there is; each single step then runs one batch all
+    the way and hands every running request exactly one token; resumed, it schedules ahead again."""
+    import asyncio
+    import time
+
+    from minivllm.config import EngineConfig
+    from minivllm.engine.async_llm import AsyncLLMEngine
+    from minivllm.engine.llm_engine import LLMEngine
+
+    engine = LLMEngine(EngineConfig(model=str(model_dir), device="cpu", dtype="float32", num_kv_blocks=64,
+                                    async_scheduling=True))
+    spy = Spy(type("L", (), {"llm_engine": engine})())
+    ae = AsyncLLMEngine(engine)
+    params = SamplingParams(temperature=0, max_tokens=NUM_TOKENS, ignore_eos=True)
+
+    def wait_until(predicate, timeout=30.0):
+        deadline = time.time() + timeout
+        while not predicate():
+            assert time.time() < deadline, "timed out"
+            time.sleep(0.01)
+
+    def tokens() -> list[int]:                  # read while paused: the engine thread is not stepping
+        return [engine.requests[f"p{i}"].num_output_tokens for i in range(2)]
+
+    async def main():
+        streams = [await ae.add_request({"prompt_token_ids": p}, params, request_id=f"p{i}")
+                   for i, p in enumerate(prompt_ids[:2])]
+        wait_until(lambda: ae.snapshot().stats.num_steps >= 4)          # running ahead, a batch in flight
+        ae.pause()
+        wait_until(lambda: ae.snapshot().paused and not engine.batch_queue)
+        time.sleep(0.2)
+        steps, before = ae.snapshot().stats.num_steps, tokens()
+        assert 0 < min(before) and max(before) < NUM_TOKENS
+        for k in (1, 2, 3):
+            ae.step_once()
+            wait_until(lambda: ae.snapshot().stats.num_steps == steps + k)
+            time.sleep(0.1)
+            assert not engine.batch_queue and tokens() == [n + k for n in before]   # one token each, none ahead
+        ae.resume()
+        return [[o async for o in s] for s in streams]
+
+    try:
+        results = asyncio.run(main())
+    finally:
+        ae.shutdown(shutdown_engine=False)
+    for outs, want in zip(results, hf_reference[:2]):
+        assert list(outs[-1].outputs[0].token_ids) == want
+    assert spy.placeholders > 0                            # it did schedule ahead, before the pause and after
     drained(engine)
     engine.shutdown()
 

@@ -218,7 +218,9 @@ class AsyncLLMEngine:
 
     # ------------------------------------------------------------------ teaching controls
     def pause(self) -> None:
-        """Stop stepping after the current step. Requests can still be added and aborted while paused."""
+        """Stop stepping after the current step. Requests can still be added and aborted while paused.
+        A batch still in flight (async scheduling, pipeline stages) is finished first, and single steps run one
+        batch all the way (LLMEngine.step(ahead=False)): while paused, what the dashboard shows is all there is."""
         self._submit(lambda: self._set_paused(True))
 
     def resume(self) -> None:
@@ -307,7 +309,7 @@ class AsyncLLMEngine:
 
     def _can_step(self) -> bool:
         if self._paused and self._steps_allowed == 0:
-            return False
+            return bool(self.engine.batch_queue)         # finish what was in flight when it paused
         return self.engine.has_unfinished_requests()
 
     def _run_commands(self, wait: bool) -> None:
@@ -338,7 +340,7 @@ class AsyncLLMEngine:
         if self._steps_allowed:
             self._steps_allowed -= 1
         try:
-            outputs = self.engine.step()
+            outputs = self.engine.step(ahead=False) if self._paused else self.engine.step()
         except Exception as e:
             # The engine rolled the step back: nothing it did remains. Only the requests it had scheduled end,
             # with the error (the API answers them with a 500 body); every other request keeps its place.

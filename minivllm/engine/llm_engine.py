@@ -266,7 +266,7 @@ class LLMEngine:
         return self.scheduler.has_unfinished_requests()
 
     # ------------------------------------------------------------------ the step
-    def step(self) -> list[RequestOutput]:
+    def step(self, ahead: bool = True) -> list[RequestOutput]:
         """One engine iteration. Returns an output for every request that has one (see RequestOutputKind).
 
         All or nothing: if anything in it raises, the core is rolled back (journal.py) and the exception is
@@ -282,7 +282,11 @@ class LLMEngine:
         Async scheduling is the same step with two batches and one stage: the next batch is scheduled and issued
         (sampled on the device, its inputs read from the batch before) and then the older batch's tokens come to the
         host and are applied, while the device runs the newer one. A failed step also puts back the random state the
-        batch it issued drew from."""
+        batch it issued drew from.
+
+        ahead=False (the server's single steps while paused, async_llm.py): nothing is left in flight. A step with
+        batches in flight only finishes the oldest; one with none schedules a batch and waits for it, as a
+        synchronous engine's step does."""
         start = time.perf_counter()
         scheduler, sampler, queue, j = self.scheduler, self.model_runner.sampler, self.batch_queue, self.journal
         sched, issued, batch, rng_state = None, None, None, None
@@ -291,7 +295,7 @@ class LLMEngine:
         with self._sigint:                  # Ctrl-C waits for a consistent point, except in the forward (sigint.py)
             scheduler.begin_step()
             try:
-                if len(queue) < self.max_concurrent_batches:
+                if len(queue) < self.max_concurrent_batches and (ahead or not queue):
                     sched = scheduler.schedule()
                     if not sched.is_empty:
                         prev = None
@@ -306,7 +310,7 @@ class LLMEngine:
                     scheduler.commit_step()
                     return []
                 pipe = tuple(queue)
-                if issued is None or len(queue) == self.max_concurrent_batches:
+                if issued is None or len(queue) == self.max_concurrent_batches or not ahead:
                     # The oldest batch's tokens: wait for its logits, sample, update the core.
                     batch = queue.popleft()
                     j.record(lambda: queue.appendleft(batch))
