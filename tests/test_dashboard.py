@@ -142,6 +142,25 @@ def test_a_preempted_chat_is_told_it_was_preempted_and_why(async_engine):
 
 
 def test_history_views_draw_the_real_steps(async_engine):
+    check_history_views(async_engine, first_token_with_the_prefill=True)
+
+
+def test_history_views_draw_the_real_steps_with_async_scheduling(model_dir):
+    """The same views over an engine that schedules ahead (the default on a GPU): a token reaches the host one
+    step after the batch that computed it, so a request's last step only collects its last token."""
+    engine = LLMEngine(EngineConfig(model=str(model_dir), device="cpu", dtype="float32", num_kv_blocks=BLOCKS,
+                                    block_size=BLOCK, async_scheduling=True))
+    ae = AsyncLLMEngine(engine)
+    try:
+        check_history_views(ae, first_token_with_the_prefill=False)
+        traces = ae.snapshot().recent_traces
+        assert any(t.pipeline is not None and len(t.pipeline.in_flight) == 2 for t in traces)   # it did run ahead
+    finally:
+        ae.shutdown()
+    engine.check_integrity()
+
+
+def check_history_views(async_engine: AsyncLLMEngine, first_token_with_the_prefill: bool) -> None:
     async def main():
         await asyncio.gather(*(collect(async_engine, f"h{i}", 4 + 2 * i) for i in range(3)))
 
@@ -163,8 +182,9 @@ def test_history_views_draw_the_real_steps(async_engine):
     for i in range(3):
         seen = [p for _, p in phases[f"h{i}"]]
         assert seen[0] in ("waiting", "prefill") and "prefill" in seen
-        # the first token comes with the prefill; the step that computes the last one shows it finished
-        assert seen.count("decode") + seen.count("finished") == 4 + 2 * i - 1
+        # synchronous: the first token comes with the prefill, and the step that computes the last one shows it
+        # finished; ahead: every token comes a step later, and the step that brings the last one computes nothing
+        assert seen.count("decode") + seen.count("finished") == 4 + 2 * i - first_token_with_the_prefill
         assert seen[-1] == "finished" and set(seen) <= set(PHASE_COLORS)
     svg = render_timelines(traces)
     cells = re.findall(r'data-request="(h\d)" data-step="(\d+)" data-phase="(\w+)"', svg)
