@@ -2,9 +2,9 @@
 
 Owns: the one thread that calls the engine, the command queue through which every other thread reaches
 it, one output stream per request, pause / single-step controls, and a snapshot of the latest step,
-stats and latency histograms for the dashboard and /metrics. It never decides what runs: that is the
-engine's scheduler. It never lets an exception out of the engine thread: whatever goes wrong ends the
-requests concerned with an error and the loop goes on.
+stats and latency histograms for the dashboard and /metrics (kept by a StatsRecorder, stats.py). It never
+decides what runs: that is the engine's scheduler. It never lets an exception out of the engine thread:
+whatever goes wrong ends the requests concerned with an error and the loop goes on.
 
 LLMEngine is not thread-safe, so nothing but the engine thread ever calls it:
 
@@ -33,15 +33,12 @@ from typing import Any
 
 from minivllm.config import EngineConfig
 from minivllm.core.sampling_params import RequestOutputKind, SamplingParams
-from minivllm.core.trace import StepTrace
 from minivllm.engine.llm_engine import LLMEngine, PromptType
 from minivllm.engine.request_stream import RequestStream
-from minivllm.engine.stats import E2E_BUCKETS, ITL_BUCKETS, TTFT_BUCKETS, EngineSnapshot, Histogram
+from minivllm.engine.stats import EngineSnapshot, StatsRecorder
 from minivllm.outputs import RequestOutput
 
 logger = logging.getLogger(__name__)
-
-RECENT_REQUESTS = 1000        # finished requests (reason, preemption steps) remembered for the dashboard
 
 
 class RequestError(RuntimeError):
@@ -81,26 +78,15 @@ class AsyncLLMEngine:
         self.engine = engine
         self._commands: collections.deque[_Command] = collections.deque()
         self._wakeup = threading.Condition()          # guards _commands; the engine thread sleeps on it
-        self._lock = threading.Lock()                 # guards everything the snapshot copies
         # Engine-thread state: only _run_loop and the commands it runs touch these.
         self._tracked: dict[str, _Tracked] = {}
         self._paused = False
         self._steps_allowed = 0                       # single steps granted while paused
         self._stopping = False
         self._shutdown_engine = True
-        # Snapshot state, written by the engine thread under _lock.
-        self._stats = engine.get_stats()
-        self._queues = engine.get_queues()              # taken with _stats, at the same moment: they agree
-        self._traces: collections.deque[StepTrace] = collections.deque(maxlen=trace_history)
-        self._events: collections.deque[str] = collections.deque(maxlen=event_history)
-        self._finished: collections.Counter[str] = collections.Counter()
-        self._recent_finished: collections.deque[tuple[str, str]] = collections.deque(maxlen=RECENT_REQUESTS)
-        # request id -> the steps that preempted it, kept past the trace window for the last RECENT_REQUESTS ids
-        self._preempted_at: dict[str, list[int]] = {}
-        self._num_prompt_tokens = 0
-        self._num_step_errors = 0
-        self._ttft, self._itl, self._e2e = Histogram(TTFT_BUCKETS), Histogram(ITL_BUCKETS), Histogram(E2E_BUCKETS)
-        engine.add_trace_listener(self._on_trace)
+        # What snapshot() copies, written only by the engine thread (and the trace listener it runs).
+        self._recorder = StatsRecorder(engine.get_stats(), engine.get_queues(), trace_history, event_history)
+        engine.add_trace_listener(self._recorder.on_trace)
         self._thread = threading.Thread(target=self._run_loop, name="minivllm-engine", daemon=True)
         self._thread.start()
 
@@ -121,7 +107,7 @@ class AsyncLLMEngine:
     @property
     def max_request_tokens(self) -> int:
         """The longest a request (prompt + output) can get: the context or the whole KV pool, the smaller."""
-        pool_tokens = self._stats.num_kv_blocks * self.engine.config.block_size
+        pool_tokens = self._recorder.stats.num_kv_blocks * self.engine.config.block_size
         return min(self.max_model_len, pool_tokens + 1)   # the last token's KV is never stored
 
     def chat_prompt(self, messages: list[dict], add_generation_prompt: bool = True) -> str:
@@ -188,8 +174,7 @@ class AsyncLLMEngine:
                     del self._tracked[stream.request_id]
                     self.engine.abort_request(stream.request_id)
                 raise
-            with self._lock:
-                self._num_prompt_tokens += num_prompt_tokens
+            self._recorder.add_prompt_tokens(num_prompt_tokens)
             return streams
 
         future = self._submit(add_all)
@@ -237,7 +222,7 @@ class AsyncLLMEngine:
     def _set_paused(self, paused: bool) -> None:
         """Pausing an engine that is already paused keeps the single steps granted so far."""
         if paused != self._paused:
-            self._log("paused" if paused else "resumed")
+            self._recorder.log("paused" if paused else "resumed")
             self._paused, self._steps_allowed = paused, 0
 
     # ------------------------------------------------------------------ what the UI and /metrics read
@@ -250,20 +235,11 @@ class AsyncLLMEngine:
                 pool = self.call(lambda e: e.kv_cache_manager.block_pool.snapshot()).result(timeout)
             except (RequestError, concurrent.futures.TimeoutError):
                 pool = None                       # shut down, or a very long step: draw without it
-        with self._lock:
-            return EngineSnapshot(
-                stats=self._stats, queues=self._queues, trace=self._traces[-1] if self._traces else None,
-                recent_traces=tuple(self._traces), events=tuple(self._events), paused=self._paused,
-                loop_alive=self._thread.is_alive(), num_requests=len(self._tracked),
-                finished=dict(self._finished), recent_finished=tuple(self._recent_finished),
-                preempted_at={rid: tuple(steps) for rid, steps in self._preempted_at.items()},
-                num_prompt_tokens=self._num_prompt_tokens, num_step_errors=self._num_step_errors,
-                ttft=self._ttft.copy(), itl=self._itl.copy(), e2e=self._e2e.copy(), pool=pool)
+        return self._recorder.snapshot(self._paused, self._thread.is_alive(), len(self._tracked), pool)
 
     def finish_reason_of(self, request_id: str) -> str | None:
         """How a recently finished request ended ("stop", "length", "abort", "error"), or None if unknown."""
-        with self._lock:
-            return next((reason for rid, reason in reversed(self._recent_finished) if rid == request_id), None)
+        return self._recorder.finish_reason_of(request_id)
 
     @property
     def is_running(self) -> bool:
@@ -291,7 +267,7 @@ class AsyncLLMEngine:
                 logger.exception("unexpected error in the engine loop")
         self._close_all("the engine is shutting down.")
         self._cancel_commands()
-        self.engine.remove_trace_listener(self._on_trace)
+        self.engine.remove_trace_listener(self._recorder.on_trace)
         shutdown = getattr(self.engine, "shutdown", None)   # tensor-parallel workers, where there are any
         if shutdown is not None and self._shutdown_engine:
             try:
@@ -345,12 +321,11 @@ class AsyncLLMEngine:
             # The engine rolled the step back: nothing it did remains. Only the requests it had scheduled end,
             # with the error (the API answers them with a 500 body); every other request keeps its place.
             logger.exception("engine step failed")
-            with self._lock:
-                self._num_step_errors += 1
+            self._recorder.step_failed()
             message = f"engine step failed: {type(e).__name__}: {e}"
             for request_id in self.engine.failed_request_ids:
                 self._fail(request_id, message)
-            self._log(message)
+            self._recorder.log(message)
             try:
                 self.engine.check_integrity()
             except Exception:
@@ -375,10 +350,10 @@ class AsyncLLMEngine:
         tracked = self._tracked.get(out.request_id)
         if tracked is None:                          # added behind our back (engine used directly): not ours
             return False
-        self._observe_latency(tracked, out, now)
+        tracked.last_token_time = self._recorder.observe_latency(tracked.last_token_time, out, now)
         if out.finished:
             del self._tracked[out.request_id]
-            self._record_finish(out.request_id, out.outputs[0].finish_reason)
+            self._recorder.record_finish(out.request_id, out.outputs[0].finish_reason)
         try:
             tracked.stream.put(out)
         except RuntimeError:                         # the consumer's event loop is closed: nobody will read
@@ -387,25 +362,13 @@ class AsyncLLMEngine:
                 return True
         return False
 
-    def _observe_latency(self, tracked: _Tracked, out: RequestOutput, now: float) -> None:
-        m = out.metrics
-        with self._lock:
-            if m is not None and m.last_token_time is not None and m.last_token_time != tracked.last_token_time:
-                if tracked.last_token_time is None and m.first_token_time is not None:
-                    self._ttft.observe(m.first_token_time - m.arrival_time)
-                elif tracked.last_token_time is not None:
-                    self._itl.observe(m.last_token_time - tracked.last_token_time)
-                tracked.last_token_time = m.last_token_time
-            if out.finished and out.outputs[0].finish_reason in ("stop", "length") and m is not None:
-                self._e2e.observe((m.finished_time or now) - m.arrival_time)
-
     def _abort(self, request_id: str, reason: str) -> None:
         tracked = self._tracked.pop(request_id, None)
         out = self.engine.abort_request(request_id)
         if out is None:                              # unknown or already finished
             return
-        self._record_finish(request_id, "abort")
-        self._log(f"abort {request_id} ({reason})")
+        self._recorder.record_finish(request_id, "abort")
+        self._recorder.log(f"abort {request_id} ({reason})")
         if tracked is not None:
             try:
                 tracked.stream.put(out)              # a consumer still reading sees finish_reason "abort"
@@ -419,7 +382,7 @@ class AsyncLLMEngine:
             self.engine.abort_request(request_id)
         except Exception:
             logger.exception("abort_request(%r) failed", request_id)
-        self._record_finish(request_id, "error")
+        self._recorder.record_finish(request_id, "error")
         if tracked is not None:
             try:
                 tracked.stream.put(RequestError(f"request {request_id}: {message}"))
@@ -430,30 +393,8 @@ class AsyncLLMEngine:
         """End every open request with a RequestError (after a failed step, at shutdown)."""
         for request_id in list(self._tracked):
             self._fail(request_id, message)
-        self._log(message)
-
-    def _record_finish(self, request_id: str, reason: str | None) -> None:
-        with self._lock:
-            self._finished[reason or "unknown"] += 1
-            self._recent_finished.append((request_id, reason or "unknown"))
-
-    def _on_trace(self, trace: StepTrace) -> None:
-        """Trace listener: called by engine.step() on the engine thread."""
-        with self._lock:
-            self._traces.append(trace)
-            self._events.extend(f"step {trace.step}: {line}" for line in trace.events)
-            for request_id in trace.preempted:
-                self._preempted_at.setdefault(request_id, []).append(trace.step)
-                if len(self._preempted_at) > RECENT_REQUESTS:                # forget the oldest id
-                    del self._preempted_at[next(iter(self._preempted_at))]
-
-    def _log(self, line: str) -> None:
-        with self._lock:
-            step = self._traces[-1].step if self._traces else 0
-            self._events.append(f"after step {step}: {line}")
+        self._recorder.log(message)
 
     def _publish_stats(self) -> None:
         """After every step and every batch of commands: the counts and the queues, taken together."""
-        stats, queues = self.engine.get_stats(), self.engine.get_queues()
-        with self._lock:
-            self._stats, self._queues = stats, queues
+        self._recorder.publish(self.engine.get_stats(), self.engine.get_queues())
