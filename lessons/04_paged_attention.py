@@ -692,7 +692,7 @@ print(f"fp8 kernel vs fp32 attention over the dequantized cache: max abs error {
 print(f"fp8 kernel vs fp32 attention over the original cache:    max abs error {err_fp8_format:.1e}")
 
 # %% [markdown]
-# On the real model the format's price, measured (README, `tests/test_kv_cache_fp8.py`): perplexity of 400
+# On the real model the format's price, measured (docs/benchmarks.md, `tests/test_kv_cache_fp8.py`): perplexity of 400
 # tokens of prose 7.30 -> 7.85, of the README's first 1,024 tokens 40.26 -> 40.57. Triton has e4m3 only from
 # compute capability 8.9 (H100, L4), so an A100 cannot hold an fp8 cache here; the ahead-of-time check
 # compiles the fp8 kernels for sm_90 only.
@@ -703,7 +703,7 @@ print(f"fp8 kernel vs fp32 attention over the original cache:    max abs error {
 # query heads that share it, by a table lookup: the byte's 7 magnitude bits index the 128 bf16 values an e4m3
 # magnitude can be (two 64-entry `vpermt2w` lookups), and the sign moves from bit 7 to bit 15. A table is exact
 # for subnormals and NaN alike, where bit arithmetic needs a case for each. From there it runs as over a bf16
-# cache, and an fp8 cache's decode step costs what a bf16 cache's does (README, "Measured", thirteenth session).
+# cache, and an fp8 cache's decode step costs what a bf16 cache's does (docs/benchmarks.md, "CPU: fp8 KV cache", 2026-11-27).
 # The cell runs it on this section's fp8 cache.
 
 # %%

@@ -700,7 +700,7 @@ print(f"running {stats.num_running}, waiting {stats.num_waiting}, KV usage {stat
 # > `torch.compile` (inductor) so norms, rotary and activations fuse into fewer loops; on a GPU, vLLM captures
 # > CUDA graphs for a list of batch sizes (lesson 11) and its attention backends (FlashAttention,
 # > FlashInfer, Triton) read the paged cache in the kernel. Its benchmark, `vllm bench serve`, is the one
-# > `README.md` uses to compare the two servers.
+# > `docs/benchmarks.md` uses to compare the two servers.
 
 # %% [markdown]
 # ## Check yourself

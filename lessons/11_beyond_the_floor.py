@@ -176,7 +176,7 @@ print(inspect.getsource(DecodeGraphs._fill))
 # ## 2. What did not help on these 2-core CPUs (and why)
 #
 # Each idea below was tried inside the engine, timed against the unchanged engine in alternating runs, and
-# left out of minivllm; the dated numbers are in the README's "Measured" section, not repeated here, since this
+# left out of minivllm; the dated numbers are in docs/benchmarks.md, not repeated here, since this
 # lesson shows only what it measures itself. (The machine's noise is large: runs of the same command differ by
 # up to 20%.)
 #
@@ -343,7 +343,7 @@ for name in dict.fromkeys(k[0] for k in results):
 # unsigned, so the kernel feeds qx + 128 and subtracts 128 sum_k q[n][k], stored with the weight, at the end.)
 # On the 2-core Zen 4 of 2026-11-27 a bf16 model's decode step at batch 32 went from 34.5 ms (bf16) to 25.3 ms,
 # its 4,096-token prefill from 2.5-2.7 s to 1.5 s, and an fp32 model's decode step at 32 from 59-67 to 30-35 ms.
-# The price is quality, since x now carries 8 bits: this README's perplexity went from 45.81 (fp32) to 49.04,
+# The price is quality, since x now carries 8 bits: the README's perplexity (its first 1,024 tokens on 2026-11-27) went from 45.81 (fp32) to 49.04,
 # against int8's 46.16 and int4's 47.89. A scale per group of 32 inputs instead of per row follows the values
 # more closely, at the cost of converting and scaling each group's integer sums: `quantization="w4a8_int8"`
 # does that with int4's weights (llama.cpp's Q4_1 x Q8_1), whose groups need that treatment anyway, and whose
@@ -492,7 +492,7 @@ else:
 # On the 2-core AMD EPYC this lesson was written on, the cell printed 66.5 ms for the fresh output under
 # glibc, 14.5 ms for the reused buffer and 11.4 ms for the fresh output under tcmalloc: the allocation cost
 # four times the math, and tcmalloc took it away. Inside the engine tcmalloc gained 11-20% on the bench's
-# default workload, most of it in prefill (README, "The CPU runtime"). Nothing in the model changed, and
+# default workload, most of it in prefill (docs/benchmarks.md, 2026-11-25). Nothing in the model changed, and
 # greedy output is identical: only where memory comes from.
 #
 # vLLM's CPU guide also asks for Intel's OpenMP with its threads bound to cores (`KMP_AFFINITY`). minivllm
@@ -501,8 +501,8 @@ else:
 # Intel's OpenMP *unbound* is preloaded with tcmalloc now, for what it does to a server: offline it measured
 # the same as PyTorch's GNU OpenMP, but served online on 2 cores, where the server's HTTP thread runs beside
 # the two OpenMP threads, the output throughput rose by about a third (89-117 -> 137-154 tokens/s in single
-# runs) and the inter-token latency fell from about 170 to 120-133 ms (README, "Online: the sampler's draw
-# and Intel's OpenMP"). The lesson's own process keeps what it started with; the report above names it.
+# runs) and the inter-token latency fell from about 170 to 120-133 ms (docs/benchmarks.md, history,
+# 2026-11-26). The lesson's own process keeps what it started with; the report above names it.
 
 # %% [markdown]
 # ## 5. Decode attention in C++: the same bytes, read once and in order
@@ -577,7 +577,7 @@ for name, ms in timings.items():
 # On the 2-core AMD EPYC this was written on (one thread, as the whole lesson), the reference took 2.7 ms per
 # layer and the kernel 1.3 ms (11.6 GB/s of K and V, against 19.7 GB/s read + written by a large copy). With
 # the engine's two threads a decode step at batch 32 with 200 tokens of context went from about 141 ms to
-# 110 ms, and the equality with Hugging Face held token for token (`tests/test_cpu_attention.py`; numbers in the README's "Measured").
+# 110 ms, and the equality with Hugging Face held token for token (`tests/test_cpu_attention.py`; numbers in docs/benchmarks.md).
 # The lesson of the first try: a kernel that reads the right bytes in the wrong order can be no faster than
 # the copy it was meant to remove.
 #
@@ -624,7 +624,7 @@ if have_cpp:
 # Here (2026-11-27, one thread, fp32, two runs) the cell printed 0.61 -> 0.56 and 0.75 -> 0.73 ms: a few
 # percent. One thread asks for less memory at a time than the engine's two, and the 100 MB cache here is
 # smaller than the engine's 1 GB pool with the weights beside it; in the engine the pages took 6-10% off a
-# whole decode step (README, "Measured"). The second bullet above also revises the finding before it: faster
+# whole decode step (docs/benchmarks.md). The second bullet above also revises the finding before it: faster
 # dot products "gained nothing against memory" while the prefetches into L1 made the loads wait; once they
 # stopped, the arithmetic showed again (the kernel with its caches inside L3: 0.145 -> 0.098 ms a layer).
 
@@ -719,7 +719,7 @@ print(f"4,096 rows, gate/up activation {4096 * sum(mlp.gate_up_proj.out_sizes) *
 # with a select instead of a branch (`kernels/cpu_dtype.h`). The compiler vectorises that, and the result is
 # the same bits, which `tests/test_cpu_layers.py` checks on every one of the 65,536 bf16 values. The bf16
 # kernels now cost about what the fp32 ones do, and the bf16 bench against vLLM's CPU backend went from 0.78x
-# to 0.93x with this change alone (README, "bf16 on a CPU with AVX-512 BF16").
+# to 0.93x with this change alone (docs/benchmarks.md, history, 2026-11-27).
 #
 # The cell times SiLU-and-mul in both dtypes on a decode batch's rows (one thread): compare the two lines.
 
@@ -763,7 +763,7 @@ if have_cpp:
 # with one rank and no speculative decoding (`EngineConfig.async_scheduling_on`). On a CPU minivllm leaves it
 # off: the forward runs in the host's own thread, so there is nothing to hide it behind (0.95x measured). On an
 # H100 it took nano-vllm's workload (256 requests, Qwen3-0.6B's shape) from 6,379 to 10,566 output tokens/s,
-# the decode step at batch 63 from 13.3 to 6.4 ms (README, "Measured"). The cells below turn it on by hand.
+# the decode step at batch 63 from 13.3 to 6.4 ms (docs/benchmarks.md). The cells below turn it on by hand.
 
 # %% [markdown]
 # ### Exercise: plan a request whose batch is in flight

@@ -89,12 +89,16 @@ def rewrite(text: str) -> str:
     return text
 
 
-def main(argv: list[str] | None = None) -> int:
+def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="python -m minivllm.docs_tables",
                                      description="Print (or write into docs/configuration.md) the tables of "
                                                  "engine arguments and environment variables.")
     parser.add_argument("--write", action="store_true", help=f"rewrite the tables in {CONFIGURATION_MD.name}")
-    args = parser.parse_args(argv)
+    return parser
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = build_parser().parse_args(argv)
     if args.write:
         CONFIGURATION_MD.write_text(rewrite(CONFIGURATION_MD.read_text()))
         print(f"wrote {len(TABLES)} tables into {CONFIGURATION_MD}")

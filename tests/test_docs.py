@@ -1,0 +1,121 @@
+"""The documentation's commands still work as written, and its results are labelled by date, machine and commit.
+
+Every `python -m minivllm.<x> ...`, `python app.py ...`, `python <script>.py`, `python -m pytest <paths>` and
+`bash <script>` in README.md and docs/*.md (in ```bash blocks and in `inline code`) is checked without running
+it: a minivllm command's flags are parsed by that command's own argument parser; a script or test path must
+exist. A doc that names a flag a command no longer has fails here.
+"""
+
+from __future__ import annotations
+
+import importlib
+import importlib.util
+import re
+import shlex
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parent.parent
+DOCS = [ROOT / "README.md", *sorted((ROOT / "docs").glob("*.md"))]
+
+# `python -m <module>`: how to build that command's parser, as "module:function". bench's parse_args also makes
+# its cross-flag checks (parser.error, exit code 2), as the real command does.
+PARSERS = {
+    "minivllm.generate": "minivllm.entrypoints.generate:build_parser",
+    "minivllm.bench": "minivllm.bench.cli:parse_args",
+    "minivllm.docs_tables": "minivllm.docs_tables:build_parser",
+    "app.py": "app:build_parser",
+}
+PYTHON = ("python", "python3")
+
+
+def commands_in(text: str) -> list[str]:
+    """Shell commands of a markdown text: the lines of ```bash blocks (continuations joined) and inline code,
+    each split at `&&` and `;`, keeping those that start with python, python3, torchrun or bash."""
+    pieces = []
+    for block in re.findall(r"```bash\n(.*?)```", text, re.S):
+        pieces += block.replace("\\\n", " ").splitlines()
+    pieces += re.findall(r"(?<!`)`([^`\n]+)`(?!`)", re.sub(r"```.*?```", "", text, flags=re.S))
+    commands = []
+    for piece in pieces:
+        for part in re.split(r"&&|;", piece):
+            part = part.strip()
+            words = part.split()
+            while words and re.fullmatch(r"[A-Z_][A-Z0-9_]*=\S*", words[0]):      # VAR=value before a command
+                words.pop(0)
+            if words and words[0] in (*PYTHON, "torchrun", "bash") and len(words) > 1:
+                commands.append(" ".join(words))
+    return commands
+
+
+def all_commands() -> list[tuple[str, str]]:
+    return [(doc.relative_to(ROOT).as_posix(), cmd) for doc in DOCS for cmd in commands_in(doc.read_text())]
+
+
+def test_the_docs_have_commands_to_check():
+    found = {cmd.split()[0:3][-1] for _, cmd in all_commands()}
+    assert {"minivllm.generate", "minivllm.bench", "app.py"} <= found, found
+
+
+def _check(argv: list[str]) -> None:
+    """Parse one command's words as its program would, without running it."""
+    if argv[0] == "torchrun":                          # torchrun [its flags] -m module args
+        argv = ["python", *argv[argv.index("-m"):]]
+    if argv[0] == "bash":
+        assert (ROOT / argv[1]).is_file(), f"{argv[1]} does not exist"
+        return
+    assert argv[0] in PYTHON, argv
+    if argv[1] == "-m":
+        module, args = argv[2], argv[3:]
+        if module == "pytest":
+            for arg in args:
+                if arg.startswith(("tests/", "lessons/")):
+                    path = arg.split("::")[0]
+                    assert (ROOT / path).exists(), f"{path} does not exist"
+            return
+        spec = importlib.util.find_spec(module)
+        assert spec is not None, f"no module {module}"
+        if spec.submodule_search_locations is not None:          # a package runs its __main__
+            assert importlib.util.find_spec(module + ".__main__") is not None, f"{module} has no __main__"
+    else:
+        module, args = argv[1], argv[2:]
+        assert (ROOT / module).is_file(), f"{module} does not exist"
+    if module in PARSERS:
+        mod_name, func = PARSERS[module].split(":")
+        make = getattr(importlib.import_module(mod_name), func)
+        try:
+            make(args) if func == "parse_args" else make().parse_args(args)
+        except SystemExit as e:
+            raise AssertionError(f"its parser refused {shlex.join(args)!r} (exit code {e.code})") from None
+
+
+@pytest.mark.parametrize("doc, command", all_commands())
+def test_documented_command_parses_as_written(doc, command):
+    try:
+        _check(shlex.split(command, comments=True))
+    except AssertionError as e:
+        raise AssertionError(f"{doc}: `{command}`: {e}") from None
+
+
+ORDINALS = ("first|second|third|fourth|fifth|sixth|seventh|eighth|ninth|tenth|eleventh|twelfth|thirteenth|"
+            "fourteenth|fifteenth|sixteenth|seventeenth|eighteenth|nineteenth|twentieth|\\d+(st|nd|rd|th)")
+LABELLED = [ROOT / "README.md", *sorted((ROOT / "docs").glob("*.md")), *sorted((ROOT / "lessons").glob("*.py")),
+            *sorted((ROOT / "lessons").glob("*.ipynb")), ROOT / "lessons" / "README.md"]
+
+
+@pytest.mark.parametrize("path", LABELLED, ids=lambda p: p.relative_to(ROOT).as_posix())
+def test_no_result_is_labelled_by_a_working_period(path):
+    """Results carry a date, a machine and a commit, never "the fifth session"."""
+    text = path.read_text()
+    hits = [m.group(0) for m in re.finditer(rf"\b({ORDINALS}) session", text, re.I)]
+    assert not hits, f"{path.name} labels results by working period: {hits}"
+
+
+@pytest.mark.parametrize("path", [*LABELLED, *sorted((ROOT / ".ci").rglob("*")), ROOT / "app.py"],
+                         ids=lambda p: p.relative_to(ROOT).as_posix())
+def test_no_absolute_path_of_a_build_machine(path):
+    if not path.is_file():
+        return
+    hits = re.findall(r"(?<![\w.~])/(?:work|root|tmp)/[\w./-]*", path.read_text())
+    assert not hits, f"{path.relative_to(ROOT)} names paths of a build machine: {hits}"
