@@ -1,10 +1,12 @@
-"""The OpenAI API's request and response bodies (vLLM's entrypoints/openai/protocol.py).
+"""The OpenAI API's request bodies and error body (vLLM's entrypoints/openai/protocol.py).
 
-Owns: reading a request body (JSON object, field types, ranges, unsupported options) into engine terms
-(a prompt and SamplingParams), the error body every bad request gets, and the shapes of the response
-bodies and stream chunks. Pure functions of the body: no engine, no HTTP. Nothing is accepted and ignored:
-a field a route does not read (ACCEPTED_FIELDS) is refused. Anything wrong raises APIError naming the field
-(OpenAI's `param`), which the server turns into a 400 (a 404 for a model not served here):
+Owns: which fields each route takes, reading a request body (JSON object, field types, ranges, unsupported
+options) into engine terms (prompts and SamplingParams), and the error body every bad request gets. Chat
+messages and the chat template are chat_utils.py's; the response bodies and stream chunks are written by
+the serving modules (serving_engine.py). Pure functions of the body: no engine, no HTTP. Nothing is
+accepted and ignored: a field a route does not read (ACCEPTED_FIELDS) is refused. Anything wrong raises
+APIError naming the field (OpenAI's `param`), which the server turns into a 400 (a 404 for a model not
+served here):
 
     {"error": {"message": "temperature is -1; it must be >= 0 (0 means greedy).",
                "type": "invalid_request_error", "param": "temperature", "code": null}}
@@ -19,9 +21,7 @@ import sys
 from dataclasses import dataclass
 
 from minivllm.core.sampling_params import MAX_LOGPROBS, RequestOutputKind, SamplingParams, StructuredOutputsParams
-from minivllm.outputs import Logprob, RequestOutput
 
-CHAT_ROLES = ("system", "developer", "user", "assistant")
 INT64 = (-(2 ** 63), 2 ** 63 - 1)     # torch generators and tensors take no wider ints
 FLOAT_MAX = sys.float_info.max       # a JSON integer beyond it is valid JSON but fits no float
 MAX_PROMPTS = 1024                   # prompts in one /v1/completions request
@@ -175,14 +175,6 @@ def json_type(value) -> str:
         if isinstance(value, t):
             return name
     return "null"
-
-
-def check_model(body: dict, accepted_names: set[str], served_name: str) -> None:
-    model = read_field(body, "model", "string")
-    if model is not None and model not in accepted_names:
-        # vLLM's answer: 404, type "NotFoundError", code 404.
-        raise APIError(f"The model {describe(model)} does not exist; this server serves '{served_name}' (see "
-                       "/v1/models).", param="model", status_code=404, type="NotFoundError", code=404)
 
 
 def requested_max_tokens(body: dict, chat: bool) -> tuple[str, int | None]:
@@ -351,16 +343,6 @@ def sampling_params_from_body(body: dict, chat: bool, default_max_tokens: int) -
                        else field_name if field_name in kwargs else None) from None
 
 
-@dataclass(frozen=True)
-class ParsedRequest:
-    """A request body checked and turned into engine terms; what the completion routes share."""
-    prompts: list[str | list[int]]   # /v1/completions takes several; chat has one
-    body: dict
-    stream: bool
-    include_usage: bool
-    prompt_param: str              # where a prompt error points: "prompt" or "messages"
-
-
 def parse_stream(body: dict) -> tuple[bool, bool]:
     """(stream, include_usage). stream_options is only allowed with stream=true, as in OpenAI's API."""
     stream = read_field(body, "stream", "bool", False)
@@ -392,60 +374,6 @@ def is_token_ids(value) -> bool:
     return isinstance(value, list) and all(isinstance(t, int) and not isinstance(t, bool) for t in value)
 
 
-def parse_messages(body: dict) -> list[dict]:
-    """Chat messages as {"role", "content": str}. Content may be a string or a list of text parts."""
-    messages = body.get("messages")
-    if not isinstance(messages, list) or not messages:
-        got = "missing" if messages is None else describe(messages)
-        raise APIError(f"'messages' is {got}; it must be a non-empty list of {{'role', 'content'}} objects.",
-                       param="messages")
-    out = []
-    for i, m in enumerate(messages):
-        where = f"messages[{i}]"
-        if not isinstance(m, dict):
-            raise APIError(f"{where} is {describe(m)}; each message must be an object with 'role' and "
-                           "'content'.", param=where)
-        role = m.get("role")
-        if role not in CHAT_ROLES:
-            raise APIError(f"{where}.role is {describe(role)}; it must be one of {list(CHAT_ROLES)}.",
-                           param=f"{where}.role")
-        content = m.get("content")
-        if content is None and role == "assistant":
-            content = ""
-        if isinstance(content, list):
-            parts = []
-            for j, part in enumerate(content):
-                if not (isinstance(part, dict) and part.get("type") == "text" and isinstance(part.get("text"), str)):
-                    raise APIError(f"{where}.content[{j}] is {describe(part)}; only text parts "
-                                   "({'type': 'text', 'text': ...}) are supported.", param=f"{where}.content")
-                parts.append(part["text"])
-            content = "".join(parts)
-        if not isinstance(content, str):
-            raise APIError(f"{where}.content is {describe(content)}; it must be a string or a list of "
-                           "text parts.", param=f"{where}.content")
-        out.append({"role": "system" if role == "developer" else role,
-                    "content": read_text(content, f"{where}.content")})
-    return out
-
-
-def parse_chat_options(body: dict, default_add_generation_prompt: bool = True) -> dict:
-    """The chat template's options, as apply_chat_template takes them. continue_final_message leaves the
-    last (assistant) message open for the model to continue; it excludes add_generation_prompt, as in vLLM."""
-    options = {"add_generation_prompt": read_field(body, "add_generation_prompt", "bool",
-                                                   default_add_generation_prompt),
-               "continue_final_message": read_field(body, "continue_final_message", "bool", False)}
-    if options["continue_final_message"]:
-        if body.get("add_generation_prompt"):
-            raise APIError("'continue_final_message' and 'add_generation_prompt' are both true; the final "
-                           "message is either continued or followed by a new one. Set one of them to false.",
-                           param="continue_final_message")
-        options["add_generation_prompt"] = False
-    template = read_field(body, "chat_template", "string")
-    if template is not None:
-        options["chat_template"] = read_text(template, "chat_template")
-    return options
-
-
 def parse_token_ids(body: dict, name: str, vocab_size: int) -> list[int]:
     """body[name] as a list of token ids, each in [0, vocab_size)."""
     ids = body.get(name)
@@ -453,98 +381,3 @@ def parse_token_ids(body: dict, name: str, vocab_size: int) -> list[int]:
         raise APIError(f"'{name}' is {'missing' if ids is None else describe(ids)}; it must be a list of token "
                        f"ids in [0, {vocab_size}).", param=name)
     return ids
-
-
-# ---------------------------------------------------------------------- responses
-@dataclass(frozen=True)
-class ResponseMeta:
-    """What every body and chunk of one response repeats: its id, creation time, model and kind."""
-    request_id: str
-    created: int
-    model: str
-    chat: bool
-
-    def envelope(self, choices: list, stream: bool) -> dict:
-        kind = ("chat.completion.chunk" if stream else "chat.completion") if self.chat else "text_completion"
-        return {"id": self.request_id, "object": kind, "created": self.created, "model": self.model,
-                "choices": choices}
-
-
-def usage_of(finals: list[RequestOutput], completion_tokens: int) -> dict:
-    """The usage object: prompt and cached tokens from each prompt's final output (counted once per prompt,
-    whatever n is, as vLLM does); completion tokens counted over all deltas of all samples by the caller."""
-    prompt_tokens = sum(len(f.prompt_token_ids) for f in finals)
-    return {"prompt_tokens": prompt_tokens, "completion_tokens": completion_tokens,
-            "total_tokens": prompt_tokens + completion_tokens,
-            "prompt_tokens_details": {"cached_tokens": sum(f.num_cached_tokens for f in finals)}}
-
-
-def make_choice(meta: ResponseMeta, index: int, text: str, finish_reason: str | None, stop_reason, stream: bool,
-                first: bool = False, logprobs: dict | None = None) -> dict:
-    """One entry of `choices`: a chat message, a chat stream delta (the first one carries the role), or text.
-    index: prompt_index * n + sample_index, as vLLM numbers the choices of a batch of prompts."""
-    choice: dict = {"index": index}
-    if meta.chat and stream:
-        choice["delta"] = ({"role": "assistant", "content": text} if first else {"content": text}) \
-            if (first or text) else {}
-    elif meta.chat:
-        choice["message"] = {"role": "assistant", "content": text}
-    else:
-        choice["text"] = text
-    choice.update(logprobs=logprobs, finish_reason=finish_reason, stop_reason=stop_reason)
-    return choice
-
-
-# ---------------------------------------------------------------------- logprobs in responses
-# JSON has no -inf: a logprob below -9999 is written as -9999.0, as OpenAI and vLLM do.
-def _clamp(logprob: float) -> float:
-    return max(logprob, -9999.0)
-
-
-def completion_logprobs(token_ids: list[int], entries: list[dict[int, Logprob] | None], num_logprobs: int,
-                        text_offset: int, text_of) -> dict:
-    """/v1/completions' logprobs object for these tokens: each token's text and logprob, its top_logprobs
-    ({text: logprob}: the token itself and the num_logprobs most likely, up to num_logprobs + 1 entries, as OpenAI),
-    and text_offset (where each token starts in the choice's text, counting from `text_offset`). An entry that is
-    None (the first prompt token, echoed) has logprob None; text_of(token_id) gives its text."""
-    tokens, token_logprobs, top_logprobs, offsets = [], [], [], []
-    for token_id, entry in zip(token_ids, entries):
-        if entry is None:
-            token, logprob, top = text_of(token_id), None, None
-        else:
-            token, logprob = entry[token_id].decoded_token, _clamp(entry[token_id].logprob)
-            top = {}
-            for lp in list(entry.values())[:num_logprobs + 1]:
-                top.setdefault(lp.decoded_token, _clamp(lp.logprob))
-        tokens.append(token)
-        token_logprobs.append(logprob)
-        top_logprobs.append(top)
-        offsets.append(text_offset)
-        text_offset += len(token)
-    return {"tokens": tokens, "token_logprobs": token_logprobs, "top_logprobs": top_logprobs, "text_offset": offsets}
-
-
-def _chat_token(text: str, logprob: float) -> dict:
-    return {"token": text, "logprob": _clamp(logprob), "bytes": list(text.encode("utf-8", errors="replace"))}
-
-
-def chat_logprobs(token_ids: list[int], entries: list[dict[int, Logprob]], top_logprobs: int) -> dict:
-    """/v1/chat/completions' logprobs object: {"content": one entry per token, with its top_logprobs most likely
-    tokens in rank order}."""
-    content = []
-    for token_id, entry in zip(token_ids, entries):
-        chosen = entry[token_id]
-        top = sorted((lp for lp in entry.values() if lp.rank is not None and lp.rank <= top_logprobs),
-                     key=lambda lp: lp.rank)
-        content.append({**_chat_token(chosen.decoded_token, chosen.logprob),
-                        "top_logprobs": [_chat_token(lp.decoded_token, lp.logprob) for lp in top]})
-    return {"content": content}
-
-
-def prompt_logprobs_json(prompt_logprobs: list[dict[int, Logprob] | None]) -> list[dict | None]:
-    """RequestOutput.prompt_logprobs as vLLM's API writes it: None, then {token id: {logprob, rank,
-    decoded_token}} per prompt token."""
-    return [None if entry is None else
-            {str(tid): {"logprob": _clamp(lp.logprob), "rank": lp.rank, "decoded_token": lp.decoded_token}
-             for tid, lp in entry.items()}
-            for entry in prompt_logprobs]

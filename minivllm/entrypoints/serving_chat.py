@@ -1,0 +1,59 @@
+"""POST /v1/chat/completions (vLLM's entrypoints/openai/serving_chat.py): a conversation, rendered by the chat
+template into one prompt, answered by n choices.
+
+Owns: reading the messages and template options (chat_utils.py), the route's default length (the rest of the
+context), the stream's opening role chunk, and the chat logprobs object ({"content": [...]}). Running the request
+and writing the answer is serving_engine.py's.
+"""
+
+from __future__ import annotations
+
+from fastapi import Request
+
+from minivllm.entrypoints.chat_utils import apply_chat_template, parse_chat_options, parse_messages
+from minivllm.entrypoints.protocol import check_fields, parse_stream
+from minivllm.entrypoints.serving_engine import (ChoiceShape, OpenAIServing, ParsedRequest, ResponseMeta,
+                                                 clamp_logprob, make_choice)
+from minivllm.outputs import Logprob
+
+
+class OpenAIServingChat(OpenAIServing):
+    is_chat = True
+    request_id_prefix = "chatcmpl"
+
+    async def create_chat_completion(self, request: Request):
+        body = await self.read_body(request)
+        check_fields(body, "/v1/chat/completions")
+        prompt = apply_chat_template(self.async_engine.tokenizer, parse_messages(body), parse_chat_options(body))
+        return await self.serve(request, ParsedRequest([prompt], body, *parse_stream(body), "messages"))
+
+    def default_max_tokens(self, num_prompt_tokens: int) -> int:
+        """The rest of the context (or of the KV pool, if smaller)."""
+        return max(1, self.async_engine.max_request_tokens - num_prompt_tokens)
+
+    def opening_chunks(self, meta: ResponseMeta, i: int, n: int) -> list[dict]:
+        # OpenAI opens a chat stream with the role, once per choice; as vLLM, only once the engine's first output
+        # is here, so a client's time to first token includes the prefill.
+        return [meta.envelope([make_choice(meta, k, "", None, None, stream=True, first=True)], stream=True)
+                for k in range(i * n, (i + 1) * n)]
+
+    def create_logprobs(self, shape: ChoiceShape, i: int, token_ids: list[int], entries: list, num_logprobs: int,
+                        text_offset: int) -> dict:
+        return chat_logprobs(token_ids, entries, num_logprobs)
+
+
+def _chat_token(text: str, logprob: float) -> dict:
+    return {"token": text, "logprob": clamp_logprob(logprob), "bytes": list(text.encode("utf-8", errors="replace"))}
+
+
+def chat_logprobs(token_ids: list[int], entries: list[dict[int, Logprob]], top_logprobs: int) -> dict:
+    """/v1/chat/completions' logprobs object: {"content": one entry per token, with its top_logprobs most likely
+    tokens in rank order}."""
+    content = []
+    for token_id, entry in zip(token_ids, entries):
+        chosen = entry[token_id]
+        top = sorted((lp for lp in entry.values() if lp.rank is not None and lp.rank <= top_logprobs),
+                     key=lambda lp: lp.rank)
+        content.append({**_chat_token(chosen.decoded_token, chosen.logprob),
+                        "top_logprobs": [_chat_token(lp.decoded_token, lp.logprob) for lp in top]})
+    return {"content": content}

@@ -1,0 +1,316 @@
+"""What /v1/completions and /v1/chat/completions share (vLLM's entrypoints/openai/serving_engine.py): running a
+parsed request on the AsyncLLMEngine and writing its answer.
+
+Owns: turning a ParsedRequest into engine requests (tokenized and sized on the engine thread, all added in one
+command), and the answer: one JSON body with every choice joined, or server-sent events, one chunk per new
+piece; the response bodies' shapes (ResponseMeta, make_choice, usage_of). What differs by route is a hook the
+subclass fills (serving_completion.py, serving_chat.py): the default max_tokens, how logprobs are written, and
+chat's opening role chunk. It never calls the LLMEngine except inside an AsyncLLMEngine command.
+
+Logprobs, as vLLM serves them: /v1/completions' `logprobs` (k), `echo` (the prompt in front of the text and, with
+logprobs, of the tokens: the engine then computes prompt logprobs too; `max_tokens` 0 with echo returns the prompt
+alone) and vLLM's `prompt_logprobs`; /v1/chat/completions' `logprobs` and `top_logprobs`. Streamed chunks carry
+their own tokens' logprobs.
+"""
+
+from __future__ import annotations
+
+import json
+import time
+import uuid
+from collections import defaultdict
+from collections.abc import AsyncIterator
+from dataclasses import dataclass
+
+from fastapi import Request
+from fastapi.responses import StreamingResponse
+from starlette.background import BackgroundTask
+
+from minivllm.core.sampling_params import SamplingParams
+from minivllm.engine.async_llm import AsyncLLMEngine, NewRequest, RequestError
+from minivllm.engine.request_stream import RequestStream
+from minivllm.entrypoints.protocol import (APIError, LogprobsRequest, parse_json_body, read_logprobs_request,
+                                           requested_max_tokens, sampling_params_from_body, structured_outputs_param)
+from minivllm.entrypoints.serving_models import OpenAIServingModels
+from minivllm.entrypoints.utils import close_all, close_async, merged, until_disconnect
+from minivllm.outputs import Logprob, RequestOutput
+
+
+@dataclass(frozen=True)
+class ParsedRequest:
+    """A request body checked and turned into engine terms; what the completion routes share."""
+    prompts: list[str | list[int]]   # /v1/completions takes several; chat has one
+    body: dict
+    stream: bool
+    include_usage: bool
+    prompt_param: str              # where a prompt error points: "prompt" or "messages"
+
+
+# ---------------------------------------------------------------------- the shapes of a response
+@dataclass(frozen=True)
+class ResponseMeta:
+    """What every body and chunk of one response repeats: its id, creation time, model and kind."""
+    request_id: str
+    created: int
+    model: str
+    chat: bool
+
+    def envelope(self, choices: list, stream: bool) -> dict:
+        kind = ("chat.completion.chunk" if stream else "chat.completion") if self.chat else "text_completion"
+        return {"id": self.request_id, "object": kind, "created": self.created, "model": self.model,
+                "choices": choices}
+
+
+def usage_of(finals: list[RequestOutput], completion_tokens: int) -> dict:
+    """The usage object: prompt and cached tokens from each prompt's final output (counted once per prompt,
+    whatever n is, as vLLM does); completion tokens counted over all deltas of all samples by the caller."""
+    prompt_tokens = sum(len(f.prompt_token_ids) for f in finals)
+    return {"prompt_tokens": prompt_tokens, "completion_tokens": completion_tokens,
+            "total_tokens": prompt_tokens + completion_tokens,
+            "prompt_tokens_details": {"cached_tokens": sum(f.num_cached_tokens for f in finals)}}
+
+
+def make_choice(meta: ResponseMeta, index: int, text: str, finish_reason: str | None, stop_reason, stream: bool,
+                first: bool = False, logprobs: dict | None = None) -> dict:
+    """One entry of `choices`: a chat message, a chat stream delta (the first one carries the role), or text.
+    index: prompt_index * n + sample_index, as vLLM numbers the choices of a batch of prompts."""
+    choice: dict = {"index": index}
+    if meta.chat and stream:
+        choice["delta"] = ({"role": "assistant", "content": text} if first else {"content": text}) \
+            if (first or text) else {}
+    elif meta.chat:
+        choice["message"] = {"role": "assistant", "content": text}
+    else:
+        choice["text"] = text
+    choice.update(logprobs=logprobs, finish_reason=finish_reason, stop_reason=stop_reason)
+    return choice
+
+
+# JSON has no -inf: a logprob below -9999 is written as -9999.0, as OpenAI and vLLM do.
+def clamp_logprob(logprob: float) -> float:
+    return max(logprob, -9999.0)
+
+
+def prompt_logprobs_json(prompt_logprobs: list[dict[int, Logprob] | None]) -> list[dict | None]:
+    """RequestOutput.prompt_logprobs as vLLM's API writes it: None, then {token id: {logprob, rank,
+    decoded_token}} per prompt token."""
+    return [None if entry is None else
+            {str(tid): {"logprob": clamp_logprob(lp.logprob), "rank": lp.rank, "decoded_token": lp.decoded_token}
+             for tid, lp in entry.items()}
+            for entry in prompt_logprobs]
+
+
+@dataclass(frozen=True)
+class EchoText:
+    """A prompt as echo shows it: its text, and its first token's (the one token with no logprob)."""
+    text: str
+    first_token: str
+
+
+@dataclass(frozen=True)
+class ChoiceShape:
+    """What the choices of one response hold besides their text: n per prompt, logprobs, the echoed prompts."""
+    n: int
+    logprobs: LogprobsRequest
+    echo: list[EchoText]                       # per prompt; empty without echo
+
+
+def with_echo(shape: ChoiceShape, i: int, out: RequestOutput, prompt_logprobs, text: str, token_ids: list[int],
+              entries: list, first: bool) -> tuple[str, list[int], list]:
+    """A choice's (text, token ids, logprobs entries), with prompt i in front for its first piece when echo is on
+    (vLLM's way). echo with max_tokens 0 leaves the sampled token out."""
+    if shape.logprobs.echo_only:
+        text, token_ids, entries = "", [], []
+    if first and shape.logprobs.echo:
+        ids = out.prompt_token_ids
+        text, token_ids = shape.echo[i].text + text, ids + token_ids
+        entries = (prompt_logprobs or [None] * len(ids)) + entries
+    return text, token_ids, entries
+
+
+def end_of(shape: ChoiceShape, finish_reason, stop_reason) -> tuple:
+    """echo with max_tokens 0 ends by length, whatever ended its hidden token."""
+    return ("length", None) if shape.logprobs.echo_only and finish_reason is not None else (finish_reason, stop_reason)
+
+
+def _sse(data: dict) -> str:
+    return f"data: {json.dumps(data, ensure_ascii=False)}\n\n"
+
+
+# ---------------------------------------------------------------------- running a request
+class OpenAIServing:
+    """The base of the completion and chat servers; a subclass sets the class attributes and fills the hooks."""
+    is_chat: bool = False
+    request_id_prefix: str = "cmpl"
+
+    def __init__(self, async_engine: AsyncLLMEngine, models: OpenAIServingModels):
+        self.async_engine = async_engine
+        self.models = models
+
+    async def read_body(self, request: Request) -> dict:
+        """What every POST route checks first (after the API key): a JSON object, a model served here."""
+        body = parse_json_body(await request.body())
+        self.models.check_model(body)
+        return body
+
+    # ------------------------------------------------------------------ hooks
+    def default_max_tokens(self, num_prompt_tokens: int) -> int:
+        """max_tokens for a request that sets none, capped by the context."""
+        raise NotImplementedError
+
+    def create_logprobs(self, shape: ChoiceShape, i: int, token_ids: list[int], entries: list, num_logprobs: int,
+                        text_offset: int) -> dict:
+        """A choice's logprobs object for these tokens of prompt i, as the route writes it."""
+        raise NotImplementedError
+
+    def opening_chunks(self, meta: ResponseMeta, i: int, n: int) -> list[dict]:
+        """Chunks streamed for prompt i before its first output's (chat's role chunks); none by default."""
+        return []
+
+    # ------------------------------------------------------------------ one request
+    async def serve(self, request: Request, parsed: ParsedRequest):
+        """Add the request's engine requests (one per prompt, as vLLM) and answer: a body or an event stream."""
+        chat = self.is_chat
+        checked = sampling_params_from_body(parsed.body, chat, default_max_tokens=1)   # bad fields: no engine work
+        request_id = f"{self.request_id_prefix}-{uuid.uuid4().hex[:16]}"
+        echo_texts: list[EchoText] = []       # filled on the engine thread by plan(), read after it answered
+
+        def build(engine) -> list[NewRequest]:
+            prompts, params = self.plan(engine, parsed, checked, echo_texts)
+            return [NewRequest(prompt, p, request_id if len(prompts) == 1 else f"{request_id}-{i}")
+                    for i, (prompt, p) in enumerate(zip(prompts, params))]
+
+        try:
+            streams = await self.async_engine.add_requests(build)
+        except ValueError as e:                    # the engine's own checks: length, pool size, token ids
+            raise APIError(str(e), param=parsed.prompt_param) from None
+        except RequestError as e:
+            raise APIError(str(e), status_code=503, type="service_unavailable") from None
+        meta = ResponseMeta(request_id, int(time.time()), self.models.name, chat)
+        shape = ChoiceShape(checked.n, read_logprobs_request(parsed.body, chat), echo_texts)
+        if parsed.stream:
+            # The background task runs once the response is over, even when the client hung up before the
+            # first event (the generator never started, so its `async with` never ran).
+            return StreamingResponse(self.stream_events(streams, shape, meta, parsed.include_usage),
+                                     media_type="text/event-stream",
+                                     background=BackgroundTask(close_async, streams))
+        return await until_disconnect(request, self.full_response(streams, shape, meta), streams)
+
+    def plan(self, engine, parsed: ParsedRequest, checked: SamplingParams,
+             echo_texts: list[EchoText]) -> tuple[list[dict], list[SamplingParams]]:
+        """On the engine thread, in the same command that adds the requests (AsyncLLMEngine.add_requests): each
+        prompt, tokenized once and passed on as ids, and its SamplingParams; for echo, each prompt's text goes
+        into `echo_texts`. An explicit max_tokens must fit the context with the prompt (400 otherwise, as vLLM).
+        Without one, default_max_tokens says."""
+        if checked.structured_outputs is not None:     # compile now (cached): a bad grammar is its field's 400
+            try:
+                engine.structured_output_manager.grammar_for(checked.structured_outputs)
+            except ValueError as e:
+                raise APIError(str(e), param=structured_outputs_param(parsed.body)) from None
+        max_tokens_name, max_tokens = requested_max_tokens(parsed.body, self.is_chat)
+        try:
+            tokenized = [engine.tokenize(p) for p in parsed.prompts]
+        except ValueError as e:
+            raise APIError(str(e), param=parsed.prompt_param) from None
+        if read_logprobs_request(parsed.body, self.is_chat).echo:
+            # the prompt's text (decoded for a prompt of token ids) and its first token's, as echo shows them
+            echo_texts.extend(EchoText(text if text is not None else engine.tokenizer.decode(ids),
+                                       engine.tokenizer.decode(ids[:1])) for text, ids in tokenized)
+        prompts, params = [], []
+        limit = self.async_engine.max_model_len
+        for text, ids in tokenized:
+            if max_tokens is not None and len(ids) < limit < len(ids) + max_tokens:
+                raise APIError(f"prompt ({len(ids)} tokens) + '{max_tokens_name}' ({max_tokens}) is "
+                               f"{len(ids) + max_tokens} tokens; max_model_len is {limit}. Lower "
+                               f"'{max_tokens_name}' to at most {limit - len(ids)} or shorten the prompt.",
+                               param=max_tokens_name)
+            default = self.default_max_tokens(len(ids))
+            prompts.append({"prompt": text, "prompt_token_ids": ids} if text is not None else ids)
+            params.append(sampling_params_from_body(parsed.body, self.is_chat, default_max_tokens=default))
+        return prompts, params
+
+    def logprobs_of(self, shape: ChoiceShape, i: int, token_ids: list[int], entries: list,
+                    text_offset: int) -> dict | None:
+        k = shape.logprobs.num_logprobs
+        return None if k is None else self.create_logprobs(shape, i, token_ids, entries, k, text_offset)
+
+    # ------------------------------------------------------------------ the answer
+    async def full_response(self, streams: list[RequestStream], shape: ChoiceShape, meta: ResponseMeta) -> dict:
+        """The whole answer: each sample's deltas joined into one choice (index prompt_index * n + sample)."""
+        n = shape.n
+        pieces: dict[int, list[str]] = defaultdict(list)
+        token_ids: dict[int, list[int]] = defaultdict(list)
+        entries: dict[int, list] = defaultdict(list)
+        ends: dict[int, tuple] = {}
+        finals: dict[int, RequestOutput] = {}
+        prompt_logprobs: dict[int, list] = {}
+        num_tokens = 0
+        try:
+            async for i, out in merged(streams):
+                if out.prompt_logprobs is not None:       # complete, in the prompt's first output
+                    prompt_logprobs[i] = out.prompt_logprobs
+                for o in out.outputs:
+                    k = i * n + o.index
+                    pieces[k].append(o.text)
+                    token_ids[k] += o.token_ids
+                    entries[k] += o.logprobs or []
+                    num_tokens += 0 if shape.logprobs.echo_only else len(o.token_ids)
+                    if o.finished:
+                        ends[k] = end_of(shape, o.finish_reason, o.stop_reason)
+                finals[i] = out
+        finally:
+            close_all(streams)                   # no-op for finished requests; aborts the rest
+        choices = []
+        for k in range(len(streams) * n):
+            i = k // n
+            text, ids, lps = with_echo(shape, i, finals[i], prompt_logprobs.get(i), "".join(pieces[k]),
+                                       token_ids[k], entries[k], first=True)
+            choice = make_choice(meta, k, text, *ends.get(k, (None, None)), stream=False,
+                                 logprobs=self.logprobs_of(shape, i, ids, lps, 0))
+            if shape.logprobs.return_prompt_logprobs:          # vLLM's extra field
+                choice["prompt_logprobs"] = (prompt_logprobs_json(prompt_logprobs[i]) if i in prompt_logprobs
+                                             else None)
+            choices.append(choice)
+        body = meta.envelope(choices, stream=False)
+        body["usage"] = usage_of([finals[i] for i in range(len(streams))], num_tokens)
+        return body
+
+    async def stream_events(self, streams: list[RequestStream], shape: ChoiceShape, meta: ResponseMeta,
+                            include_usage: bool) -> AsyncIterator[str]:
+        """Server-sent events: one chunk per new piece of a choice's text (its index says which) and, with
+        logprobs, per new tokens, the choice's last with finish_reason, an optional usage chunk (choices: []), then
+        `data: [DONE]`. With echo a choice's first chunk starts with the prompt. If the client hangs up, Starlette
+        cancels this generator and close_all aborts the requests."""
+        n = shape.n
+        try:
+            num_tokens, finals, prompt_logprobs = 0, {}, {}
+            sent_chars: dict[int, int] = defaultdict(int)     # text already streamed per choice (text_offset)
+            started: set[int] = set()
+            async for i, out in merged(streams):          # each output holds only what is new (DELTA)
+                if i not in finals:
+                    for chunk in self.opening_chunks(meta, i, n):
+                        yield _sse(chunk)
+                if out.prompt_logprobs is not None:
+                    prompt_logprobs[i] = out.prompt_logprobs
+                for o in out.outputs:
+                    k = i * n + o.index
+                    text, ids, lps = with_echo(shape, i, out, prompt_logprobs.get(i), o.text, o.token_ids,
+                                               o.logprobs or [], first=k not in started)
+                    started.add(k)
+                    has_logprobs = shape.logprobs.num_logprobs is not None and ids
+                    if text or o.finished or has_logprobs:
+                        logprobs = self.logprobs_of(shape, i, ids, lps, sent_chars[k]) if has_logprobs else None
+                        finish_reason, stop_reason = end_of(shape, o.finish_reason, o.stop_reason)
+                        yield _sse(meta.envelope([make_choice(meta, k, text, finish_reason, stop_reason,
+                                                              stream=True, logprobs=logprobs)], stream=True))
+                    sent_chars[k] += len(text)
+                    num_tokens += 0 if shape.logprobs.echo_only else len(o.token_ids)
+                finals[i] = out
+            if include_usage:
+                yield _sse({**meta.envelope([], stream=True),
+                            "usage": usage_of([finals[i] for i in range(len(streams))], num_tokens)})
+        except RequestError as e:
+            yield _sse(APIError(str(e), status_code=500, type="internal_server_error").body())
+        finally:
+            close_all(streams)
+        yield "data: [DONE]\n\n"
