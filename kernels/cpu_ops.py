@@ -60,7 +60,8 @@ def load():
     if "error" in _state:
         raise RuntimeError(_state["error"])
     try:
-        if os.environ.get("MINIVLLM_CPU_KERNELS", "1") == "0":
+        from minivllm import envs                  # the one reader of MINIVLLM_* variables
+        if not envs.MINIVLLM_CPU_KERNELS:
             raise RuntimeError("MINIVLLM_CPU_KERNELS=0")
         if shutil.which(os.environ.get("CXX", "c++")) is None:
             raise RuntimeError("no C++ compiler on PATH (install g++, or set CXX)")
@@ -236,7 +237,7 @@ def pack_w8a8_linear(qweight: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]
 def w8a8_linear(x: torch.Tensor, packed: torch.Tensor, offset: torch.Tensor, scale: torch.Tensor,
                 out_features: int, bias: torch.Tensor | None = None, silu_and_mul: bool = False) -> torch.Tensor:
     """x (..., in) fp32 or bf16 (`in` a multiple of 16) -> x8 @ (scale[:, None] * qweight).T + bias in x's dtype,
-    where x8 is x quantized per row to int8 (minivllm.model.quantization.quantize_activations), from
+    where x8 is x quantized per row to int8 (minivllm.platforms.cpu.quantization.quantize_activations), from
     pack_w8a8_linear(qweight); scale (out,) fp32. silu_and_mul: as in packed_linear, with qweight and scale both
     interleave_gate_up's."""
     shape = x.shape
@@ -255,7 +256,7 @@ def w4a8_linear(x: torch.Tensor, packed: torch.Tensor, dm: torch.Tensor, out_fea
                 bias: torch.Tensor | None = None, silu_and_mul: bool = False) -> torch.Tensor:
     """x (..., in) fp32 or bf16 -> x8 @ w.T + bias in x's dtype, w[n][k] = d[n][k // 32] q[n][k] + m[n][k // 32]
     from pack_w4a8_linear(q, d, m), x8 = x rounded to int8 in groups of 32
-    (minivllm.model.quantization.quantize_activation_groups). silu_and_mul: as in packed_linear, with q, d and m
+    (minivllm.platforms.cpu.quantization.quantize_activation_groups). silu_and_mul: as in packed_linear, with q, d and m
     interleave_gate_up's."""
     shape = x.shape
     y = load().w4a8_linear(x.reshape(-1, shape[-1]), packed, dm, int(out_features), bias, silu_and_mul)

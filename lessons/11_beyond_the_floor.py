@@ -25,9 +25,9 @@
 #    and padding rows. You write the padding yourself and run the engine's decode steps through it.
 # 2. **What moved a CPU decode step, and what did not**: ideas tried inside the engine, and the ones that
 #    stayed (oneDNN's prepacked layout, bf16, weight-only int8/int4, and int8 activations with integer dot
-#    products: `minivllm/model/cpu_gemm.py`, `minivllm/model/quantization.py`), measured here on the model's
+#    products: `minivllm/platforms/cpu/gemm.py`, `minivllm/platforms/cpu/quantization.py`), measured here on the model's
 #    own matmuls. You write the rounding of a token's activations to int8, and the engine runs with it.
-# 3. **Below the engine**: the memory allocator every op goes through (tcmalloc: `minivllm/platforms/cpu.py`),
+# 3. **Below the engine**: the memory allocator every op goes through (tcmalloc: `minivllm/platforms/cpu/runtime.py`),
 #    and why a fresh 60 MB output costs more than its math.
 # 4. **Decode attention in C++** (`kernels/cpu_attention.cpp`): the same bytes as the gather, read once and in
 #    the order memory delivers them fastest.
@@ -209,13 +209,13 @@ print(f"weights {weights / 1e6:.0f} MB at {bandwidth / 1e9:.1f} GB/s: a decode s
 # ## 3. What did help later: oneDNN's layout, bf16, and 4-bit weights
 #
 # Tried again inside the engine, one idea did move a decode step a lot: **prepacking each linear weight once
-# for oneDNN** (`minivllm/model/cpu_gemm.py`, what vLLM's CPU backend does too). oneDNN rewrites the (out, in)
+# for oneDNN** (`minivllm/platforms/cpu/gemm.py`, what vLLM's CPU backend does too). oneDNN rewrites the (out, in)
 # matrix into the tiles its kernel streams through, once at load, instead of the matmul library adapting a
 # plain layout on every call; on CPUs with AVX-512 BF16 it also packs bf16 (two products per lane with
 # `vdpbf16ps`), while an AVX2-only CPU refuses bf16 packing and keeps `F.linear` (the table below says which
 # this machine is). On a CPU with AVX-512, fp32 weights (and bf16 ones, with AVX-512 BF16) now go to
 # minivllm's own kernel instead (`kernels/cpu_gemm.cpp`, next paragraph). **Weight-only int8 and int4**
-# (`minivllm/model/quantization.py`) read 4-8x fewer bytes than fp32, which wins where a step only reads
+# (`minivllm/platforms/cpu/quantization.py`) read 4-8x fewer bytes than fp32, which wins where a step only reads
 # weights (one row). PyTorch's packed-int kernels lost at 32 rows (int8 64 ms, int4 43 ms against bf16's 22 on
 # the machine of 2026-11-27): they spend their time dequantizing. minivllm's kernel runs them through the same
 # bf16 tiles (after the next paragraph), so at 32 rows they cost about what bf16 does. The cell measures all of
@@ -224,7 +224,7 @@ print(f"weights {weights / 1e6:.0f} MB at {bandwidth / 1e9:.1f} GB/s: a decode s
 # %%
 # NBVAL_IGNORE_OUTPUT
 
-from minivllm.model import cpu_gemm, quantization
+from minivllm.platforms.cpu import gemm as cpu_gemm, quantization
 from minivllm.model._kernels import kernels
 from minivllm.model.layers import ColumnParallelLinear, TPGroup
 
@@ -434,7 +434,7 @@ if quantization.own_w8a8_kernel():
 # `mmap` and gives it back with `munmap` when the tensor dies, so the next step's op **page-faults and zeroes
 # every page again**. tcmalloc keeps freed memory and hands it back out.
 #
-# You cannot swap a process's allocator once it runs, so `minivllm/platforms/cpu.py` (vLLM:
+# You cannot swap a process's allocator once it runs, so `minivllm/platforms/cpu/runtime.py` (vLLM:
 # `vllm/platforms/cpu.py`) makes the command-line entry points **re-start themselves** with tcmalloc in
 # `LD_PRELOAD` when it is installed. This notebook's kernel was not re-started; the cell says what it runs
 # with, times one prefill-sized op that allocates a fresh output against the same op writing into a buffer it
@@ -595,7 +595,7 @@ for name, ms in timings.items():
 #   prefetches themselves made the loads wait. Into L2 (prefetcht1) the same requests cost 1.5x less time.
 # - **2 MB pages.** A step reads the whole context, blocks scattered over a pool of hundreds of MB: in 4 KB
 #   pages every block is a new page, and the CPU's TLB holds a few thousand of them, so reads wait on
-#   page-table walks. `minivllm/platforms/cpu.py` asks Linux for 2 MB pages under the KV cache and the weights
+#   page-table walks. `minivllm/platforms/cpu/huge_pages.py` asks Linux for 2 MB pages under the KV cache and the weights
 #   (`madvise(MADV_HUGEPAGE)`, then `MADV_COLLAPSE` for memory already written): 4-9% off each of a decode
 #   step's matmuls and attention, 6-10% off a whole decode step.
 #
@@ -673,7 +673,7 @@ if have_cpp:
 # Those matmuls had one more cost that is about memory, not arithmetic. A 4,096-token prefill's MLP writes a
 # gate/up activation of 4,096 x 3,072 fp32 values, 50 MB, larger than this CPU's 32 MB L3, and the activation
 # and the down projection then read it back from memory. `LlamaMLP` now runs a long prefill in row slices of
-# at most 12 MiB of activation (`cpu_slice_rows` in `model/llama.py`: 1,024 rows here), the same rows through
+# at most 12 MiB of activation (`cpu_slice_rows` in `platforms/cpu/mlp.py`: 1,024 rows here), the same rows through
 # the same weights, so the same numbers (`tests/test_cpu_mlp_slices.py` checks them equal, and the tokens
 # against Hugging Face). One MLP alone, 4,096 rows: 185 ms whole, 141-153 ms in 1,024-row slices. A prefill
 # step of 32 x 128 tokens: 7.3 s -> 6.8-7.1 s (four alternating rounds each way). A GPU gets the whole batch:
@@ -688,6 +688,7 @@ if have_cpp:
 # %%
 # NBVAL_IGNORE_OUTPUT
 from minivllm.model import layers, llama
+from minivllm.platforms.cpu import mlp as cpu_mlp
 
 model_mlp = runner.model.layers[0].mlp
 mlp = llama.LlamaMLP(cfg, layers.TPGroup())                  # the same weights, SiLU as a separate pass
@@ -695,14 +696,15 @@ mlp.gate_up_proj.weight.data = model_mlp.gate_up_proj.weight.data.clone()
 mlp.down_proj.weight.data = model_mlp.down_proj.weight.data.clone()
 os.environ["MINIVLLM_CPU_FUSED_SILU"] = "0"
 cpu_gemm.prepack_linear_weights(mlp)
+cpu_mlp.bind_mlp_forwards(mlp)
 del os.environ["MINIVLLM_CPU_FUSED_SILU"]
-rows = llama.cpu_slice_rows(torch.empty(0), sum(mlp.gate_up_proj.out_sizes))
+rows = cpu_mlp.cpu_slice_rows(torch.empty(0), sum(mlp.gate_up_proj.out_sizes))
 x = torch.randn(4096, cfg.hidden_size) * 0.5
 with torch.no_grad():
-    whole, sliced, fused = mlp._forward(x), mlp(x), model_mlp(x)
+    whole, sliced, fused = llama.LlamaMLP.forward(mlp, x), mlp(x), model_mlp(x)
     assert torch.equal(whole, sliced) or torch.allclose(whole, sliced, rtol=1e-6, atol=1e-6)
     torch.testing.assert_close(fused, whole, rtol=1e-5, atol=1e-5)
-    t_whole, t_sliced = per_op_ms(lambda: mlp._forward(x), n=5), per_op_ms(lambda: mlp(x), n=5)
+    t_whole, t_sliced = per_op_ms(lambda: llama.LlamaMLP.forward(mlp, x), n=5), per_op_ms(lambda: mlp(x), n=5)
     t_fused = per_op_ms(lambda: model_mlp(x), n=5)
 print(f"4,096 rows, gate/up activation {4096 * sum(mlp.gate_up_proj.out_sizes) * ITEMSIZE / 1e6:.0f} MB: "
       f"whole {t_whole:.0f} ms, in slices of {rows} rows {t_sliced:.0f} ms; "

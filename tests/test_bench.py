@@ -131,7 +131,7 @@ def test_a_quantized_run_is_measured_against_its_own_bytes_and_kernels(quantizat
     half of bf16's bytes, int4 about 3/8 (4 bits plus d and m in fp32 per 32); the floor of a decode step uses
     those bytes."""
     from minivllm.bench import roofline
-    from minivllm.model import quantization as quant
+    from minivllm.platforms.cpu import quantization as quant
     from minivllm.model.llama import ModelConfig
     if quantization == "w4a8_int8" and not quant.own_w8a8_kernel():
         pytest.skip("w4a8_int8 needs AVX-512 VNNI and BF16")

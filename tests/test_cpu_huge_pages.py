@@ -1,5 +1,5 @@
-"""2 MB pages under the weights and the KV cache (platforms/cpu.py): the same values and the same outputs, and
-the pages really are 2 MB ones where Linux offers them."""
+"""2 MB pages under the weights and the KV cache (platforms/cpu/huge_pages.py): the same values and the same
+outputs, and the pages really are 2 MB ones where Linux offers them."""
 
 import pytest
 import torch

@@ -7,8 +7,11 @@ from __future__ import annotations
 import pytest
 import torch
 
-from minivllm.model import cpu_gemm, layers
+from minivllm.model import layers
 from minivllm.model._kernels import kernels
+from minivllm.model.custom_op import CustomOp
+from minivllm.platforms.cpu import gemm as cpu_gemm
+from minivllm.platforms.cpu import mlp as cpu_mlp
 
 cpu_ops = kernels.cpu_ops
 pytestmark = pytest.mark.skipif(not cpu_ops.available(), reason="no C++ compiler: the CPU kernels are not built")
@@ -102,9 +105,12 @@ def test_the_model_runs_the_fused_layers_on_a_cpu(llm, monkeypatch):
     assert counts == {"rms_norm": steps * (2 * layers_n + 1), "rotary_embedding": steps * layers_n,
                       "silu_and_mul": 0 if in_matmul else steps * layers_n,
                       "packed_linear": steps * layers_n if in_matmul else 0}
-    monkeypatch.setattr(layers, "_cpu_kernels", lambda x: False)
-    monkeypatch.setattr(layers.MergedColumnParallelLinear, "silu_and_mul",
-                        lambda self, x: layers.SiluAndMul.forward_native(self(x)))
+    model = llm.llm_engine.model_runner.model
+    for op in model.modules():                  # every op on its PyTorch code, each MLP on the modeling file's
+        if isinstance(op, CustomOp):
+            monkeypatch.setattr(op, "_forward_method", op.forward_native)
+    for mlp in cpu_mlp.gated_mlps(model):
+        monkeypatch.setattr(mlp, "forward", type(mlp).forward.__get__(mlp))
     native = llm.generate(["The capital of France is"], params)[0].outputs[0].token_ids
     assert list(fused) == list(native)
     assert counts["rms_norm"] == steps * (2 * layers_n + 1)     # the second run did not call them

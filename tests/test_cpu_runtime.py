@@ -1,4 +1,4 @@
-"""The CPU runtime (minivllm/platforms/cpu.py): entry points re-start with tcmalloc and Intel's OpenMP preloaded
+"""The CPU runtime (minivllm/platforms/cpu/runtime.py): entry points re-start with tcmalloc and Intel's OpenMP preloaded
 when they are installed, the re-started process really runs with them (on every core, with as many threads),
 and greedy output does not change."""
 
@@ -12,7 +12,7 @@ import textwrap
 
 import pytest
 
-from minivllm.platforms import cpu
+from minivllm.platforms.cpu import runtime as cpu
 from minivllm.platforms.cpu import OPT_OUT, REEXEC_MARKER, preload_plan
 
 needs_runtime = pytest.mark.skipif(cpu.find_tcmalloc() is None or not sys.platform.startswith("linux")

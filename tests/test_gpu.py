@@ -88,8 +88,8 @@ def greedy(llm, n=NUM_TOKENS) -> list[list[int]]:
                               "triton-eager-fused-norm", "triton-graphs-async", "triton-eager-async"])
 def test_fp32_greedy_matches_hf_token_for_token(checkpoint, hf_fp32, backend, eager, custom_ops, async_scheduling,
                                                 monkeypatch):
-    from minivllm.model import layers
-    monkeypatch.setattr(layers, "CUSTOM_OPS", layers._custom_ops(custom_ops))
+    from minivllm.model import custom_op
+    monkeypatch.setattr(custom_op, "CUSTOM_OPS", custom_op._custom_ops(custom_ops))
     (hf, _) = hf_fp32
     with LLM(str(checkpoint), device="cuda", dtype="float32", attention_backend=backend, enforce_eager=eager,
              num_kv_blocks=512, max_num_seqs=8, max_num_batched_tokens=128,

@@ -235,7 +235,7 @@ def test_rms_norm_refuses_mismatched_shapes():
 
 
 def test_custom_ops_switch_reads_as_vllms_custom_ops():
-    from minivllm.model.layers import _custom_ops
+    from minivllm.model.custom_op import _custom_ops
     assert _custom_ops("") == _custom_ops("all") == _custom_ops("+rms_norm") == {"rms_norm"}    # on by default
     assert _custom_ops("none") == _custom_ops("-rms_norm") == _custom_ops("all,-rms_norm") == frozenset()
     assert _custom_ops("none,+rms_norm") == {"rms_norm"}

@@ -1,6 +1,6 @@
-"""Integer dot products (model/quantization.py, kernels/cpu_gemm.cpp): quantization="w8a8_int8" (int8 weights per
-channel times int8 activations per token, w8a8_linear) and "w4a8_int8" (int4 weights in groups of 32 times int8
-activations in groups of 32, w4a8_linear). The oracles: the quantization written out in PyTorch
+"""Integer dot products (platforms/cpu/quantization.py, kernels/cpu_gemm.cpp): quantization="w8a8_int8" (int8
+weights per channel times int8 activations per token, w8a8_linear) and "w4a8_int8" (int4 weights in groups of 32
+times int8 activations in groups of 32, w4a8_linear). The oracles: the quantization written out in PyTorch
 (quantize_activations, quantize_activation_groups, the weight methods' own quantize) with exact integer sums, and
 Hugging Face's fp32 model whose linear layers see the same roundings."""
 
@@ -9,7 +9,7 @@ import torch
 import torch.nn.functional as F
 
 from minivllm import LLM, SamplingParams
-from minivllm.model import quantization as quant
+from minivllm.platforms.cpu import quantization as quant
 from minivllm.model.layers import ColumnParallelLinear, ParallelLMHead, RowParallelLinear, TPGroup
 from tests.oracle import PROMPTS
 

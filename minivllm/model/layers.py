@@ -8,12 +8,16 @@ Owns: each layer's weights and how a full checkpoint tensor is cut into this ran
     QKVParallelLinear      fused q/k/v projection; each rank gets its own query and KV heads
     MergedColumnParallelLinear  fused gate/up projection
     VocabParallelEmbedding / ParallelLMHead   vocabulary split across ranks
+    RMSNorm, SiluAndMul, RotaryEmbedding      ops with a kernel per platform (custom_op.py)
+
+Every linear layer multiplies through `self.quant_method.apply(self, x, bias)` (vLLM's name): here the plain
+F.linear. A platform may give a layer another method once its weights are loaded (minivllm/platforms/cpu:
+weights packed or quantized for its kernels); the layer never asks which one it has.
 """
 
 from __future__ import annotations
 
 import math
-import os
 from dataclasses import dataclass
 
 import torch
@@ -22,7 +26,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from minivllm.model._kernels import kernels
-from minivllm.model.cpu_gemm import gate_up_gemm, gemm
+from minivllm.model.custom_op import CustomOp
 
 
 @dataclass(frozen=True)
@@ -68,40 +72,14 @@ class PPStage:
         return self.rank == self.size - 1
 
 
-CUSTOM_OP_NAMES = frozenset({"rms_norm"})      # the model's ops that have a fused CUDA kernel
+class UnquantizedLinearMethod:
+    """y = x @ weight.T + bias with F.linear: the matmul every linear layer starts with, on every device."""
+
+    def apply(self, layer: nn.Module, x: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
+        return F.linear(x, layer.weight, bias)
 
 
-def _custom_ops(spec: str) -> frozenset[str]:
-    """MINIVLLM_CUSTOM_OPS, read as vLLM reads `custom_ops`: a comma list starting from "all" (the default,
-    also when unset or empty) or "none", then "+op" turns one on and "-op" turns one off.
-
-    On by default: on an H100 (2026-11-26) the fused RMSNorm took a CUDA-graph decode step at batch 64 from
-    8.65 to 7.35 ms, and kept fp32 greedy tokens equal to HF's (tests/test_gpu.py). "none" or "-rms_norm"
-    gives the plain PyTorch ops back. Only CUDA tensors use these kernels; a CPU has its own (_cpu_kernels).
-    """
-    names = [part.strip() for part in spec.split(",") if part.strip()]
-    on = set() if "none" in names else set(CUSTOM_OP_NAMES)
-    bad = [n for n in names if n not in ("all", "none") and (n[:1] not in "+-" or n[1:] not in CUSTOM_OP_NAMES)]
-    if bad or ("all" in names and "none" in names):
-        raise ValueError(f"MINIVLLM_CUSTOM_OPS is {spec!r}; give 'all' (the default) or 'none', then +op to turn "
-                         f"one on or -op to turn one off, from: {', '.join(sorted(CUSTOM_OP_NAMES))}.")
-    for n in names:
-        if n[0] == "+":
-            on.add(n[1:])
-        elif n[0] == "-":
-            on.discard(n[1:])
-    return frozenset(on)
-
-
-CUSTOM_OPS = _custom_ops(os.environ.get("MINIVLLM_CUSTOM_OPS", ""))    # read once, at import
-
-
-def _cpu_kernels(x: torch.Tensor) -> bool:
-    """On a CPU, the small layers run as fused C++ ops (kernels/cpu_layers.cpp) when they build (a C++
-    compiler is there, MINIVLLM_CPU_KERNELS is not 0); else their PyTorch code (forward_native)."""
-    if x.device.type != "cpu":
-        return False
-    return kernels.cpu_ops.available()
+UNQUANTIZED = UnquantizedLinearMethod()        # stateless: one for every layer
 
 
 def _shard(loaded, dim: int, rank: int, size: int) -> torch.Tensor:
@@ -121,16 +99,13 @@ class ColumnParallelLinear(nn.Module):
         self.tp = tp
         self.weight = nn.Parameter(torch.empty(out_features // tp.size, in_features), requires_grad=False)
         self.bias = nn.Parameter(torch.empty(out_features // tp.size), requires_grad=False) if bias else None
-        self.packed_weight: torch.Tensor | None = None     # CPU: `weight` in oneDNN's layout (cpu_gemm.py)
-        self.quant_method = None                           # CPU: int8 / int4 weights instead (quantization.py)
+        self.quant_method = UNQUANTIZED
 
     def weight_loader(self, param: nn.Parameter, loaded: torch.Tensor, shard_id=None) -> None:
         param.copy_(_shard(loaded, 0, self.tp.rank, self.tp.size))
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        if self.quant_method is not None:
-            return self.quant_method.apply(self, x, self.bias)
-        return gemm(x, self.weight, self.bias, self.packed_weight)
+        return self.quant_method.apply(self, x, self.bias)                  # (rows, out / tp)
 
 
 class QKVParallelLinear(ColumnParallelLinear):
@@ -153,42 +128,26 @@ class QKVParallelLinear(ColumnParallelLinear):
 class MergedColumnParallelLinear(ColumnParallelLinear):
     """Several column-parallel outputs in one matmul (gate_proj and up_proj).
 
-    feeds_silu_and_mul: the outputs are a gated MLP's [gate | up], read only by SiluAndMul. A CPU may then pack
-    the weight in gate/up panels (cpu_gemm.py, quantization.py set `packed_silu_and_mul`), and `silu_and_mul(x)`
-    computes silu(gate) * up inside the matmul, in the tile's registers: the (rows, 2 * n) activation is never
-    written, and the values are the unfused path's, bit for bit (tests/test_cpu_gemm.py).
+    feeds_silu_and_mul: the outputs are a gated MLP's [gate | up], read only by SiluAndMul, so a platform may
+    compute the activation inside the matmul (minivllm/platforms/cpu/mlp.py says how, and marks the model's
+    gated MLPs itself). The layer's own forward always answers [gate | up].
     """
 
     def __init__(self, in_features: int, out_sizes: list[int], bias: bool, tp: TPGroup,
                  feeds_silu_and_mul: bool = False):
         self.out_sizes = [s // tp.size for s in out_sizes]
         super().__init__(in_features, sum(out_sizes), bias, tp)
-        self.feeds_silu_and_mul = feeds_silu_and_mul and not bias and len(out_sizes) == 2 and \
-            out_sizes[0] == out_sizes[1]
-        self.packed_silu_and_mul = False                   # CPU: the packed weight is in gate/up panels
+        self.feeds_silu_and_mul = feeds_silu_and_mul and self.can_feed_silu_and_mul
 
     def weight_loader(self, param, loaded, shard_id=None):
         offset = sum(self.out_sizes[:shard_id])
         param.narrow(0, offset, self.out_sizes[shard_id]).copy_(
             _shard(loaded, 0, self.tp.rank, self.tp.size))
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        if not self.packed_silu_and_mul:
-            return super().forward(x)
-        # Direct callers only (tests, quantization.dequantize): the model calls silu_and_mul.
-        y = self._gate_up(x, silu_and_mul=False)                  # (..., panels * 48): columns in panel order
-        return y[..., kernels.cpu_ops.gate_up_columns(self.out_sizes[0])]      # (..., 2 * n): [gate | up]
-
-    def silu_and_mul(self, x: torch.Tensor) -> torch.Tensor:
-        """x (..., in) -> silu(gate) * up, (..., n): in the matmul when packed so, else SiluAndMul after it."""
-        if not self.packed_silu_and_mul:
-            return SiluAndMul()(super().forward(x))
-        return self._gate_up(x, silu_and_mul=True)
-
-    def _gate_up(self, x: torch.Tensor, silu_and_mul: bool) -> torch.Tensor:
-        if self.quant_method is not None:
-            return self.quant_method.apply(self, x, None, silu_and_mul=silu_and_mul)
-        return gate_up_gemm(x, self.packed_weight, self.out_sizes[0], silu_and_mul)
+    @property
+    def can_feed_silu_and_mul(self) -> bool:
+        """Whether the outputs can be a gated MLP's [gate | up]: two halves of equal size, and no bias."""
+        return self.bias is None and len(self.out_sizes) == 2 and self.out_sizes[0] == self.out_sizes[1]
 
 
 class RowParallelLinear(nn.Module):
@@ -197,15 +156,13 @@ class RowParallelLinear(nn.Module):
         self.tp = tp
         self.weight = nn.Parameter(torch.empty(out_features, in_features // tp.size), requires_grad=False)
         self.bias = nn.Parameter(torch.empty(out_features), requires_grad=False) if bias else None
-        self.packed_weight: torch.Tensor | None = None     # CPU: `weight` in oneDNN's layout (cpu_gemm.py)
-        self.quant_method = None                           # CPU: int8 / int4 weights instead (quantization.py)
+        self.quant_method = UNQUANTIZED
 
     def weight_loader(self, param, loaded, shard_id=None):
         param.copy_(_shard(loaded, 1, self.tp.rank, self.tp.size) if param.dim() == 2 else loaded[:])
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        y = (self.quant_method.apply(self, x, None) if self.quant_method is not None
-             else gemm(x, self.weight, None, self.packed_weight))
+        y = self.quant_method.apply(self, x, None)                 # (rows, out): this rank's partial sums
         y = self.tp.all_reduce(y)                                  # partial sums from every rank
         return y + self.bias if self.bias is not None else y
 
@@ -237,32 +194,22 @@ class ParallelLMHead(VocabParallelEmbedding):
 
     def __init__(self, vocab_size: int, hidden_size: int, tp: TPGroup):
         super().__init__(vocab_size, hidden_size, tp)
-        self.packed_weight: torch.Tensor | None = None     # CPU: `weight` in oneDNN's layout (cpu_gemm.py)
-        self.quant_method = None                           # CPU: int8 / int4 weights instead (quantization.py)
+        self.quant_method = UNQUANTIZED
 
     def forward(self, hidden: torch.Tensor) -> torch.Tensor:
-        logits = (self.quant_method.apply(self, hidden, None) if self.quant_method is not None
-                  else gemm(hidden, self.weight, None, self.packed_weight))     # (num_seqs, vocab_size / tp)
+        logits = self.quant_method.apply(self, hidden, None)      # (num_seqs, vocab_size / tp)
         return self.tp.all_gather_last_dim(logits)              # (num_seqs, vocab_size)
 
 
-class RMSNorm(nn.Module):
+class RMSNorm(CustomOp):
+    name = "rms_norm"
+
     def __init__(self, size: int, eps: float):
         super().__init__()
         self.eps = eps
         self.weight = nn.Parameter(torch.ones(size), requires_grad=False)
 
-    def forward(self, x: torch.Tensor, residual: torch.Tensor | None = None):
-        """With `residual`: returns (norm(x + residual), x + residual), the fused pre-norm step.
-        On CUDA one Triton kernel does it (vLLM's custom-op switch: on unless MINIVLLM_CUSTOM_OPS is "none" or
-        "-rms_norm"); on a CPU one C++ pass per row (rows must be contiguous:
-        Qwen3's per-head norm of a qkv view is not, and stays native); everywhere else, forward_native."""
-        if x.is_cuda and "rms_norm" in CUSTOM_OPS:
-            return kernels.triton_ops.rms_norm(x, self.weight, self.eps, residual)
-        if x.is_contiguous() and _cpu_kernels(x):
-            return kernels.cpu_ops.rms_norm(x, self.weight, self.eps, residual)
-        return self.forward_native(x, residual)
-
+    # With `residual` every forward returns (norm(x + residual), x + residual), the fused pre-norm step.
     def forward_native(self, x: torch.Tensor, residual: torch.Tensor | None = None):
         if residual is not None:
             x = x + residual
@@ -272,23 +219,31 @@ class RMSNorm(nn.Module):
         y = (xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + self.eps)).to(dtype) * self.weight
         return y if residual is None else (y, residual)
 
+    def forward_cuda(self, x: torch.Tensor, residual: torch.Tensor | None = None):
+        """One Triton kernel (vLLM's custom-op switch: on unless MINIVLLM_CUSTOM_OPS is "none" or "-rms_norm")."""
+        return kernels.triton_ops.rms_norm(x, self.weight, self.eps, residual)
 
-class SiluAndMul(nn.Module):
-    """The gated MLP's activation: x (rows, 2 * n) = [gate | up] -> silu(gate) * up (rows, n). On a CPU one C++
-    pass (kernels/cpu_layers.cpp); elsewhere forward_native."""
+    def forward_cpu(self, x: torch.Tensor, residual: torch.Tensor | None = None):
+        """One C++ pass per row; rows must be contiguous (Qwen3's per-head norm of a qkv view is not)."""
+        if x.is_contiguous():
+            return kernels.cpu_ops.rms_norm(x, self.weight, self.eps, residual)
+        return self.forward_native(x, residual)
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        if _cpu_kernels(x):
-            return kernels.cpu_ops.silu_and_mul(x)
-        return self.forward_native(x)
+
+class SiluAndMul(CustomOp):
+    """The gated MLP's activation: x (rows, 2 * n) = [gate | up] -> silu(gate) * up (rows, n)."""
 
     @staticmethod
     def forward_native(x: torch.Tensor) -> torch.Tensor:
         gate, up = x.chunk(2, dim=-1)
         return F.silu(gate) * up
 
+    @staticmethod
+    def forward_cpu(x: torch.Tensor) -> torch.Tensor:
+        return kernels.cpu_ops.silu_and_mul(x)                     # one C++ pass (kernels/cpu_layers.cpp)
 
-class RotaryEmbedding(nn.Module):
+
+class RotaryEmbedding(CustomOp):
     """Rotary position embedding, Hugging Face's "rotate half" layout, with Llama 3 frequency scaling."""
 
     def __init__(self, head_dim: int, max_position: int, theta: float, scaling: dict | None = None):
@@ -306,16 +261,14 @@ class RotaryEmbedding(nn.Module):
         self.register_buffer("cos", freqs.cos(), persistent=False)
         self.register_buffer("sin", freqs.sin(), persistent=False)
 
-    def forward(self, positions: torch.Tensor, q: torch.Tensor, k: torch.Tensor):
-        # q (num_tokens, num_heads, head_dim), k (num_tokens, num_kv_heads, head_dim); on a CPU one C++ pass
-        if _cpu_kernels(q):
-            return kernels.cpu_ops.rotary_embedding(positions, q, k, self.cos, self.sin)
-        return self.forward_native(positions, q, k)
-
+    # q (num_tokens, num_heads, head_dim), k (num_tokens, num_kv_heads, head_dim) -> both rotated, same shapes
     def forward_native(self, positions: torch.Tensor, q: torch.Tensor, k: torch.Tensor):
         cos = self.cos[positions].unsqueeze(1)                         # (num_tokens, 1, head_dim / 2)
         sin = self.sin[positions].unsqueeze(1)
         return _rotate(q, cos, sin), _rotate(k, cos, sin)
+
+    def forward_cpu(self, positions: torch.Tensor, q: torch.Tensor, k: torch.Tensor):
+        return kernels.cpu_ops.rotary_embedding(positions, q, k, self.cos, self.sin)     # one C++ pass
 
 
 def _rotate(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:

@@ -7,6 +7,9 @@ which tokens run (the scheduler) or where their KV goes (the block manager, via 
 
     input_ids (num_tokens,) -> embed -> 30 x [RMSNorm -> attention -> RMSNorm -> MLP] -> norm
     -> hidden (num_tokens, hidden_size); compute_logits picks the rows that sample.
+
+The layers (layers.py) carry each op's kernels for every platform; how a platform runs them is decided once,
+when the weights are loaded (minivllm/platforms/), and never shows here.
 """
 
 from __future__ import annotations
@@ -20,7 +23,7 @@ from torch import nn
 
 from minivllm.model.attention import AttentionBackend, AttentionMetadata
 from minivllm.model.layers import (MergedColumnParallelLinear, PPStage, ParallelLMHead, QKVParallelLinear, RMSNorm,
-                             RotaryEmbedding, RowParallelLinear, SiluAndMul, TPGroup, VocabParallelEmbedding)
+                                   RotaryEmbedding, RowParallelLinear, SiluAndMul, TPGroup, VocabParallelEmbedding)
 
 SUPPORTED_ARCHITECTURES = ("LlamaForCausalLM", "Qwen2ForCausalLM", "Qwen3ForCausalLM")
 _MODEL_TYPE_TO_ARCH = {"llama": "LlamaForCausalLM", "qwen2": "Qwen2ForCausalLM", "qwen3": "Qwen3ForCausalLM"}
@@ -125,48 +128,19 @@ class LlamaAttention(nn.Module):
         return self.o_proj(o.reshape(n, q_size))                              # (n, hidden)
 
 
-# A CPU's last-level cache is tens of MB; a 4,096-token prefill's gate/up activation of the default model is
-# 4,096 x 3,072 x 4 bytes = 50 MB, written by one matmul and read back by the next from memory. In slices of at
-# most this many bytes it stays in the cache. Measured on a 2-core AMD EPYC (Zen 3, 32 MB L3), a prefill step of
-# 32 x 128 tokens, fp32, four alternating rounds: 7.3 s whole -> 6.8 s in 1,024-row slices (2,048 and 512 alike).
-CPU_SLICE_BYTES = 12 << 20
-
-
-def cpu_slice_rows(x: torch.Tensor, width: int) -> int:
-    """How many rows of x to run at a time when the widest activation has `width` columns of x's dtype: all of
-    them off the CPU (a GPU's kernels want the whole batch), else the most rows, a multiple of 256, whose activation
-    fits in CPU_SLICE_BYTES (and never fewer than 256)."""
-    if x.device.type != "cpu":
-        return x.shape[0]
-    rows = CPU_SLICE_BYTES // (width * x.element_size())
-    return max(256, rows // 256 * 256)
-
-
 class LlamaMLP(nn.Module):
+    """The gated MLP: down(silu(gate(x)) * up(x)), with gate and up as one matmul."""
+
     def __init__(self, cfg: ModelConfig, tp: TPGroup):
         super().__init__()
-        self.gate_up_proj = MergedColumnParallelLinear(cfg.hidden_size, [cfg.intermediate_size] * 2, False, tp,
-                                                       feeds_silu_and_mul=True)
+        self.gate_up_proj = MergedColumnParallelLinear(cfg.hidden_size, [cfg.intermediate_size] * 2, False, tp)
         self.down_proj = RowParallelLinear(cfg.intermediate_size, cfg.hidden_size, False, tp)
         self.act_fn = SiluAndMul()
 
     def forward(self, x):
-        """x (n, hidden) -> (n, hidden). A long prefill on a CPU runs in row slices (`cpu_slice_rows`): the same
-        rows and weights, so the same result, with the (rows, 2 * intermediate) activation kept in the cache.
-        Where SiLU runs inside the gate/up matmul there is no such activation, and the whole batch is faster
-        (a 4,096-token prefill, 2026-11-27: 1-5% in fp32 against 1,024- and 2,048-row slices, 1% in bf16)."""
-        if self.gate_up_proj.packed_silu_and_mul:
-            return self._forward(x)
-        rows = cpu_slice_rows(x, sum(self.gate_up_proj.out_sizes))           # gate_up: (rows, 2 * intermediate / tp)
-        if rows >= x.shape[0]:
-            return self._forward(x)
-        return torch.cat([self._forward(part) for part in x.split(rows)])
-
-    def _forward(self, x):
-        if self.gate_up_proj.packed_silu_and_mul:     # CPU: the activation in the matmul (layers.py, cpu_gemm.cpp)
-            return self.down_proj(self.gate_up_proj.silu_and_mul(x))          # (n, intermediate / tp)
         gate_up = self.gate_up_proj(x)                                        # (n, 2 * intermediate / tp)
-        return self.down_proj(self.act_fn(gate_up))                           # silu(gate) * up: (n, intermediate / tp)
+        x = self.act_fn(gate_up)                                              # silu(gate) * up: (n, intermediate / tp)
+        return self.down_proj(x)                                              # (n, hidden)
 
 
 class LlamaDecoderLayer(nn.Module):

@@ -13,11 +13,10 @@ from pathlib import Path
 import torch
 from safetensors import safe_open
 
-from minivllm.model.cpu_gemm import prepack_linear_weights
-from minivllm.model.quantization import quantize_linear_weights
 from minivllm.model.layers import PPStage, TPGroup
 from minivllm.model.llama import LlamaForCausalLM, ModelConfig
-from minivllm.platforms.cpu import gather_on_huge_pages, has_bf16_arithmetic
+from minivllm.platforms import process_weights_after_loading
+from minivllm.platforms.cpu import has_bf16_arithmetic
 
 logger = logging.getLogger(__name__)
 
@@ -123,52 +122,15 @@ def load_model(path: Path, cfg: ModelConfig, dtype: torch.dtype, device: torch.d
                     continue
                 if model.load_param(name, st.get_slice(name)):      # lazy: read on indexing
                     loaded.add(model.local_name(name))
+    process_weights_after_loading(model, device, dtype, quantization)    # the platform's own layouts and kernels
     if quantization is not None:
-        quantize_linear_weights(model, quantization, device, dtype)       # int8 / int4 (quantization.py)
         for p in model.parameters():                                      # the embedding and norms in `dtype`
             p.data = p.data.to(dtype)
-    elif device.type == "cpu" and not prepack_linear_weights(model):     # oneDNN's layout (cpu_gemm.py),
-        use_column_major_linear_weights(model)                            # else the best one for MKL
-    if device.type == "cpu":
-        put_streamed_weights_on_huge_pages(model)
     expected = {_checkpoint_name(n) for n, _ in model.named_parameters()}
     missing = sorted(expected - {_checkpoint_name(n) for n in loaded})
     if missing:
         raise ValueError(f"{path} is missing weights {missing[:5]}{' ...' if len(missing) > 5 else ''}.")
     return model.eval()
-
-
-# The weights a CPU step reads whole, where a layer has them: packed for minivllm's matmul (cpu_gemm.py) or
-# quantized (quantization.py). A layer without them reads `weight` through F.linear. oneDNN's packed weights
-# (MINIVLLM_CPU_OWN_GEMM=0, or no C++ kernels) are opaque tensors that only oneDNN may copy: they stay put.
-STREAMED_WEIGHTS = ("packed_weight", "qweight", "qscale", "qscales_zeros")
-
-
-def put_streamed_weights_on_huge_pages(model: torch.nn.Module) -> int:
-    """Move every layer's STREAMED_WEIGHTS into one buffer on 2 MB pages (platforms/cpu.py says why); returns
-    the bytes moved (0 where Linux offers no huge pages, or MINIVLLM_CPU_HUGE_PAGES=0). The values are copied
-    exactly: only where they live changes."""
-    slots = [(m, name) for m in model.modules() for name in STREAMED_WEIGHTS
-             if isinstance(getattr(m, name, None), torch.Tensor) and getattr(m, name).layout == torch.strided
-             and getattr(m, name).numel() > 0]
-    unique = list({id(getattr(m, name)): getattr(m, name) for m, name in slots}.values())
-    moved = dict(zip(map(id, unique), gather_on_huge_pages(unique)))
-    for m, name in slots:
-        setattr(m, name, moved[id(getattr(m, name))])
-    return sum(t.numel() * t.element_size() for t in unique if moved[id(t)] is not t)
-
-
-def use_column_major_linear_weights(model: torch.nn.Module) -> None:
-    """Store each linear weight (out, in) column-major, i.e. as a contiguous (in, out) matrix seen through
-    .t(). Same shape and values; F.linear(x, W) computes x @ W.t(), which is then a plain row-major matmul,
-    and on a CPU MKL's kernel for that is 1.4-2x faster at decode's few rows than the transposed one
-    (measured on the CI machines; equal at prefill sizes). The tied embedding / LM head keeps row-major
-    rows, which the embedding lookup gathers."""
-    from minivllm.model.layers import ColumnParallelLinear, RowParallelLinear
-
-    for module in model.modules():
-        if isinstance(module, (ColumnParallelLinear, RowParallelLinear)):
-            module.weight.data = module.weight.data.t().contiguous().t()
 
 
 def _checkpoint_name(name: str) -> str:

@@ -55,8 +55,9 @@ from __future__ import annotations
 
 import torch
 
-from minivllm.model import cpu_gemm
 from minivllm.model._kernels import kernels
+from minivllm.model.layers import ColumnParallelLinear, ParallelLMHead, RowParallelLinear
+from minivllm.platforms.cpu import gemm
 
 METHODS = ("int8", "int4", "gguf", "w8a8_int8", "w4a8_int8")
 GROUP_SIZE = 32            # int4 / Q4_1: weights per (scale, minimum) pair along the input dimension
@@ -66,7 +67,15 @@ ACT_DTYPE = torch.bfloat16
 def own_quantized_kernels() -> bool:
     """int8 and int4 layers go to minivllm's kernels (kernels/cpu_gemm.cpp, int8_linear / int4_linear): they need
     what the bf16 one needs (AVX-512 BF16), and MINIVLLM_CPU_OWN_GEMM=0 switches them all off."""
-    return cpu_gemm.own_gemm(torch.bfloat16)
+    return gemm.own_gemm(torch.bfloat16)
+
+
+def _in_order(layer: torch.nn.Module, y: torch.Tensor, silu_and_mul: bool) -> torch.Tensor:
+    """A product from gate/up panels without silu_and_mul has its columns in panel order: [gate | up] again,
+    as any linear layer answers (a direct caller: tests, `dequantize`). Everything else passes through."""
+    if silu_and_mul or not getattr(layer, "packed_silu_and_mul", False):
+        return y
+    return y[..., kernels.cpu_ops.gate_up_columns(layer.out_sizes[0])]
 
 
 class Int8WeightOnlyMethod:
@@ -97,10 +106,11 @@ class Int8WeightOnlyMethod:
 
     def apply(self, layer: torch.nn.Module, x: torch.Tensor, bias: torch.Tensor | None,
               silu_and_mul: bool = False) -> torch.Tensor:
-        """y = x @ w.T + bias; with silu_and_mul (gate/up panels) silu(gate) * up (layers.py)."""
+        """y = x @ w.T + bias; with silu_and_mul (gate/up panels) silu(gate) * up (mlp.py)."""
         if layer.qweight.dim() == 3:                                      # packed for int8_linear
             out = layer.out_sizes[0] if silu_and_mul else layer.qscale.numel()
             y = kernels.cpu_ops.int8_linear(x.to(ACT_DTYPE), layer.qweight, layer.qscale, out, None, silu_and_mul)
+            y = _in_order(layer, y, silu_and_mul)
         else:
             y = torch._weight_int8pack_mm(x.to(ACT_DTYPE), layer.qweight, layer.qscale)
         y = y.to(x.dtype)
@@ -145,11 +155,12 @@ class Int4WeightOnlyMethod:
 
     def apply(self, layer: torch.nn.Module, x: torch.Tensor, bias: torch.Tensor | None,
               silu_and_mul: bool = False) -> torch.Tensor:
-        """y = x @ w.T + bias; with silu_and_mul (gate/up panels) silu(gate) * up (layers.py)."""
+        """y = x @ w.T + bias; with silu_and_mul (gate/up panels) silu(gate) * up (mlp.py)."""
         if layer.qweight.dim() == 3:                                      # packed for int4_linear
             out = layer.out_sizes[0] if silu_and_mul else layer.qout
             y = kernels.cpu_ops.int4_linear(x.to(ACT_DTYPE), layer.qweight, layer.qscales_zeros, out, None,
                                             silu_and_mul)
+            y = _in_order(layer, y, silu_and_mul)
         else:
             y = torch._weight_int4pack_mm_for_cpu(x.to(ACT_DTYPE), layer.qweight, GROUP_SIZE, layer.qscales_zeros)
         y = y.to(x.dtype)
@@ -197,6 +208,7 @@ class W8A8Int8Method:
             out = layer.out_sizes[0] if silu_and_mul else layer.qscale.numel()
             xin = x2 if x2.dtype in (torch.float32, torch.bfloat16) else x2.float()
             y = kernels.cpu_ops.w8a8_linear(xin, layer.qweight, layer.qoffset, layer.qscale, out, None, silu_and_mul)
+            y = _in_order(layer, y, silu_and_mul)
         else:                                                             # PyTorch: the same integers, int32 sums
             qx, s = quantize_activations(x2)
             y = torch._int_mm(qx, layer.qweight).float() * s[:, None] * layer.qscale
@@ -239,7 +251,8 @@ class W4A8Int8Method(Int4WeightOnlyMethod):
         """y = x @ w.T + bias with x rounded to int8 per group; silu_and_mul (gate/up panels): silu(gate) * up."""
         out = layer.out_sizes[0] if silu_and_mul else layer.qout
         xin = x if x.dtype in (torch.float32, torch.bfloat16) else x.float()
-        y = kernels.cpu_ops.w4a8_linear(xin, layer.qweight, layer.qscales_zeros, out, None, silu_and_mul).to(x.dtype)
+        y = kernels.cpu_ops.w4a8_linear(xin, layer.qweight, layer.qscales_zeros, out, None, silu_and_mul)
+        y = _in_order(layer, y, silu_and_mul).to(x.dtype)
         return y if bias is None else y + bias
 
 
@@ -247,7 +260,7 @@ def own_w8a8_kernel() -> bool:
     """w8a8_int8 and w4a8_int8 layers go to minivllm's kernels (cpu_gemm.cpp's w8a8_linear, w4a8_linear) where the
     CPU has AVX-512 VNNI and BF16 and MINIVLLM_CPU_OWN_GEMM is not 0; elsewhere w8a8_int8 goes to torch._int_mm
     (int8 x int8 -> int32) after quantize_activations, and w4a8_int8 is refused."""
-    return cpu_gemm.own_gemm(torch.bfloat16) and kernels.cpu_ops.w8a8_linear_available()
+    return gemm.own_gemm(torch.bfloat16) and kernels.cpu_ops.w8a8_linear_available()
 
 
 class GGUFQ4_1Method(Int4WeightOnlyMethod):
@@ -272,9 +285,7 @@ def dequantize(layer: torch.nn.Module) -> torch.Tensor:
     the identity (rounded to bf16, the kernel's output dtype). For tests and quality reports."""
     in_features = layer.weight.shape[1] if layer.weight.numel() else layer.in_features
     eye = torch.eye(in_features, dtype=ACT_DTYPE)
-    y = layer.quant_method.apply(layer, eye, None)
-    if getattr(layer, "packed_silu_and_mul", False):                  # gate/up panels: back to [gate | up]
-        y = y[:, kernels.cpu_ops.gate_up_columns(layer.out_sizes[0])]
+    y = layer.quant_method.apply(layer, eye, None)                    # (in, out); gate/up: [gate | up]
     return y.float().t()
 
 
@@ -291,9 +302,7 @@ def quantize_linear_weights(model: torch.nn.Module, name: str, device: torch.dev
     """Give every linear layer (and the LM head) `name`'s quant method and quantized weights; the plain
     weight of a linear layer is then freed. Returns how many layers were quantized. A gated MLP's gate/up
     layer of a bf16 model (`dtype`, the model's) is packed in gate/up panels for the activation in the matmul
-    (cpu_gemm.fuse_silu_and_mul); another dtype keeps the separate pass, which computes silu in that dtype."""
-    from minivllm.model.layers import ColumnParallelLinear, ParallelLMHead, RowParallelLinear
-
+    (gemm.fuse_silu_and_mul); another dtype keeps the separate pass, which computes silu in that dtype."""
     if device.type != "cpu":
         raise ValueError(f"quantization={name!r} is implemented for the CPU only (PyTorch's packed-int CPU "
                          "kernels); on a GPU use dtype='bfloat16' and leave quantization unset.")
@@ -305,9 +314,9 @@ def quantize_linear_weights(model: torch.nn.Module, name: str, device: torch.dev
             this = Int8WeightOnlyMethod() if name == "gguf" and isinstance(module, ParallelLMHead) else method
             if isinstance(this, (W8A8Int8Method, W4A8Int8Method)):    # these answer in the model's dtype
                 module.packed_silu_and_mul = (dtype in (torch.float32, ACT_DTYPE) and own_w8a8_kernel()
-                                              and cpu_gemm.fuse_silu_and_mul(module, ACT_DTYPE))
+                                              and gemm.fuse_silu_and_mul(module, ACT_DTYPE))
             else:
-                module.packed_silu_and_mul = dtype == ACT_DTYPE and cpu_gemm.fuse_silu_and_mul(module, ACT_DTYPE)
+                module.packed_silu_and_mul = dtype == ACT_DTYPE and gemm.fuse_silu_and_mul(module, ACT_DTYPE)
             this.process_weights_after_loading(module)
             module.quant_method = this
             module.in_features = module.weight.shape[1]

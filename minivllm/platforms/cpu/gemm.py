@@ -1,7 +1,10 @@
 """CPU matmuls with weights prepacked once for oneDNN, as vLLM's CPU backend does for unquantized layers.
 
-Owns: turning each linear layer's (out, in) weight into oneDNN's blocked layout at load time
-(`prepack_linear_weights`) and the one matmul every linear layer calls (`gemm`).
+Owns: turning each linear layer's (out, in) weight into a packed layout at load time (`prepack_linear_weights`),
+the linear methods that multiply by it (`PackedLinearMethod`, `GateUpPanelsMethod`: the layer's `quant_method`,
+vLLM's name for the per-layer matmul), the one matmul they call (`gemm`), and the plain weights' layout where
+nothing packs them (`use_column_major_linear_weights`). Must never: change a layer's `weight` (the checkpoint
+loader, TP tests and lessons read it) or decide anything per call that the load could decide.
 
 Why: a decode step on a CPU multiplies a few rows (the batch) by every weight of the model. `F.linear` hands
 the plain weight to MKL on every call, which re-reads it in a layout chosen for no particular shape. oneDNN's
@@ -24,21 +27,22 @@ order; bf16 needs AVX-512 BF16 for vdpbf16ps). oneDNN ran a 32-row decode step's
 this CPU's peak with the weights coming from memory; this runs them 10-25% faster, and 1-row steps at the
 memory's bandwidth (README, "Measured"). MINIVLLM_CPU_OWN_GEMM=0 keeps oneDNN.
 
+
 A gated MLP's gate/up weight is packed for it in gate/up panels (`fuse_silu_and_mul`): the matmul then also
 computes silu(gate) * up from its accumulators, and the (rows, 2 * intermediate) activation is never written
-nor read again. A 4,096-row prefill's gate/up matmul plus SiLU took 42.0 ms in bf16 with the separate pass and
-38.2 ms fused (README, "Measured"). MINIVLLM_CPU_FUSED_SILU=0 keeps the separate pass.
+nor read again (mlp.py runs the MLP so). MINIVLLM_CPU_FUSED_SILU=0 keeps the separate pass.
 """
 
 from __future__ import annotations
 
 import functools
-import os
 
 import torch
 import torch.nn.functional as F
 
+from minivllm import envs
 from minivllm.model._kernels import kernels
+from minivllm.model.layers import ColumnParallelLinear, ParallelLMHead, RowParallelLinear
 
 PACKED_DTYPES = (torch.float32, torch.bfloat16)
 BATCH_HINT = 32          # the rows oneDNN tunes the layout for (a full decode batch); any row count works
@@ -46,7 +50,7 @@ BATCH_HINT = 32          # the rows oneDNN tunes the layout for (a full decode b
 
 def onednn_available() -> bool:
     """oneDNN's packed linear is in this torch build, and not switched off (MINIVLLM_CPU_PREPACK=0)."""
-    if os.environ.get("MINIVLLM_CPU_PREPACK", "1") == "0":
+    if not envs.MINIVLLM_CPU_PREPACK:
         return False
     return (torch.backends.mkldnn.is_available() and hasattr(torch.ops.mkldnn, "_reorder_linear_weight")
             and hasattr(torch.ops.mkldnn, "_linear_pointwise"))
@@ -73,8 +77,7 @@ def gate_up_gemm(x: torch.Tensor, packed: torch.Tensor, n: int, silu_and_mul: bo
 def fuse_silu_and_mul(module: torch.nn.Module, dtype: torch.dtype) -> bool:
     """Whether `module` (its outputs feeding SiluAndMul) gets its `dtype` weight packed in gate/up panels: the
     kernels run that dtype here and MINIVLLM_CPU_FUSED_SILU is not 0."""
-    return (getattr(module, "feeds_silu_and_mul", False) and own_gemm(dtype)
-            and os.environ.get("MINIVLLM_CPU_FUSED_SILU", "1") != "0")
+    return getattr(module, "feeds_silu_and_mul", False) and own_gemm(dtype) and envs.MINIVLLM_CPU_FUSED_SILU
 
 
 def packed_dtype(packed: torch.Tensor) -> torch.dtype:
@@ -86,7 +89,7 @@ def packed_dtype(packed: torch.Tensor) -> torch.dtype:
 def own_gemm(dtype: torch.dtype) -> bool:
     """`dtype` weights go to kernels/cpu_gemm.cpp: its build runs that dtype (fp32: AVX-512F, bf16: AVX-512 BF16),
     and MINIVLLM_CPU_OWN_GEMM is not 0."""
-    if os.environ.get("MINIVLLM_CPU_OWN_GEMM", "1") == "0":
+    if not envs.MINIVLLM_CPU_OWN_GEMM:
         return False
     return kernels.cpu_ops.packed_linear_available(dtype)
 
@@ -120,19 +123,59 @@ def prepack(weight: torch.Tensor) -> torch.Tensor | None:
     return torch.ops.mkldnn._reorder_linear_weight(weight.detach().contiguous(), BATCH_HINT)
 
 
+LINEAR_LAYERS = (ColumnParallelLinear, RowParallelLinear, ParallelLMHead)
+
+
+class PackedLinearMethod:
+    """A linear layer's matmul from `layer.packed_weight` (`prepack`'s): minivllm's panels or oneDNN's layout."""
+
+    def apply(self, layer: torch.nn.Module, x: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
+        return gemm(x, layer.weight, bias, layer.packed_weight)
+
+
+class GateUpPanelsMethod:
+    """A gated MLP's gate/up matmul from `layer.packed_weight` in gate/up panels (`interleave_gate_up`):
+    with silu_and_mul, silu(gate) * up (rows, n) straight from the matmul (mlp.py calls it so); without,
+    [gate | up] (rows, 2 * n) as any linear layer answers, the panels' columns put back in order."""
+
+    def apply(self, layer: torch.nn.Module, x: torch.Tensor, bias: torch.Tensor | None = None,
+              silu_and_mul: bool = False) -> torch.Tensor:
+        n = layer.out_sizes[0]
+        y = gate_up_gemm(x, layer.packed_weight, n, silu_and_mul)
+        return y if silu_and_mul else y[..., kernels.cpu_ops.gate_up_columns(n)]
+
+
+PACKED, GATE_UP_PANELS = PackedLinearMethod(), GateUpPanelsMethod()        # stateless: one for every layer
+
+
 def prepack_linear_weights(model: torch.nn.Module) -> int:
-    """Give every layer with a `packed_weight` slot its packed weight. Returns how many were packed (0 when
-    oneDNN is unavailable: the layers then keep calling F.linear)."""
+    """Give every linear layer its packed weight (`packed_weight`, None where packing does not apply) and the
+    method that multiplies by it. Returns how many were packed (0 when oneDNN is unavailable or switched off:
+    the layers then keep F.linear)."""
+    layers = [m for m in model.modules() if isinstance(m, LINEAR_LAYERS)]
+    for module in layers:
+        module.packed_weight, module.packed_silu_and_mul = None, False
     if not onednn_available():
         return 0
-    count = 0
+    for module in layers:
+        weight = module.weight
+        if fuse_silu_and_mul(module, weight.dtype) and (weight.dtype == torch.float32 or weight.shape[1] % 2 == 0):
+            module.packed_weight = kernels.cpu_ops.pack_linear(kernels.cpu_ops.interleave_gate_up(weight.detach()))
+            module.packed_silu_and_mul = True
+            module.quant_method = GATE_UP_PANELS
+        else:
+            module.packed_weight = prepack(weight)
+            if module.packed_weight is not None:
+                module.quant_method = PACKED
+    return sum(m.packed_weight is not None for m in layers)
+
+
+def use_column_major_linear_weights(model: torch.nn.Module) -> None:
+    """Store each linear weight (out, in) column-major, i.e. as a contiguous (in, out) matrix seen through
+    .t(). Same shape and values; F.linear(x, W) computes x @ W.t(), which is then a plain row-major matmul,
+    and on a CPU MKL's kernel for that is 1.4-2x faster at decode's few rows than the transposed one
+    (equal at prefill sizes). The tied embedding / LM head keeps row-major rows, which the embedding lookup
+    gathers."""
     for module in model.modules():
-        if hasattr(module, "packed_weight") and getattr(module, "weight", None) is not None:
-            weight = module.weight
-            if fuse_silu_and_mul(module, weight.dtype) and (weight.dtype == torch.float32 or weight.shape[1] % 2 == 0):
-                module.packed_weight = kernels.cpu_ops.pack_linear(kernels.cpu_ops.interleave_gate_up(weight.detach()))
-                module.packed_silu_and_mul = True
-            else:
-                module.packed_weight = prepack(weight)
-            count += module.packed_weight is not None
-    return count
+        if isinstance(module, (ColumnParallelLinear, RowParallelLinear)):
+            module.weight.data = module.weight.data.t().contiguous().t()
