@@ -32,6 +32,7 @@ import torch
 
 from minivllm.model.llama import ModelConfig
 from minivllm.model.loader import load_model, resolve_model_path
+from minivllm.worker.input_batch import ModelInput, model_input_tensors
 
 
 class DraftModelProposer:
@@ -75,7 +76,6 @@ class DraftModelProposer:
 
     def _forward(self, mi) -> torch.Tensor:
         """The draft model over one flat batch (a ModelInput) on its own cache: hidden (num_tokens, hidden)."""
-        from minivllm.worker.model_runner import model_input_tensors
         input_ids, positions, meta = model_input_tensors(mi, self.device)
         return self.model(input_ids, positions, self.kv_caches, meta, self.backend)
 
@@ -88,7 +88,6 @@ class DraftModelProposer:
     @torch.inference_mode()
     def propose_batch(self, requests: list, room: list[int]) -> list[list[int]]:
         """Up to min(k, room[i]) drafts for each request: k one-token passes of the draft, batched."""
-        from minivllm.worker.model_runner import ModelInput
         if not requests:
             return []
         bs = self.block_size

@@ -158,3 +158,26 @@ class DecodeGraphs:
         self.stats.replays += 1
         self.stats.padded_rows += size - n
         return hidden[:n]
+
+
+def capture_decode_graphs(runner) -> DecodeGraphs | None:
+    """A ModelRunner's decode graphs, checked against its eager forward before use. None (every step eager) off
+    CUDA, with enforce_eager, under tensor or pipeline parallelism (NCCL inside a graph was never tried here), with
+    the PyTorch reference attention (it reads host-side lengths), or when capture or the check fails (with a
+    warning)."""
+    config = runner.config
+    if (runner.device.type != "cuda" or config.enforce_eager or runner.tp.size > 1 or runner.pp.size > 1
+            or runner.backend.name != "triton"):
+        return None
+    max_model_len = config.max_model_len or runner.model_cfg.max_position_embeddings
+    graphs = DecodeGraphs(runner.forward, config.max_num_seqs, max_model_len, runner.block_size, runner.device)
+    try:
+        graphs.capture_all()
+        atol = 1e-3 if runner.dtype == torch.float32 else 5e-2
+        for size in (graphs.sizes[0], graphs.sizes[-1]):
+            graphs.check_against_eager(size, seq_len=2 * runner.block_size + 3, atol=atol)
+    except Exception as exc:
+        import warnings
+        warnings.warn(f"CUDA graphs are off, decode steps run eagerly: {type(exc).__name__}: {exc}")
+        return None
+    return graphs

@@ -1,8 +1,10 @@
 """Executors: who runs each step's ModelInput, on how many ranks (vLLM's executor layer).
 
-Owns: the ranks' lifecycles. Rank 0's ModelRunner always lives in the engine's process (the "driver");
-it builds each step's ModelInput and samples. The executor gets that input to the other ranks and
-makes sure they start together, agree on the KV cache size, and stop together, leaving no process behind.
+Owns: the ranks' lifecycles: start, send, collect, shut down. Rank 0's ModelRunner always lives in the engine's
+process (the "driver"); it builds each step's ModelInput and samples (ModelRunner.sample_tokens). The executor gets
+that input to the other ranks and makes sure they start together, agree on the KV cache size, and stop together,
+leaving no process behind. It never samples: the step's carrying (issue / collect) is the base class's
+(executor_base.py), the batch's data input_batch.py's; `make_executor` picks the subclass.
 
     UniProcExecutor           tp 1: one ModelRunner, no torch.distributed at all
     MultiprocExecutor         tp N on this machine: N - 1 spawned workers + the driver, one
@@ -16,9 +18,10 @@ the engine can keep up to PP batches in flight (vLLM v1's batch queue, engine/ll
     rank 0, stage 0:   [issue b1: stage 0] [issue b2: stage 0] [collect b1: sample] [issue b3] [collect b2] ...
     rank 1, stage 1:                       [b1: stage 1, logits -> rank 0] [b2: stage 1 ...]
 
-Under async scheduling (one rank) `issue` also samples, on the device, without waiting: the next batch's inputs
-read those tokens there (ModelRunner.prepare_inputs), and `collect` only brings them to the host. On a GPU the
-host schedules, prepares and issues batch N + 1 and applies batch N's tokens while the device runs:
+Under async scheduling (one rank) `issue` also has the driver sample, on the device, without waiting
+(ModelRunner.sample_on_device): the next batch's inputs read those tokens there (ModelRunner.prepare_inputs), and
+`collect` only brings them to the host. On a GPU the host schedules, prepares and issues batch N + 1 and applies
+batch N's tokens while the device runs:
 
     host:    [issue N] [schedule N+1, issue N+1] [collect N: tokens to host, update] [schedule N+2, issue N+2] ...
     device:  [forward N, sample N]     [forward N+1, sample N+1 (input: N's tokens)]  [forward N+2 ...]
@@ -31,7 +34,7 @@ MultiprocExecutor, one step with tp 3:
     execute_model(mi)                     execute_model(mi)           execute_model(mi)
        all-reduce in every layer  <====>     all-reduce   <========>     all-reduce
        all-gather of the logits   <====>     all-gather   <========>     all-gather
-    sampler(logits) -> tokens             (drops its logits)          (drops its logits)
+    sample_tokens(batch) -> tokens        (drops its logits)          (drops its logits)
 
 Control messages go over multiprocessing pipes (an idle engine may wait for hours; a collective would
 time out), tensors over torch.distributed. A worker's pipe closes when the driver dies, so a worker
@@ -40,7 +43,6 @@ never outlives it; the driver stops its workers on shutdown(), on garbage collec
 
 from __future__ import annotations
 
-import collections
 import contextlib
 import dataclasses
 import multiprocessing as mp
@@ -49,8 +51,6 @@ import signal
 import time
 import traceback
 import weakref
-from collections.abc import Callable
-from dataclasses import dataclass
 
 import torch
 import torch.distributed as dist
@@ -58,329 +58,13 @@ import torch.distributed as dist
 from minivllm.config import EngineConfig
 from minivllm.worker.distributed import (destroy_distributed, get_open_port, init_distributed, launched_by_torchrun,
                                          make_groups, tp_device)
-from minivllm.model.layers import TPGroup
 from minivllm.model.llama import ModelConfig
-from minivllm.worker.logprobs import (RowScores, StepLogprobs, compute_logprobs, compute_prompt_logprobs, prompt_targets,
-                                      score_rows, split_by_span, unpack_scores)
-from minivllm.worker.model_runner import ModelInput, ModelRunner
-from minivllm.worker.sampler import apply_grammar_bitmask
-from minivllm.core.request import Request
-from minivllm.core.scheduler import SchedulerOutput
+from minivllm.worker.executor_base import Executor, _cpu_threads_per_rank
+from minivllm.worker.input_batch import InFlightBatch
+from minivllm.worker.model_runner import ModelRunner
 
-GrammarBitmaskFn = Callable[[list[Request], dict[str, list[int]]], "torch.Tensor | None"]
-
-
-@dataclass
-class InFlightBatch:
-    """A batch sent into the ranks whose output has not been used yet (vLLM v1's batch queue holds these).
-
-    Its logits arrive once (`Executor.collect` receives them in the order the batches went in) and are kept, so a
-    step that fails after receiving them and is rolled back can sample them again."""
-    step_id: int
-    sched: SchedulerOutput
-    model_input: ModelInput
-    sampling_requests: list[Request]            # row order
-    logits: torch.Tensor | None = None          # (sampling rows, vocab) fp32, once received
-    prompt_logits: torch.Tensor | None = None   # (prompt-logprob rows, vocab) fp32, once received
-    received: bool = False
-    sampled: torch.Tensor | None = None         # async scheduling: (sampling rows,) int64 tokens, on the device
-    logprobs_ahead: LogprobsAhead | None = None     # ... and the logprobs asked for, scored there too
-    host: list[torch.Tensor] | None = None      # ... both copied to the host (pinned): [sampled, *scores' tensors]
-    ready: "torch.cuda.Event | None" = None     # ... recorded right after that copy (None on a CPU: nothing to wait)
-
-
-@dataclass
-class LogprobsAhead:
-    """Async scheduling: a batch's logprobs, scored on the device when it was sampled (`Executor.issue`), so that
-    reading them waits for that batch alone, as reading its tokens does."""
-    rows: list[int]                   # rows of sampling_requests that asked for logprobs
-    num_logprobs: list[int]           # ... and their k
-    sample: RowScores | None          # their scores, or None if no row asked
-    prompt_tokens: list[int]          # the prompt tokens scored by the batch's prompt-logprob rows
-    prompt_ks: list[int]
-    prompt: RowScores | None          # their scores, or None if the batch has no prompt-logprob rows
-
-    def tensors(self) -> list[torch.Tensor]:
-        return [t for s in (self.sample, self.prompt) if s is not None for t in s.tensors()]
-
-    def with_tensors(self, tensors: list[torch.Tensor]) -> "LogprobsAhead":
-        """The same scores read from `tensors` (the host's copies, in tensors()' order)."""
-        it = iter(tensors)
-        sample = RowScores(*(next(it) for _ in range(4))) if self.sample is not None else None
-        prompt = RowScores(*(next(it) for _ in range(4))) if self.prompt is not None else None
-        return dataclasses.replace(self, sample=sample, prompt=prompt)
-
-
-class Executor:
-    """The engine's view of the ranks: `issue(sched)` sends a batch in, `collect(batch)` -> (sampling requests,
-    tokens, logprobs); `execute_model(sched)` does both at once."""
-
-    driver: ModelRunner          # rank 0's runner, in this process
-    num_kv_blocks: int           # the same on every rank
-    num_cpu_blocks: int
-    max_concurrent_batches: int = 1     # batches that may be in flight at once (pipeline stages; see issue())
-    async_scheduling: bool = False      # issue() samples on the device; the next batch reads those tokens there
-
-    def __init__(self) -> None:
-        self._next_step_id = 0
-        # Issued batches whose logits have not arrived, oldest first. A batch whose step was rolled back stays here
-        # until its logits are received and dropped: the pipe returns batches in the order they went in.
-        self._unreceived: collections.deque[InFlightBatch] = collections.deque()
-
-    def execute_model(self, sched: SchedulerOutput, grammar_bitmask: GrammarBitmaskFn | None = None
-                      ) -> tuple[list[Request], list[list[int]], StepLogprobs | None]:
-        """The requests that sample this step, their new tokens (one each, or with speculative decoding the accepted
-        drafts and one more), and (when any request asked for sample or prompt logprobs) the step's logprobs by
-        request id (logprobs.py)."""
-        return self.collect(self.issue(sched, None, grammar_bitmask), grammar_bitmask)
-
-    @property
-    def pipelined(self) -> bool:
-        """Pipeline stages whose logits come back to rank 0 later: rank 0 runs stage 0 of a batch and is free."""
-        return self.driver.pp.size > 1 and not self.driver.pp.broadcast_logits
-
-    def issue(self, sched: SchedulerOutput, prev: InFlightBatch | None = None,
-              grammar_bitmask: GrammarBitmaskFn | None = None) -> InFlightBatch:
-        """Send one batch into the ranks. With pipeline stages this returns once rank 0 has run stage 0 and passed
-        the hidden states on: the later stages work on it while the engine schedules and issues the next batch
-        (up to `max_concurrent_batches` at once). Otherwise the whole forward is done here.
-
-        Async scheduling: `prev` is the batch still in flight, whose sampled tokens are inputs of this one; the
-        batch is sampled here too (with the grammars' masks), and on a GPU this returns before any of it ran."""
-        with self._failure_guard():
-            batch = self._issue(sched, prev)
-        if self.async_scheduling and batch.logits is not None:
-            logits = batch.logits
-            if grammar_bitmask is not None:
-                bitmask = grammar_bitmask(batch.sampling_requests, {})          # (rows, vocab / 32)
-                if bitmask is not None:
-                    logits = apply_grammar_bitmask(logits, bitmask)
-            batch.sampled = self.driver.sampler.sample(logits, batch.sampling_requests)
-            batch.logprobs_ahead = self._score_ahead(batch, logits)
-            extra = batch.logprobs_ahead.tensors() if batch.logprobs_ahead is not None else []
-            batch.host, batch.ready = _copy_to_host([batch.sampled] + extra)
-        return batch
-
-    def _failure_guard(self) -> contextlib.AbstractContextManager:
-        """Around the ranks' share of a step (issue, and waiting for logits). Executors with workers stop them all
-        when it raises: a rank may be stuck in a collective whose partner is gone."""
-        return contextlib.nullcontext()
-
-    def _issue(self, sched: SchedulerOutput, prev: InFlightBatch | None = None) -> InFlightBatch:
-        if self.driver.model is None:
-            raise RuntimeError("this engine was shut down (LLM.shutdown() or the end of its with-block) and gave "
-                               "its weights and KV cache back; create a new LLM.")
-        if prev is None:          # (the plain call stays plain: lessons and tests hook these two with one argument)
-            model_input, sampling_requests = self.driver.prepare_inputs(sched)
-        else:                     # async scheduling: where each request's row is in the batch in flight
-            prev_rows = {r.request_id: i for i, r in enumerate(prev.sampling_requests)}
-            model_input, sampling_requests = self.driver.prepare_inputs(sched, prev_rows)
-        self._next_step_id += 1
-        model_input = dataclasses.replace(model_input, step_id=self._next_step_id)
-        batch = InFlightBatch(self._next_step_id, sched, model_input, sampling_requests)
-        self._send_to_workers(model_input)
-        # (sample rows, vocab), (prompt rows, vocab); async scheduling: some inputs are the previous batch's tokens
-        logits, prompt_logits = (self.driver.execute_model(model_input, prev.sampled) if model_input.prev_token_rows
-                                 else self.driver.execute_model(model_input))
-        if self.pipelined:
-            self._unreceived.append(batch)
-        else:
-            batch.logits, batch.prompt_logits, batch.received = logits, prompt_logits, True
-        if self.driver.proposer is not None:
-            self.driver.proposer.observe(model_input)      # a draft model runs the same batch (spec_decode/)
-        return batch
-
-    def collect(self, batch: InFlightBatch, grammar_bitmask: GrammarBitmaskFn | None = None
-                ) -> tuple[list[Request], list[list[int]], StepLogprobs | None]:
-        """Sample an issued batch: wait for its logits (receiving any older ones first), apply the grammars' masks and
-        sample (see execute_model). Safe to call again on the same batch after a failed step.
-
-        `grammar_bitmask(sampling_requests, drafts)` (structured output, core/structured_output.py) is called after
-        the forward is issued: on a GPU the kernels are still running while the CPU fills the grammars' masks."""
-        self._await_logits(batch)
-        sched, sampling_requests = batch.sched, batch.sampling_requests
-        drafts = [sched.scheduled_spec_decode_tokens.get(r.request_id, []) for r in sampling_requests]
-        logits = batch.logits
-        if batch.sampled is not None:           # async scheduling: sampled when issued; now to the host (waits)
-            if batch.ready is not None:
-                batch.ready.synchronize()       # for this batch's tokens only, not for the batch issued after it
-            tokens = batch.host[0].tolist()
-            logprobs = self._logprobs_ahead(batch, tokens)
-            keep = [i for i, r in enumerate(sampling_requests) if not r.is_finished]   # stopped or aborted since:
-            sampling_requests, tokens = [sampling_requests[i] for i in keep], [[tokens[i]] for i in keep]  # dropped
-            return sampling_requests, tokens, logprobs
-        if any(r.is_finished for r in sampling_requests):       # aborted while the batch was in flight: drop its rows
-            first_row = [0]
-            for d in drafts:
-                first_row.append(first_row[-1] + len(d) + 1)
-            keep = [i for i, r in enumerate(sampling_requests) if not r.is_finished]
-            logits = logits[[row for i in keep for row in range(first_row[i], first_row[i + 1])]]
-            sampling_requests, drafts = [sampling_requests[i] for i in keep], [drafts[i] for i in keep]
-        elif logits is not None and self.max_concurrent_batches > 1:
-            logits = logits.clone()             # kept intact for a retry: the masks and the sampler write in place
-        if grammar_bitmask is not None and sampling_requests:
-            bitmask = grammar_bitmask(sampling_requests, sched.scheduled_spec_decode_tokens)   # (rows, vocab / 32)
-            if bitmask is not None:
-                logits = apply_grammar_bitmask(logits, bitmask)
-        tokens = self._sample(logits, sampling_requests, drafts) if sampling_requests else []
-        return sampling_requests, tokens, self._logprobs(sched, batch.model_input, sampling_requests, drafts, tokens,
-                                                         logits, batch.prompt_logits)
-
-    @staticmethod
-    def _score_ahead(batch: InFlightBatch, logits: torch.Tensor) -> LogprobsAhead | None:
-        """Async scheduling: score the batch's logprobs on the device right after it is sampled (no host sync), from
-        the logits it sampled (grammar masks applied, as the synchronous path scores). None if nobody asked."""
-        requests, spans = batch.sampling_requests, batch.model_input.prompt_logprob_spans
-        asked = [r.sampling_params.logprobs for r in requests]
-        rows = [i for i, k in enumerate(asked) if k is not None]
-        if not rows and not spans:
-            return None
-        sample = None
-        if rows:
-            index = torch.tensor(rows).to(logits.device, non_blocking=True)     # (no sync)
-            sample = score_rows(logits[index], batch.sampled[index], max(asked[i] for i in rows))
-        prompt_tokens, prompt_ks, prompt = [], [], None
-        if spans:
-            reqs = {r.request_id: r for r in batch.sched.scheduled}
-            prompt_tokens, prompt_ks = prompt_targets(
-                spans, [reqs[s.request_id].prompt_token_ids for s in spans],
-                [reqs[s.request_id].sampling_params.prompt_logprobs for s in spans])
-            targets = torch.tensor(prompt_tokens).to(logits.device, non_blocking=True)         # (prompt rows,)
-            prompt = score_rows(batch.prompt_logits, targets, max(prompt_ks))
-        return LogprobsAhead(rows, [asked[i] for i in rows], sample, prompt_tokens, prompt_ks, prompt)
-
-    @staticmethod
-    def _logprobs_ahead(batch: InFlightBatch, tokens: list[int]) -> StepLogprobs | None:
-        """The StepLogprobs of a batch scored when it was sampled, read from the host's copies. `tokens`: the batch's
-        sampled tokens, by row. Requests that finished since it was issued get none."""
-        ahead = batch.logprobs_ahead
-        if ahead is None:
-            return None
-        ahead = ahead.with_tensors(batch.host[1:])
-        requests = batch.sampling_requests
-        sample = {}
-        if ahead.sample is not None:
-            scored = unpack_scores(ahead.sample, [tokens[i] for i in ahead.rows], ahead.num_logprobs)
-            sample = {requests[i].request_id: [lp] for i, lp in zip(ahead.rows, scored)
-                      if not requests[i].is_finished}
-        prompt = {}
-        if ahead.prompt is not None:
-            prompt = split_by_span(batch.model_input.prompt_logprob_spans,
-                                   unpack_scores(ahead.prompt, ahead.prompt_tokens, ahead.prompt_ks))
-        return StepLogprobs(sample, prompt)
-
-    def discard(self, batch: InFlightBatch) -> None:
-        """An issued batch nobody will sample (its step was rolled back): wait for its logits and drop them."""
-        self._await_logits(batch)
-        batch.logits = batch.prompt_logits = None
-
-    def _await_logits(self, batch: InFlightBatch) -> None:
-        """Wait until the batch's logits are here, receiving those of older batches first."""
-        with self._failure_guard():
-            while not batch.received:
-                older = self._unreceived.popleft()
-                older.logits, older.prompt_logits = self.driver.receive_logits(older.model_input)
-                older.received = True
-
-    def _sample(self, logits: torch.Tensor, requests: list[Request], drafts: list[list[int]]) -> list[list[int]]:
-        """Plain rows through the sampler, rows with drafts through the rejection sampler."""
-        sampler = self.driver.sampler
-        if not any(drafts):
-            return [[t] for t in sampler(logits, requests)]
-        first_row = [0]
-        for d in drafts:
-            first_row.append(first_row[-1] + len(d) + 1)
-        plain = [i for i, d in enumerate(drafts) if not d]
-        spec = [i for i, d in enumerate(drafts) if d]
-        out: list[list[int]] = [[] for _ in requests]
-        if plain:
-            for i, t in zip(plain, sampler(logits[[first_row[i] for i in plain]], [requests[i] for i in plain])):
-                out[i] = [t]
-        rows = [r for i in spec for r in range(first_row[i], first_row[i + 1])]
-        for i, kept in zip(spec, self.driver.rejection_sampler(logits[rows], [requests[i] for i in spec],
-                                                               [drafts[i] for i in spec])):
-            out[i] = kept
-        return out
-
-    @staticmethod
-    def _logprobs(sched: SchedulerOutput, model_input, sampling_requests: list[Request], drafts: list[list[int]],
-                  tokens: list[list[int]], logits: torch.Tensor | None, prompt_logits: torch.Tensor | None
-                  ) -> StepLogprobs | None:
-        """The new tokens' logprobs (requests with `logprobs`; a kept token is scored on the row that chose it) and
-        this step's prompt-logprob chunks (requests with `prompt_logprobs`), by request id; None, at no cost, when
-        no request asked for either."""
-        asked = [r.sampling_params.logprobs for r in sampling_requests]
-        spans = model_input.prompt_logprob_spans
-        if not spans and all(k is None for k in asked):
-            return None                                  # nobody asked: nothing computed
-        sample = {}
-        if any(k is not None for k in asked):
-            rows, row_tokens, row_k, owners = [], [], [], []
-            first = 0
-            for req, d, kept, k in zip(sampling_requests, drafts, tokens, asked):
-                if k is not None:
-                    rows += range(first, first + len(kept))
-                    row_tokens += kept
-                    row_k += [k] * len(kept)
-                    owners += [req.request_id] * len(kept)
-                first += len(d) + 1
-            for rid, lp in zip(owners, compute_logprobs(logits[rows], row_tokens, row_k)):
-                sample.setdefault(rid, []).append(lp)
-        prompt = {}
-        if spans:
-            reqs = {r.request_id: r for r in sched.scheduled}
-            prompt = compute_prompt_logprobs(prompt_logits, spans,
-                                             [reqs[s.request_id].prompt_token_ids for s in spans],
-                                             [reqs[s.request_id].sampling_params.prompt_logprobs for s in spans])
-        return StepLogprobs(sample, prompt)
-
-    def propose_draft_token_ids(self, requests: list[Request], max_model_len: int) -> dict[str, list[int]]:
-        """Speculative decoding: the next step's drafts for these (running, just sampled) requests, from the
-        driver's proposer; {} when speculation is off. A request gets at most the tokens it may still generate
-        less one (the step that verifies k drafts makes up to k + 1), and none if its logits processing depends
-        on the tokens before it (penalties, bad_words, min_tokens): the rejection sampler does not replay that."""
-        proposer = self.driver.proposer
-        if proposer is None:
-            return {}
-        asking, room = [], []
-        for req in requests:
-            sp = req.sampling_params
-            if req.is_finished or sp.uses_logits_processing:
-                continue
-            r = min(sp.max_tokens - req.num_output_tokens, max_model_len - req.num_tokens) - 1
-            if r > 0:
-                asking.append(req)
-                room.append(r)
-        return {req.request_id: tokens for req, tokens in zip(asking, proposer.propose_batch(asking, room))
-                if tokens}
-
-    def _send_to_workers(self, model_input) -> None:
-        pass
-
-    def _allocate(self, num_kv_blocks: int) -> None:
-        self.driver.allocate_kv_cache(num_kv_blocks)
-        self.num_kv_blocks, self.num_cpu_blocks = num_kv_blocks, self.driver.num_cpu_blocks
-
-    def shutdown(self) -> None:
-        self.driver.release_memory()
-
-
-def _copy_to_host(tensors: list[torch.Tensor]) -> tuple[list[torch.Tensor], "torch.cuda.Event | None"]:
-    """Start copying a batch's sampled tokens (and scores) to the host without waiting: (pinned host tensors, the
-    event recorded after the copies) on a GPU, (the tensors themselves, None) on a CPU. The copies are queued right
-    behind the sampling and ahead of the next batch's forward, so waiting for the event waits for this batch alone;
-    `tokens.tolist()` would wait for everything queued on the stream by then, the next batch's forward included
-    (vLLM copies on a stream of its own for the same reason)."""
-    if not tensors or tensors[0].device.type != "cuda":
-        return tensors, None
-    hosts = []
-    for t in tensors:
-        host = torch.empty(t.shape, dtype=t.dtype, pin_memory=True)
-        host.copy_(t, non_blocking=True)
-        hosts.append(host)
-    ready = torch.cuda.Event()
-    ready.record()
-    return hosts, ready
+__all__ = ["Executor", "InFlightBatch", "UniProcExecutor", "MultiprocExecutor", "ExternalLauncherExecutor",
+           "make_executor"]
 
 
 class UniProcExecutor(Executor):
@@ -390,11 +74,6 @@ class UniProcExecutor(Executor):
         self._allocate(self.driver.profile_num_blocks())
         if config.async_scheduling:          # one batch on the device while the next is scheduled
             self.async_scheduling, self.max_concurrent_batches = True, 2
-
-
-def _cpu_threads_per_rank(tp_size: int) -> int:
-    """Ranks on one CPU share its cores: more threads than cores makes every collective wait."""
-    return max(1, (os.cpu_count() or 1) // tp_size)
 
 
 def _multiproc_method() -> str:

@@ -10,10 +10,16 @@ tokens. Values are the model's own log-softmax, before any penalty, temperature 
 Sample logprobs score the token each sampling row drew. Prompt logprobs score the prompt itself: the row at
 position p scores prompt token p + 1, so a prompt of P tokens gets P - 1 entries (the first token has none),
 computed chunk by chunk as the prompt is prefilled (`PromptLogprobsSpan` says which rows a request has this step).
+
+Every step takes one path (ModelRunner.sample_tokens): `score_step` right after sampling, on the logits' device and
+without waiting for it, then `StepScores.read` on the host. Under async scheduling the scores' tensors are copied to
+the host with the batch's sampled tokens in between; otherwise `read` follows at once. `compute_logprobs` is the
+same two calls for one list of rows (the lesson's view).
 """
 
 from __future__ import annotations
 
+import dataclasses
 from dataclasses import dataclass
 
 import torch
@@ -121,9 +127,74 @@ def split_by_span(spans: list[PromptLogprobsSpan], scored: list[SampleLogprobs])
     return out
 
 
-def compute_prompt_logprobs(logits: torch.Tensor, spans: list[PromptLogprobsSpan], prompts: list[list[int]],
-                            num_logprobs: list[int]) -> dict[str, PromptLogprobs]:
-    """logits (sum of num_rows, vocab): the spans' rows, concatenated in span order; prompts[i] and num_logprobs[i]
-    are span i's request's prompt token ids and its SamplingParams.prompt_logprobs."""
-    tokens, ks = prompt_targets(spans, prompts, num_logprobs)
-    return split_by_span(spans, _score(logits, tokens, ks))
+@dataclass
+class StepScores:
+    """One step's logprobs, scored where the logits are and not read yet: the one path of every step. The step
+    scores right after it samples (`score_step`) and reads on the host (`read`); under async scheduling the
+    tensors travel to the host with the sampled tokens in between, so reading waits for that batch alone."""
+    rows: list[int]                   # rows of the step's sampling logits that are scored (their requests asked)
+    owners: list[str]                 # ... each row's request id (with drafts: one row per kept token)
+    num_logprobs: list[int]           # ... and its k
+    sample: RowScores | None          # their scores, or None if no row asked
+    spans: list[PromptLogprobsSpan]   # the step's prompt-logprob rows
+    prompt_tokens: list[int]          # ... the prompt token each scores
+    prompt_ks: list[int]
+    prompt: RowScores | None          # their scores, or None if the step has no prompt-logprob rows
+
+    def tensors(self) -> list[torch.Tensor]:
+        return [t for s in (self.sample, self.prompt) if s is not None for t in s.tensors()]
+
+    def with_tensors(self, tensors: list[torch.Tensor]) -> "StepScores":
+        """The same scores read from `tensors` (the host's copies, in tensors()' order)."""
+        it = iter(tensors)
+        sample = RowScores(*(next(it) for _ in range(4))) if self.sample is not None else None
+        prompt = RowScores(*(next(it) for _ in range(4))) if self.prompt is not None else None
+        return dataclasses.replace(self, sample=sample, prompt=prompt)
+
+    def read(self, tokens: list[int], finished: set[str] | frozenset = frozenset()) -> StepLogprobs:
+        """The StepLogprobs (.tolist(): waits for the scores if they are still on the device). `tokens`: the token of
+        every row of the sampling logits, on the host. Requests in `finished` (stopped or aborted since the batch was
+        issued) get no sample logprobs."""
+        sample: dict[str, list[SampleLogprobs]] = {}
+        if self.sample is not None:
+            scored = unpack_scores(self.sample, [tokens[r] for r in self.rows], self.num_logprobs)
+            for rid, lp in zip(self.owners, scored):
+                if rid not in finished:
+                    sample.setdefault(rid, []).append(lp)
+        prompt = {}
+        if self.prompt is not None:
+            prompt = split_by_span(self.spans, unpack_scores(self.prompt, self.prompt_tokens, self.prompt_ks))
+        return StepLogprobs(sample, prompt)
+
+
+def score_step(logits: torch.Tensor | None, tokens: torch.Tensor | None, requests: list, drafts: list[list[int]],
+               num_kept: list[int], prompt_logits: torch.Tensor | None, spans: list[PromptLogprobsSpan],
+               scheduled: list) -> StepScores | None:
+    """Score a step where its logits are, waiting for nothing. Sample logprobs: request i of `requests` owns
+    1 + len(drafts[i]) rows of logits (rows, vocab), the first num_kept[i] of which chose a token (tokens: (rows,)
+    int64, on the logits' device); those rows are scored if it asked (SamplingParams.logprobs = k). Prompt logprobs:
+    the spans' rows of prompt_logits at their prompt tokens (`scheduled`: the step's requests, whose prompts they
+    score). None, at no cost, when nothing is asked."""
+    rows, owners, ks, first = [], [], [], 0
+    for req, d, n in zip(requests, drafts, num_kept):
+        k = req.sampling_params.logprobs
+        if k is not None:
+            rows += range(first, first + n)
+            owners += [req.request_id] * n
+            ks += [k] * n
+        first += len(d) + 1
+    if not rows and not spans:
+        return None
+    sample = None
+    if rows:
+        index = torch.tensor(rows).to(logits.device, non_blocking=True)         # (no sync)
+        sample = score_rows(logits[index], tokens[index], max(ks))
+    prompt_tokens, prompt_ks, prompt = [], [], None
+    if spans:
+        by_id = {r.request_id: r for r in scheduled}
+        prompt_tokens, prompt_ks = prompt_targets(
+            spans, [by_id[s.request_id].prompt_token_ids for s in spans],
+            [by_id[s.request_id].sampling_params.prompt_logprobs for s in spans])
+        targets = torch.tensor(prompt_tokens).to(prompt_logits.device, non_blocking=True)     # (prompt rows,)
+        prompt = score_rows(prompt_logits, targets, max(prompt_ks))
+    return StepScores(rows, owners, ks, sample, spans, prompt_tokens, prompt_ks, prompt)

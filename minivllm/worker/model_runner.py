@@ -1,9 +1,17 @@
-"""ModelRunner: one rank's model and KV cache; turns a SchedulerOutput into a flat batch and runs it.
+"""ModelRunner: one rank's model and KV cache; turns a SchedulerOutput into a flat batch, runs it and samples it
+(vLLM v1's `v1/worker/gpu_model_runner.py`: `execute_model`, then `sample_tokens`).
 
-Owns: this rank's weights, its share of the KV cache, and the flat-batch inputs of each step. It reads
-requests (their tokens, `num_computed_tokens`, block tables) but changes none of them; the scheduler
-and the engine do that with what it returns. Which ranks exist and how inputs reach them is the
-executor's business (executor.py).
+Owns: this rank's weights, its share of the KV cache, the flat-batch inputs of each step and, on rank 0, what
+becomes of the logits: the grammars' masks, the sampler and the rejection sampler (speculative drafts), the
+logprobs (logprobs.py), the sampler's random state (`get_rng_state` / `set_rng_state`) and the next drafts
+(`propose_draft_token_ids`). It reads requests (their tokens, `num_computed_tokens`, block tables) but changes none
+of them (a seeded request's generator aside); the scheduler and the engine do that with what it returns. Which
+ranks exist and how inputs reach them is the executor's business (executor.py); the batch's data is input_batch.py's.
+
+    rank 0, one step:    prepare_inputs(sched) -> ModelInput     (sent to the other ranks by the executor)
+                         execute_model(mi) -> logits             (every rank; rank 0 keeps the logits)
+                         sample_tokens(batch) -> requests, tokens, logprobs
+    async scheduling:    sample_on_device(batch) as it is issued; sample_tokens(batch) only reads the host copy
 
 Flat batch for requests A (prefill, 3 new tokens, nothing cached) and B (decode at position 20):
     input_ids     [a0 a1 a2 b20]
@@ -19,65 +27,30 @@ tokens 1 and 2: `prompt_logprob_spans`); requests that don't ask add no rows.
 from __future__ import annotations
 
 import math
-import time
-from dataclasses import dataclass, field
 
 import torch
 import torch.distributed as dist
 
 from minivllm.model.attention import AttentionMetadata, get_attention_backend
 from minivllm.config import EngineConfig
-from minivllm.worker.cuda_graph import DecodeGraphs
+from minivllm.worker.cuda_graph import DecodeGraphs, capture_decode_graphs
 from minivllm.model.layers import PPStage, TPGroup
 from minivllm.model.llama import ModelConfig
 from minivllm.model.loader import load_model, load_tokenizer, resolve_dtype
 from minivllm.model._kernels import kernels
 from minivllm.platforms.cpu import empty_on_huge_pages, settle_on_huge_pages
+from minivllm.worker.pipeline_stage import PipelineStageMixin
 from minivllm.core.request import Request
-from minivllm.worker.logprobs import PromptLogprobsSpan
+from minivllm.worker.input_batch import (GrammarBitmaskFn, InFlightBatch, ModelInput, copy_to_host, first_rows,
+                                         model_input_tensors, pick_rows, prev_token_inputs)
+from minivllm.worker.logprobs import PromptLogprobsSpan, StepLogprobs, score_step
 from minivllm.worker.rejection_sampler import RejectionSampler
-from minivllm.worker.sampler import Sampler
-from minivllm.spec_decode import make_proposer
+from minivllm.worker.sampler import Sampler, apply_grammar_bitmask
+from minivllm.spec_decode import make_proposer, propose_drafts
 from minivllm.core.scheduler import SchedulerOutput
 
 
-@dataclass(frozen=True)
-class ModelInput:
-    """One step's inputs as plain lists. Rank 0 builds it from the SchedulerOutput; under tensor
-    parallelism it is pickled to every other rank, and each rank turns it into tensors on its device."""
-    input_ids: list[int]                       # (num_tokens,)
-    positions: list[int]                       # (num_tokens,)
-    slot_mapping: list[int]                    # (num_tokens,)
-    q_lens: list[int]                          # (num_seqs,) new tokens per request
-    seq_lens: list[int]                        # (num_seqs,) context after this step
-    block_tables: list[list[int]]              # (num_seqs, max_blocks), padded with 0
-    sample_rows: list[int]                     # rows of the flat batch whose logits are sampled (1 + drafts each)
-    blocks_to_swap_out: list[tuple[int, int]] = field(default_factory=list)   # (device block, cpu block)
-    blocks_to_swap_in: list[tuple[int, int]] = field(default_factory=list)    # (cpu block, device block)
-    prompt_logprob_spans: list[PromptLogprobsSpan] = field(default_factory=list)   # rows scoring prompt tokens
-    step_id: int = 0                           # which batch this is (the executor numbers them; for timelines)
-    # Async scheduling: (row of input_ids, row of the previous batch's sampled tokens). Those input ids are the
-    # tokens the previous batch samples, still on the device: the host writes 0 there and the device fills them in.
-    prev_token_rows: list[tuple[int, int]] = field(default_factory=list)
-
-
-def model_input_tensors(mi: ModelInput, device: torch.device):
-    """(input_ids, positions, AttentionMetadata) of a ModelInput, on `device`. cu_seqlens_q is the prefix sum of
-    q_lens: request i's tokens are rows cu[i] .. cu[i + 1] - 1 of the flat batch."""
-    def t(x, dtype):
-        return torch.tensor(x, dtype=dtype).to(device, non_blocking=True)
-
-    cu = [0]
-    for q in mi.q_lens:
-        cu.append(cu[-1] + q)
-    meta = AttentionMetadata(
-        slot_mapping=t(mi.slot_mapping, torch.int64), cu_seqlens_q=t(cu, torch.int32),
-        seq_lens=t(mi.seq_lens, torch.int32), block_tables=t(mi.block_tables, torch.int32),
-        max_q_len=max(mi.q_lens), max_seq_len=max(mi.seq_lens), q_lens_cpu=mi.q_lens, seq_lens_cpu=mi.seq_lens)
-    return t(mi.input_ids, torch.int64), t(mi.positions, torch.int64), meta
-
-
-class ModelRunner:
+class ModelRunner(PipelineStageMixin):
     """One rank's model, KV cache share and step execution. Rank 0's runner also builds the inputs
     (`prepare_inputs`) and samples; the others only run `execute_model` on what rank 0 sent them.
 
@@ -112,9 +85,7 @@ class ModelRunner:
         self.kv_scales: list[tuple[float, float]] | None = None          # (k_scale, v_scale) per layer, fp8 only
         if self.kv_cache_dtype != self.dtype and self.backend.name == "triton":
             kernels.triton_ops.check_fp8_supported(device)                # before any memory is spent on it
-        # Pipeline parallelism: sends still under way (torch.distributed works and the tensors they read). A send
-        # is waited for at this stage's next step, so a stage never blocks on a neighbour that is still busy with
-        # an earlier batch (with several batches in flight, two blocking sends in a cycle would deadlock).
+        # Pipeline parallelism (pipeline_stage.py): sends still under way (the works and the tensors they read).
         self._sends: list[tuple[dist.Work, torch.Tensor]] = []
         # (step id, start, end) of this rank's stage work, wall-clock seconds; the lesson draws the pipeline from it
         self.stage_times: list[tuple[int, float, float]] = []
@@ -147,7 +118,7 @@ class ModelRunner:
         self.cpu_kv_cache = torch.empty((2, self.num_layers, self.num_cpu_blocks)
                                         + tuple(self.kv_cache.shape[3:]), dtype=self.kv_cache_dtype,
                                         pin_memory=self.device.type == "cuda" and self.num_cpu_blocks > 0)
-        self.graphs = self._capture_cuda_graphs()
+        self.graphs = capture_decode_graphs(self)       # cuda_graph.py; None off CUDA
         if hasattr(self.proposer, "allocate_kv_cache"):           # a draft model: its KV under the same block ids
             self.proposer.allocate_kv_cache(num_kv_blocks)
 
@@ -155,10 +126,9 @@ class ModelRunner:
     def warm_up(self, num_tokens: int, tokens_per_seq: int = 128) -> None:
         """One prefill of `num_tokens` dummy tokens (prompts of `tokens_per_seq`) on a scratch cache, before
         serving: the first large step pays once for what later steps reuse (the allocator's growth, oneDNN's
-        first calls). On the default model on a 2-core CPU the first 32-prompt prefill step took 7.3-7.8 s
-        against 6.5-7.0 s for the next ones, and 6.6 s after a 512-token warm-up. vLLM warms its model up before
-        serving too. Touches no request, block or counter, and not the KV cache. One process only: under tensor
-        or pipeline parallelism every rank would have to run it at the same point (the caller checks)."""
+        first calls), as vLLM warms its model up before serving. Touches no request, block or counter, and not the
+        KV cache. One process only: under tensor or pipeline parallelism every rank would have to run it at the
+        same point (the caller checks)."""
         if self.tp.size > 1 or self.pp.size > 1:
             raise RuntimeError("warm_up runs in a single process only (tensor_parallel_size and "
                                "pipeline_parallel_size 1)")
@@ -200,27 +170,6 @@ class ModelRunner:
             import gc
             gc.collect()                                  # cycles through the model's modules
             torch.cuda.empty_cache()                      # hand the cached blocks back to the device
-
-    def _capture_cuda_graphs(self) -> DecodeGraphs | None:
-        """CUDA graphs for decode steps (cuda_graph.py), checked against the eager forward before use.
-        None (every step eager) off CUDA, with enforce_eager, under tensor parallelism (NCCL inside a
-        graph was never tried here), with the PyTorch reference attention (it reads host-side lengths),
-        or when capture or the check fails (with a warning)."""
-        if (self.device.type != "cuda" or self.config.enforce_eager or self.tp.size > 1 or self.pp.size > 1
-                or self.backend.name != "triton"):
-            return None
-        max_model_len = self.config.max_model_len or self.model_cfg.max_position_embeddings
-        graphs = DecodeGraphs(self.forward, self.config.max_num_seqs, max_model_len, self.block_size, self.device)
-        try:
-            graphs.capture_all()
-            atol = 1e-3 if self.dtype == torch.float32 else 5e-2
-            for size in (graphs.sizes[0], graphs.sizes[-1]):
-                graphs.check_against_eager(size, seq_len=2 * self.block_size + 3, atol=atol)
-        except Exception as exc:
-            import warnings
-            warnings.warn(f"CUDA graphs are off, decode steps run eagerly: {type(exc).__name__}: {exc}")
-            return None
-        return graphs
 
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, meta: AttentionMetadata) -> torch.Tensor:
         """The model on this rank's KV cache: hidden (num_tokens, hidden_size). What a CUDA graph captures."""
@@ -301,85 +250,7 @@ class ModelRunner:
                                  prev_token_rows=prev_token_rows)
         return model_input, sampling_requests
 
-    def _to_tensors(self, mi: ModelInput):
-        return model_input_tensors(mi, self.device)
-
     # ------------------------------------------------------------------ the step (every rank)
-    def _execute_stage(self, mi: ModelInput) -> tuple[torch.Tensor | None, torch.Tensor | None]:
-        """Pipeline parallelism, one step on this stage: receive (hidden, residual) from the previous stage, run this
-        stage's layers, send them on; the last stage computes the logits and sends them to rank 0, which samples.
-
-            rank 0 (stage 0)  --hidden, residual-->  stage 1  --> ... -->  last stage
-                  ^                                                            |
-                  +----------------------- logits (rows, vocab) --------------+
-        Each message's shape follows from the ModelInput every rank has, so only tensors cross. Sends are
-        non-blocking (waited for at the next step); on rank 0 the logits are received later, by `receive_logits`,
-        so that rank 0 can run stage 0 of the next batch while the later stages work on this one."""
-        pp, rank = self.pp, dist.get_rank()
-        self._wait_sends()
-        input_ids, positions, meta = self._to_tensors(mi)
-        intermediate = None
-        if not pp.is_first:
-            shape = (len(mi.input_ids), self.model_cfg.hidden_size)
-            hidden = torch.empty(shape, dtype=self.dtype, device=self.device)
-            residual = torch.empty(shape, dtype=self.dtype, device=self.device)
-            dist.recv(hidden, pp.prev_rank)
-            dist.recv(residual, pp.prev_rank)
-            intermediate = (hidden, residual)
-        started = time.time()
-        out = self.model(input_ids, positions, self.kv_caches, meta, self.backend, intermediate)
-        prompt_rows = [r for s in mi.prompt_logprob_spans for r in range(s.first_row, s.first_row + s.num_rows)]
-        rows = mi.sample_rows + prompt_rows
-        logits = None
-        last_stage_root = (pp.size - 1) * self.tp.size                   # the last stage's TP rank 0
-        if pp.broadcast_logits:                                          # torchrun: every rank samples
-            if not pp.is_last:
-                dist.send(out[0].contiguous(), pp.next_rank)
-                dist.send(out[1].contiguous(), pp.next_rank)
-            if not rows:
-                return None, None
-            logits = (self.model.compute_logits(out[rows]) if pp.is_last else
-                      torch.empty(len(rows), self.model_cfg.vocab_size, dtype=torch.float32, device=self.device))
-            dist.broadcast(logits, last_stage_root)
-            num_sampling = len(mi.sample_rows)
-            return (logits[:num_sampling] if num_sampling else None), (logits[num_sampling:] if prompt_rows else None)
-        if pp.is_last:
-            # (rows, vocab) fp32, all-gathered under TP; with no rows a one-number answer, so that rank 0 always
-            # knows when every stage is done with a batch (what "in flight" means)
-            out = (self.model.compute_logits(out[rows]) if rows else
-                   torch.zeros(1, dtype=torch.float32, device=self.device)),
-        if self.record_stage_times:                  # noted before sending: the next stage cannot start earlier
-            self.stage_times.append((mi.step_id, started, time.time()))
-        if not pp.is_last:
-            self._isend(out[0].contiguous(), pp.next_rank)
-            self._isend(out[1].contiguous(), pp.next_rank)
-        elif self.tp.rank == 0:
-            self._isend(out[0].contiguous(), pp.driver_rank)
-        return None, None
-
-    def receive_logits(self, mi: ModelInput) -> tuple[torch.Tensor | None, torch.Tensor | None]:
-        """Rank 0 under pipeline parallelism: the logits the last stage computed for `mi` (the same pair as
-        `execute_model` returns). Batches come back in the order they were sent into the pipe."""
-        prompt_rows = sum(s.num_rows for s in mi.prompt_logprob_spans)
-        num_rows = len(mi.sample_rows) + prompt_rows
-        if not mi.q_lens:                                                # only block copies: no stage computed
-            return None, None
-        shape = (num_rows, self.model_cfg.vocab_size) if num_rows else (1,)      # (1,): "done", nothing to sample
-        logits = torch.empty(shape, dtype=torch.float32, device=self.device)
-        dist.recv(logits, (self.pp.size - 1) * self.tp.size)             # the last stage's TP rank 0
-        if not num_rows:
-            return None, None
-        num_sampling = len(mi.sample_rows)
-        return (logits[:num_sampling] if num_sampling else None), (logits[num_sampling:] if prompt_rows else None)
-
-    def _isend(self, tensor: torch.Tensor, dst: int) -> None:
-        self._sends.append((dist.isend(tensor, dst), tensor))
-
-    def _wait_sends(self) -> None:
-        for work, _ in self._sends:
-            work.wait()
-        self._sends.clear()
-
     def swap_blocks(self, mi: ModelInput) -> None:
         """Copy whole blocks (every layer, K and V) between the device cache and the CPU pool.
         Swap-outs go first: a block freed by a swap-out may be handed to another request this step."""
@@ -391,25 +262,6 @@ class ModelRunner:
         if mi.blocks_to_swap_in:
             src, dst = (list(x) for x in zip(*mi.blocks_to_swap_in))
             device_cache[:, :, dst] = cpu_cache[:, :, src].to(self.device)
-
-    def _pick_rows(self, hidden: torch.Tensor, rows: list[int]) -> torch.Tensor:
-        """hidden[rows] -> (len(rows), hidden) without waiting for the GPU: indexing a CUDA tensor with a Python
-        list copies the list to the device synchronously. Consecutive rows (every decode step) are a view."""
-        if rows == list(range(rows[0], rows[0] + len(rows))):
-            return hidden[rows[0]:rows[0] + len(rows)]
-        index = torch.tensor(rows, dtype=torch.int64).to(self.device, non_blocking=True)
-        return hidden.index_select(0, index)
-
-    def _prev_tokens(self, mi: ModelInput, prev_sampled: torch.Tensor | None
-                     ) -> tuple[torch.Tensor, torch.Tensor] | None:
-        """Async scheduling: (rows of input_ids, their tokens) to write on the device, from the previous batch's
-        sampled tokens (num_sampling,) int64 on the device. None when no input comes from there."""
-        if not mi.prev_token_rows:
-            return None
-        rows, prev = zip(*mi.prev_token_rows)
-        def t(x):
-            return torch.tensor(x, dtype=torch.int64).to(self.device, non_blocking=True)
-        return t(rows), prev_sampled.index_select(0, t(prev))
 
     @torch.inference_mode()
     def execute_model(self, mi: ModelInput, prev_sampled: torch.Tensor | None = None
@@ -424,13 +276,13 @@ class ModelRunner:
             return None, None
         if self.pp.size > 1:
             return self._execute_stage(mi)
-        prev = self._prev_tokens(mi, prev_sampled)
+        prev = prev_token_inputs(mi, prev_sampled, self.device)
         if self.graphs is not None and self.graphs.can_run(mi.q_lens, mi.block_tables):
             hidden = self.graphs.run(mi.input_ids, mi.positions, mi.slot_mapping, mi.seq_lens, mi.block_tables, prev)
         else:
             if self.graphs is not None:
                 self.graphs.stats.eager_steps += 1
-            input_ids, positions, meta = self._to_tensors(mi)
+            input_ids, positions, meta = model_input_tensors(mi, self.device)
             if prev is not None:
                 input_ids.index_copy_(0, *prev)
             hidden = self.forward(input_ids, positions, meta)                  # (num_tokens, hidden)
@@ -438,6 +290,99 @@ class ModelRunner:
         if not mi.sample_rows and not prompt_rows:
             return None, None
         # One LM head (and under TP one all-gather) for both kinds of rows.
-        logits = self.model.compute_logits(self._pick_rows(hidden, mi.sample_rows + prompt_rows))
+        logits = self.model.compute_logits(pick_rows(hidden, mi.sample_rows + prompt_rows))
         num_sampling = len(mi.sample_rows)
         return (logits[:num_sampling] if num_sampling else None), (logits[num_sampling:] if prompt_rows else None)
+
+    # ------------------------------------------------------------------ sampling (rank 0)
+    def get_rng_state(self, requests: list[Request]) -> list:
+        """The random state a step over `requests` may consume: the sampler's shared generator and every seeded
+        request's. A failed step puts it back (`set_rng_state`), so its retry draws what the step would have."""
+        return self.sampler.get_rng_state(requests)
+
+    def set_rng_state(self, state: list) -> None:
+        self.sampler.set_rng_state(state)
+
+    def sample_on_device(self, batch: InFlightBatch, grammar_bitmask: GrammarBitmaskFn | None = None) -> None:
+        """Async scheduling, as `batch` is issued: sample its rows (grammar masks applied) and score the logprobs
+        asked for, where the logits are, and start copying both to the host. Nothing here waits for the device:
+        the next batch's inputs read `batch.sampled` there, and `sample_tokens` reads the host's copies."""
+        logits, requests = batch.logits, batch.sampling_requests
+        if grammar_bitmask is not None:
+            bitmask = grammar_bitmask(requests, {})                    # (rows, vocab / 32)
+            if bitmask is not None:
+                logits = apply_grammar_bitmask(logits, bitmask)
+        batch.sampled = self.sampler.sample(logits, requests)          # (rows,) int64, on the device
+        batch.logprobs_ahead = score_step(logits, batch.sampled, requests, [[]] * len(requests), [1] * len(requests),
+                                          batch.prompt_logits, batch.model_input.prompt_logprob_spans,
+                                          batch.sched.scheduled)
+        extra = batch.logprobs_ahead.tensors() if batch.logprobs_ahead is not None else []
+        batch.host, batch.ready = copy_to_host([batch.sampled] + extra)
+
+    def sample_tokens(self, batch: InFlightBatch, grammar_bitmask: GrammarBitmaskFn | None = None,
+                      keep_logits: bool = False) -> tuple[list[Request], list[list[int]], StepLogprobs | None]:
+        """The requests that sample in `batch` (its logits received), their new tokens (one each, or with drafts the
+        accepted drafts and one more) and the step's logprobs by request id (None when nobody asked). Rows of
+        requests finished (stopped, aborted) since the batch was issued are dropped. `keep_logits`: leave
+        batch.logits intact (the masks and the sampler write in place) for a retry of a failed step.
+
+        `grammar_bitmask(sampling_requests, drafts)` is called only now: on a GPU the forward may still be running
+        while the CPU fills the grammars' masks. After `sample_on_device` this only waits for the host's copy."""
+        if batch.sampled is not None:
+            return self._read_sampled(batch)
+        sched, requests, drafts, logits = batch.sched, batch.sampling_requests, batch.drafts(), batch.logits
+        if any(r.is_finished for r in requests):          # aborted while the batch was in flight: drop its rows
+            first_row = first_rows(drafts)
+            keep = [i for i, r in enumerate(requests) if not r.is_finished]
+            logits = logits[[row for i in keep for row in range(first_row[i], first_row[i + 1])]]
+            requests, drafts = [requests[i] for i in keep], [drafts[i] for i in keep]
+        elif logits is not None and keep_logits:
+            logits = logits.clone()
+        if grammar_bitmask is not None and requests:
+            bitmask = grammar_bitmask(requests, sched.scheduled_spec_decode_tokens)   # (rows, vocab / 32)
+            if bitmask is not None:
+                logits = apply_grammar_bitmask(logits, bitmask)
+        tokens = self._sample(logits, requests, drafts) if requests else []
+        # The token each row of logits chose, for the logprobs (a draft row past the first rejection: 0, unscored).
+        asked = any(r.sampling_params.logprobs is not None for r in requests)
+        row_tokens = [t for kept, d in zip(tokens, drafts) for t in kept + [0] * (len(d) + 1 - len(kept))] if asked \
+            else []
+        on_device = torch.tensor(row_tokens).to(logits.device, non_blocking=True) if asked else None
+        scored = score_step(logits, on_device, requests, drafts, [len(t) for t in tokens], batch.prompt_logits,
+                            batch.model_input.prompt_logprob_spans, sched.scheduled)
+        return requests, tokens, (scored.read(row_tokens) if scored is not None else None)
+
+    @staticmethod
+    def _read_sampled(batch: InFlightBatch) -> tuple[list[Request], list[list[int]], StepLogprobs | None]:
+        """sample_tokens after sample_on_device: the host's copies of the tokens and scores (waits for them)."""
+        if batch.ready is not None:
+            batch.ready.synchronize()       # for this batch's tokens only, not for the batch issued after it
+        tokens, requests = batch.host[0].tolist(), batch.sampling_requests
+        finished = {r.request_id for r in requests if r.is_finished}        # stopped or aborted since: dropped
+        ahead = batch.logprobs_ahead
+        logprobs = ahead.with_tensors(batch.host[1:]).read(tokens, finished) if ahead is not None else None
+        keep = [i for i, r in enumerate(requests) if r.request_id not in finished]
+        return [requests[i] for i in keep], [[tokens[i]] for i in keep], logprobs
+
+    def _sample(self, logits: torch.Tensor, requests: list[Request], drafts: list[list[int]]) -> list[list[int]]:
+        """Plain rows through the sampler, rows with drafts through the rejection sampler (rejection_sampler.py)."""
+        if not any(drafts):
+            return [[t] for t in self.sampler(logits, requests)]
+        first_row = first_rows(drafts)
+        plain = [i for i, d in enumerate(drafts) if not d]
+        spec = [i for i, d in enumerate(drafts) if d]
+        out: list[list[int]] = [[] for _ in requests]
+        if plain:
+            for i, t in zip(plain, self.sampler(logits[[first_row[i] for i in plain]], [requests[i] for i in plain])):
+                out[i] = [t]
+        rows = [r for i in spec for r in range(first_row[i], first_row[i + 1])]
+        for i, kept in zip(spec, self.rejection_sampler(logits[rows], [requests[i] for i in spec],
+                                                        [drafts[i] for i in spec])):
+            out[i] = kept
+        return out
+
+    # ------------------------------------------------------------------ speculative decoding (rank 0)
+    def propose_draft_token_ids(self, requests: list[Request], max_model_len: int) -> dict[str, list[int]]:
+        """The next step's drafts for these (running, just sampled) requests, by request id; {} when speculation is
+        off. Which requests get how many: spec_decode.propose_drafts."""
+        return propose_drafts(self.proposer, requests, max_model_len)

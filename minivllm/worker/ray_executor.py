@@ -2,7 +2,9 @@
 
 Owns: the Ray side of the ranks' lifecycles. As in MultiprocExecutor (executor.py), rank 0's ModelRunner (the
 "driver") lives in the engine's process, builds each step's ModelInput and samples; ranks 1..world-1 are Ray
-actors, one per bundle of a placement group, each with its own ModelRunner. Tensors go over torch.distributed
+actors, one per bundle of a placement group, each with its own ModelRunner. The step itself is carried by the
+Executor base class (executor_base.py); executor.py imports this module only for backend "ray", and this module
+never imports executor.py. Tensors go over torch.distributed
 (gloo on CPU, NCCL on CUDA) exactly as with 'mp'; only the control messages differ: a step is one
 `execute_model.remote(mi)` call per actor instead of a pipe message.
 
@@ -33,7 +35,7 @@ from minivllm.config import EngineConfig
 from minivllm.model.llama import ModelConfig
 from minivllm.worker.distributed import (destroy_distributed, get_open_port, init_distributed, make_groups,
                                          tp_device)
-from minivllm.worker.executor import Executor, _cpu_threads_per_rank
+from minivllm.worker.executor_base import Executor, _cpu_threads_per_rank
 from minivllm.worker.model_runner import ModelRunner
 
 try:
