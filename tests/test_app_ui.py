@@ -20,7 +20,6 @@ import pytest
 
 from minivllm import SamplingParams
 from minivllm.entrypoints.dashboard import (
-    message_text,
     render_block_grid,
     render_block_tables,
     render_event_log,
@@ -28,6 +27,7 @@ from minivllm.entrypoints.dashboard import (
     render_tokens_per_step,
     request_color,
 )
+from minivllm.entrypoints.dashboard_chat import message_text
 from tests.html_elements import Elements
 
 REPO = Path(__file__).resolve().parent.parent

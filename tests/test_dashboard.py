@@ -18,7 +18,8 @@ from minivllm.config import EngineConfig
 from minivllm.core.sampling_params import RequestOutputKind
 from minivllm.engine.async_llm import AsyncLLMEngine
 from minivllm.engine.llm_engine import LLMEngine
-from minivllm.entrypoints.dashboard import render_chat_status, render_queues, render_stats, request_status
+from minivllm.entrypoints.dashboard import render_queues, render_stats
+from minivllm.entrypoints.dashboard_chat import render_chat_status, request_status
 from minivllm.entrypoints.dashboard_history import (
     PHASE_COLORS,
     render_histogram,

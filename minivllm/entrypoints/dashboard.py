@@ -1,9 +1,11 @@
 """The live dashboard: a Gradio page that chats with the engine and shows what the engine is doing.
 
-Owns: the page layout, the chat / burst / pause handlers, and the render functions that turn a StepTrace
-(or an EngineSnapshot) into HTML. The render functions are pure (data in, an HTML string out), so tests can
-call them without a browser. The page reads the engine only through `AsyncLLMEngine.snapshot()` and sends
-work only through `generate()` and the pause controls: a browser can never block or corrupt a step.
+Owns: the page, in three parts (build_layout: the components; wire_events: what each control does;
+refresh_page: every panel from one snapshot), and the render functions that turn a StepTrace (or an
+EngineSnapshot) into HTML. The chat, the bursts and the chat's status line are dashboard_chat.py's. The
+render functions are pure (data in, an HTML string out), so tests can call them without a browser. The page
+reads the engine only through `AsyncLLMEngine.snapshot()` and sends work only through `generate()` and the
+pause controls: a browser can never block or corrupt a step.
 
 Panels (refreshed by a gr.Timer, every one from a single EngineSnapshot):
     the physical block grid   one cell per KV block (a group of blocks in a large pool), by state and owner:
@@ -15,23 +17,20 @@ Panels (refreshed by a gr.Timer, every one from a single EngineSnapshot):
     tokens per step           the last steps' prefill and decode tokens, stacked
     event log                 admissions, finishes, preemptions, prefix hits, evictions, aborts
     parallelism               TP and PP sizes, and under PP which batch each pipeline stage holds
-    the chat's status         queued / running / preempted and why / finished, for this page's own request
+    the chat's status         queued / running / preempted and why / finished, for this page's own request:
+                              dashboard_chat.py
     steps, timelines, plots   dashboard_history.py: a summary line per step, each request's life, live plots,
                               TTFT / ITL histograms
 """
 
 from __future__ import annotations
 
-import asyncio
 import html
-import itertools
-import time
-from collections import Counter
+from dataclasses import dataclass
 
 from minivllm.engine.async_llm import AsyncLLMEngine
 from minivllm.engine.llm_engine import EngineQueues, QueuedRequest
 from minivllm.engine.stats import EngineSnapshot
-from minivllm.core.sampling_params import RequestOutputKind, SamplingParams
 from minivllm.core.trace import StepTrace
 from minivllm.entrypoints.block_grid import (  # noqa: F401  (block_owners, request_color: re-exported)
     GRID_CSS,
@@ -40,6 +39,7 @@ from minivllm.entrypoints.block_grid import (  # noqa: F401  (block_owners, requ
     render_block_grid,
     request_color,
 )
+from minivllm.entrypoints.dashboard_chat import DashboardChat, render_chat_status
 from minivllm.entrypoints.dashboard_history import (
     render_histogram,
     render_plots,
@@ -51,15 +51,6 @@ REFRESH_SECONDS = 0.5
 STEPS_SHOWN = 60            # bars in the tokens-per-step chart
 EVENTS_SHOWN = 40
 PREFILL_COLOR, DECODE_COLOR = "#f28e2b", "#4e79a7"   # the lessons' matplotlib tab:orange / tab:blue
-
-# Burst prompts share one system prompt, so the prefix cache visibly hits from the second request on.
-BURST_SYSTEM = ("You are a patient teacher. Answer in two short sentences, in plain words, for a curious "
-                "twelve-year-old who likes examples.")
-BURST_QUESTIONS = [
-    "Why is the sky blue?", "How do plants make food?", "What is a prime number?", "Why do we have seasons?",
-    "How does a rainbow form?", "What makes a magnet stick?", "Why does ice float?", "What is gravity?",
-    "How do bees make honey?", "Why is the sea salty?", "What is an atom?", "How do airplanes fly?",
-]
 
 DASHBOARD_CSS = """
 .mv-grid { display: grid; grid-template-columns: repeat(auto-fill, 18px); gap: 2px; }
@@ -130,37 +121,6 @@ def render_queues(queues: EngineQueues) -> str:
     return (f'<div class="mv-queues" data-running="{len(queues.running)}" data-waiting="{len(queues.waiting)}" '
             f'data-preempted="{len(queues.with_status("preempted"))}" '
             f'data-swapped="{len(queues.with_status("swapped"))}">{cols}</div>')
-
-
-def request_status(request_id: str, snap: EngineSnapshot) -> tuple[str, str]:
-    """Where request `request_id` (the caller's id; an n > 1 parent's samples count as it) is now, and why:
-    (state, sentence). state: queued | running | preempted | swapped | finished | unknown."""
-    mine = [q for q in snap.queues.running + snap.queues.waiting if request_id in (q.request_id, q.parent_id)]
-    ids = {request_id} | {r.request_id for t in snap.recent_traces for r in t.requests if r.parent_id == request_id}
-    ids |= {rid for rid in snap.preempted_at if rid.endswith("_" + request_id) and rid.split("_", 1)[0].isdigit()}
-    # (an n > 1 parent's samples are "0_<id>", "1_<id>", ...: engine/parallel_sampling.py)
-    preempted_at = sorted({step for rid in ids for step in snap.preempted_at.get(rid, ())})
-    why = ("the KV pool had no free block for the running requests' next tokens, and the scheduler preempts the "
-           "lowest-priority, latest-arrived running request first (give this chat a lower priority number to "
-           "protect it)")
-    if mine:
-        q = mine[0]
-        if q.status == "running":
-            again = f", after {q.num_preemptions} preemption(s)" if q.num_preemptions else ""
-            return "running", f"running: {q.num_output_tokens} tokens generated{again}"
-        if q.status in ("preempted", "swapped"):
-            where = (f" at step {preempted_at[-1]}" if preempted_at else "")
-            how = ("its KV was dropped and is recomputed when it resumes" if q.status == "preempted"
-                   else "its KV was copied to the CPU pool and comes back when blocks free up")
-            return q.status, f"{q.status}{where}: {why}; {how}"
-        position = next(i for i, w in enumerate(snap.queues.waiting) if w is q)
-        return "queued", (f"queued: position {position + 1} of {len(snap.queues.waiting)} in the waiting queue "
-                          f"(priority {q.priority})")
-    reason = next((r for rid, r in reversed(snap.recent_finished) if rid == request_id), None)
-    if reason is not None:
-        note = f", preempted at step(s) {', '.join(map(str, preempted_at))} on the way" if preempted_at else ""
-        return "finished", f"finished ({reason}){note}"
-    return "unknown", "not known to the engine (not sent yet, or finished long ago)"
 
 
 def render_stats(snap: EngineSnapshot) -> str:
@@ -265,175 +225,144 @@ def render_panels(snap: EngineSnapshot, tp: int = 1, pp: int = 1, max_batches: i
             render_parallelism(snap.trace, tp, pp, max_batches, color))
 
 
-def message_text(content) -> str:
-    """A chat message's text. Gradio 6 hands history content back as blocks [{"type": "text", "text": ...}]."""
-    if isinstance(content, str):
-        return content
-    if isinstance(content, dict):
-        return str(content.get("text", ""))
-    if isinstance(content, (list, tuple)):
-        return "".join(message_text(c) for c in content)
-    return "" if content is None else str(content)
-
-
 # ---------------------------------------------------------------------- the page
-DEMO_REQUESTS, DEMO_MAX_TOKENS = 24, 64
-STATUS_ICONS = {"queued": "⏳", "running": "▶", "preempted": "⚠", "swapped": "⚠", "finished": "✔",
-                "unknown": "·"}
-
-
-def render_chat_status(request_id: str | None, snap: EngineSnapshot) -> str:
-    """The chat's own request: queued, running, preempted (and why) or finished."""
-    if not request_id:
-        return '<p class="mv-chat-status" data-state="none">no chat request yet</p>'
-    state, sentence = request_status(request_id, snap)
-    return (f'<p class="mv-chat-status" data-state="{state}" data-request="{html.escape(request_id)}">'
-            f"{STATUS_ICONS[state]} <b>{html.escape(request_id)}</b>: {html.escape(sentence)}</p>")
+@dataclass
+class DashboardPage:
+    """The page's Gradio components that its events read or write."""
+    chat_id: object                 # gr.State: the chat's latest request id, for its status line
+    chatbot: object
+    msg: object
+    max_tokens: object
+    temperature: object
+    priority: object
+    burst_n: object
+    burst_btn: object
+    demo_btn: object
+    burst_out: object
+    pause_btn: object
+    step_btn: object
+    resume_btn: object
+    zoom_from: object
+    zoom_to: object
+    outputs: list                   # what refresh_page fills, in its order
 
 
 def build_dashboard(async_engine: AsyncLLMEngine, title: str = "minivllm"):
     """The Gradio Blocks page. Mount it with `mount_dashboard` (or `demo.launch(css=DASHBOARD_CSS)`)."""
     import gradio as gr
 
-    ids = itertools.count(1)
+    traffic = DashboardChat(async_engine)
+    palette = RequestPalette()          # one per page, shared by its sessions: a request keeps its colour
+    with gr.Blocks(title=title) as demo:
+        page = build_layout(gr, async_engine)
+        wire_events(gr, demo, page, async_engine, traffic, palette)
+    return demo
+
+
+def build_layout(gr, async_engine: AsyncLLMEngine) -> DashboardPage:
+    """The components, in place: the chat and controls on the left, the engine's panels on the right and below."""
     snap0 = async_engine.snapshot()
     cfg = async_engine.engine.config
+    gr.Markdown(f"## minivllm: live engine\nmodel `{async_engine.engine.model_path.name}` on "
+                f"`{async_engine.engine.device}`, {snap0.stats.num_kv_blocks} KV blocks of {cfg.block_size} "
+                f"tokens. The OpenAI API is served beside this page under `/v1` (e.g. the `openai` client "
+                f"with `base_url=http://<this host>/v1`).")
+    chat_id = gr.State(None)
+    with gr.Row():
+        with gr.Column(scale=2):
+            chatbot = gr.Chatbot(label="chat", height=330, elem_id="mv-chatbot")
+            chat_status = gr.HTML(elem_id="mv-chat-status")
+            msg = gr.Textbox(placeholder="Ask something, press Enter", show_label=False, elem_id="mv-msg")
+            with gr.Row():
+                max_tokens = gr.Slider(1, 512, value=96, step=1, label="max_tokens")
+                temperature = gr.Slider(0.0, 1.5, value=0.0, step=0.05, label="temperature (0 = greedy)")
+                priority = gr.Slider(-10, 10, value=0, step=1, elem_id="mv-priority",
+                                     label="priority (lower runs first, and is preempted last)")
+            with gr.Row():
+                burst_n = gr.Slider(1, 64, value=16, step=1, label="burst: requests")
+                burst_btn = gr.Button("Burst N requests", elem_id="mv-burst")
+                demo_btn = gr.Button("Load demo traffic", elem_id="mv-demo", variant="primary")
+            burst_out = gr.Markdown()
+            with gr.Row():
+                pause_btn = gr.Button("Pause", elem_id="mv-pause")
+                step_btn = gr.Button("Single step", elem_id="mv-step", interactive=False)
+                resume_btn = gr.Button("Resume", elem_id="mv-resume", interactive=False)
+        with gr.Column(scale=3):
+            stats = gr.HTML(elem_id="mv-stats")
+            parallelism = gr.HTML(elem_id="mv-parallel")
+            gr.Markdown("**Physical KV blocks** (the legend below the grid says what each mark means)")
+            grid = gr.HTML(elem_id="mv-grid")
+            with gr.Row():
+                zoom_from = gr.Number(0, precision=0, minimum=0, label="zoom: from block", elem_id="mv-zoom-from")
+                zoom_to = gr.Number(0, precision=0, minimum=0, label="to block (0: the whole pool)",
+                                    elem_id="mv-zoom-to")
+            gr.Markdown("**Queues**, as the engine holds them now")
+            queues = gr.HTML(elem_id="mv-queues")
+    with gr.Row():
+        with gr.Column():
+            gr.Markdown("**Tokens per step**: prefill (orange) on top of decode (blue)")
+            chart = gr.HTML(elem_id="mv-chart")
+        with gr.Column():
+            gr.Markdown("**Event log**, newest first")
+            log = gr.HTML(elem_id="mv-log")
+    gr.Markdown("**Steps**, newest first: one line per step")
+    step_log = gr.HTML(elem_id="mv-steplog")
+    with gr.Row():
+        with gr.Column():
+            gr.Markdown("**Request timelines**: the last requests, one cell per step")
+            timelines = gr.HTML(elem_id="mv-timelines")
+        with gr.Column():
+            gr.Markdown("**Over time**, and the latency histograms")
+            plots = gr.HTML(elem_id="mv-plots")
+            hists = gr.HTML(elem_id="mv-hists")
+    gr.Markdown("**Block tables**: each request's logical blocks, in order, and the physical block of each")
+    tables = gr.HTML(elem_id="mv-tables")
+    outputs = [grid, stats, queues, tables, chart, log, parallelism, chat_status, step_log, timelines, plots,
+               hists, pause_btn, step_btn, resume_btn]
+    return DashboardPage(chat_id, chatbot, msg, max_tokens, temperature, priority, burst_n, burst_btn, demo_btn,
+                         burst_out, pause_btn, step_btn, resume_btn, zoom_from, zoom_to, outputs)
 
-    async def chat(message: str, history: list, max_tokens: int, temperature: float, priority: float):
-        """Stream one assistant answer into the chat, a token at a time. Yields (textbox, history, request id)."""
-        history = history or []
-        if not message.strip():
-            yield "", history, gr.skip()
-            return
-        request_id = f"chat-{next(ids)}"
-        messages = [{"role": m["role"], "content": message_text(m["content"])} for m in history]
-        messages.append({"role": "user", "content": message})
-        history = [*history, {"role": "user", "content": message}, {"role": "assistant", "content": ""}]
-        yield "", history, request_id
-        answer = ""
-        try:
-            params = SamplingParams(temperature=float(temperature), max_tokens=int(max_tokens),
-                                    output_kind=RequestOutputKind.DELTA)
-            async for out in async_engine.generate(async_engine.chat_prompt(messages), params,
-                                                   request_id=request_id, priority=int(priority)):
-                answer += out.outputs[0].text
-                history[-1] = {"role": "assistant", "content": answer}
-                yield "", history, request_id
-        except Exception as e:      # a bad setting or a failed step: show it in the chat, keep the page alive
-            history[-1] = {"role": "assistant", "content": f"{answer}\n\n[error: {e}]"}
-            yield "", history, request_id
 
-    async def burst(n: int, max_tokens: int):
-        """Send n requests at once (one shared system prompt, different questions) and wait for all."""
-        n, max_tokens = int(n), int(max_tokens)
-        batch = next(ids)
-        start = time.perf_counter()
-
-        async def one(i: int) -> str:
-            messages = [{"role": "system", "content": BURST_SYSTEM},
-                        {"role": "user", "content": BURST_QUESTIONS[i % len(BURST_QUESTIONS)]}]
-            params = SamplingParams(temperature=0.8, max_tokens=max_tokens, seed=i)
-            final = None
-            async for final in async_engine.generate(async_engine.chat_prompt(messages), params,
-                                                     request_id=f"burst{batch}-{i}"):
-                pass
-            return final.outputs[0].finish_reason
-
-        results = await asyncio.gather(*(one(i) for i in range(n)), return_exceptions=True)
-        reasons = Counter(r if isinstance(r, str) else "error" for r in results)
-        return (f"burst {batch}: {n} requests finished in {time.perf_counter() - start:.1f} s ("
-                + ", ".join(f"{k} {v}" for k, v in sorted(reasons.items())) + ")")
-
-    async def demo_traffic():
-        return await burst(DEMO_REQUESTS, DEMO_MAX_TOKENS)
-
+def wire_events(gr, demo, page: DashboardPage, async_engine: AsyncLLMEngine, traffic: DashboardChat,
+                palette: RequestPalette) -> None:
+    """What the page does: chat and traffic (DashboardChat), the pause controls, and the timer's refresh."""
+    cfg = async_engine.engine.config
     parallel = (cfg.tensor_parallel_size, cfg.pipeline_parallel_size, async_engine.engine.max_concurrent_batches)
-    palette = RequestPalette()          # one per page, shared by its sessions: a request keeps its colour
 
     def refresh(chat_id: str | None, zoom_from: float | None, zoom_to: float | None):
-        snap = async_engine.snapshot(with_pool=True)
-        n = snap.stats.num_kv_blocks
-        lo, hi = int(zoom_from or 0), int(zoom_to or 0)
-        window = (max(lo, 0), min(hi, n)) if 0 <= lo < hi else None     # 0..0: the whole pool
-        has_work = snap.num_requests > 0
-        controls = (gr.Button(interactive=not snap.paused),                  # pause: only while running
-                    gr.Button(interactive=snap.paused and has_work),         # single step: paused, with work
-                    gr.Button(interactive=snap.paused))                      # resume: only while paused
-        return (*render_panels(snap, *parallel, palette=palette, window=window), render_chat_status(chat_id, snap),
-                render_step_log(snap.recent_traces), render_timelines(snap.recent_traces),
-                render_plots(snap.recent_traces),
-                render_histogram("TTFT", snap.ttft) + render_histogram("ITL", snap.itl), *controls)
+        return refresh_page(gr, async_engine, palette, parallel, chat_id, zoom_from, zoom_to)
 
-    with gr.Blocks(title=title) as demo:
-        gr.Markdown(f"## minivllm: live engine\nmodel `{async_engine.engine.model_path.name}` on "
-                    f"`{async_engine.engine.device}`, {snap0.stats.num_kv_blocks} KV blocks of {cfg.block_size} "
-                    f"tokens. The OpenAI API is served beside this page under `/v1` (e.g. the `openai` client "
-                    f"with `base_url=http://<this host>/v1`).")
-        chat_id = gr.State(None)
-        with gr.Row():
-            with gr.Column(scale=2):
-                chatbot = gr.Chatbot(label="chat", height=330, elem_id="mv-chatbot")
-                chat_status = gr.HTML(elem_id="mv-chat-status")
-                msg = gr.Textbox(placeholder="Ask something, press Enter", show_label=False, elem_id="mv-msg")
-                with gr.Row():
-                    max_tokens = gr.Slider(1, 512, value=96, step=1, label="max_tokens")
-                    temperature = gr.Slider(0.0, 1.5, value=0.0, step=0.05, label="temperature (0 = greedy)")
-                    priority = gr.Slider(-10, 10, value=0, step=1, elem_id="mv-priority",
-                                         label="priority (lower runs first, and is preempted last)")
-                with gr.Row():
-                    burst_n = gr.Slider(1, 64, value=16, step=1, label="burst: requests")
-                    burst_btn = gr.Button("Burst N requests", elem_id="mv-burst")
-                    demo_btn = gr.Button("Load demo traffic", elem_id="mv-demo", variant="primary")
-                burst_out = gr.Markdown()
-                with gr.Row():
-                    pause_btn = gr.Button("Pause", elem_id="mv-pause")
-                    step_btn = gr.Button("Single step", elem_id="mv-step", interactive=False)
-                    resume_btn = gr.Button("Resume", elem_id="mv-resume", interactive=False)
-            with gr.Column(scale=3):
-                stats = gr.HTML(elem_id="mv-stats")
-                parallelism = gr.HTML(elem_id="mv-parallel")
-                gr.Markdown("**Physical KV blocks** (the legend below the grid says what each mark means)")
-                grid = gr.HTML(elem_id="mv-grid")
-                with gr.Row():
-                    zoom_from = gr.Number(0, precision=0, minimum=0, label="zoom: from block", elem_id="mv-zoom-from")
-                    zoom_to = gr.Number(0, precision=0, minimum=0, label="to block (0: the whole pool)",
-                                        elem_id="mv-zoom-to")
-                gr.Markdown("**Queues**, as the engine holds them now")
-                queues = gr.HTML(elem_id="mv-queues")
-        with gr.Row():
-            with gr.Column():
-                gr.Markdown("**Tokens per step**: prefill (orange) on top of decode (blue)")
-                chart = gr.HTML(elem_id="mv-chart")
-            with gr.Column():
-                gr.Markdown("**Event log**, newest first")
-                log = gr.HTML(elem_id="mv-log")
-        gr.Markdown("**Steps**, newest first: one line per step")
-        step_log = gr.HTML(elem_id="mv-steplog")
-        with gr.Row():
-            with gr.Column():
-                gr.Markdown("**Request timelines**: the last requests, one cell per step")
-                timelines = gr.HTML(elem_id="mv-timelines")
-            with gr.Column():
-                gr.Markdown("**Over time**, and the latency histograms")
-                plots = gr.HTML(elem_id="mv-plots")
-                hists = gr.HTML(elem_id="mv-hists")
-        gr.Markdown("**Block tables**: each request's logical blocks, in order, and the physical block of each")
-        tables = gr.HTML(elem_id="mv-tables")
-        outputs = [grid, stats, queues, tables, chart, log, parallelism, chat_status, step_log, timelines, plots,
-                   hists, pause_btn, step_btn, resume_btn]
+    p = page
+    # concurrency_limit=None: Gradio would otherwise run one chat at a time, and batching never shows.
+    p.msg.submit(traffic.chat, [p.msg, p.chatbot, p.max_tokens, p.temperature, p.priority],
+                 [p.msg, p.chatbot, p.chat_id], concurrency_limit=None, api_visibility="private")
+    p.burst_btn.click(traffic.burst, [p.burst_n, p.max_tokens], p.burst_out, concurrency_limit=None,
+                      api_visibility="private")
+    p.demo_btn.click(traffic.demo_traffic, None, p.burst_out, concurrency_limit=None, api_visibility="private")
+    for button, action in ((p.pause_btn, async_engine.pause), (p.step_btn, async_engine.step_once),
+                           (p.resume_btn, async_engine.resume)):
+        button.click(lambda action=action: action(), None, None, queue=False, api_visibility="private")
+    inputs = [p.chat_id, p.zoom_from, p.zoom_to]
+    timer = gr.Timer(REFRESH_SECONDS)
+    timer.tick(refresh, inputs, p.outputs, show_progress="hidden", api_visibility="private")
+    demo.load(refresh, inputs, p.outputs, api_visibility="private")
 
-        # concurrency_limit=None: Gradio would otherwise run one chat at a time, and batching never shows.
-        msg.submit(chat, [msg, chatbot, max_tokens, temperature, priority], [msg, chatbot, chat_id],
-                   concurrency_limit=None, api_visibility="private")
-        burst_btn.click(burst, [burst_n, max_tokens], burst_out, concurrency_limit=None, api_visibility="private")
-        demo_btn.click(demo_traffic, None, burst_out, concurrency_limit=None, api_visibility="private")
-        for button, action in ((pause_btn, async_engine.pause), (step_btn, async_engine.step_once),
-                               (resume_btn, async_engine.resume)):
-            button.click(lambda action=action: action(), None, None, queue=False, api_visibility="private")
-        timer = gr.Timer(REFRESH_SECONDS)
-        timer.tick(refresh, [chat_id, zoom_from, zoom_to], outputs, show_progress="hidden", api_visibility="private")
-        demo.load(refresh, [chat_id, zoom_from, zoom_to], outputs, api_visibility="private")
-    return demo
+
+def refresh_page(gr, async_engine: AsyncLLMEngine, palette: RequestPalette, parallel: tuple[int, int, int],
+                 chat_id: str | None, zoom_from: float | None, zoom_to: float | None) -> tuple:
+    """Every panel from one snapshot, in DashboardPage.outputs' order, and which pause controls may be pressed."""
+    snap = async_engine.snapshot(with_pool=True)
+    n = snap.stats.num_kv_blocks
+    lo, hi = int(zoom_from or 0), int(zoom_to or 0)
+    window = (max(lo, 0), min(hi, n)) if 0 <= lo < hi else None     # 0..0: the whole pool
+    has_work = snap.num_requests > 0
+    controls = (gr.Button(interactive=not snap.paused),                  # pause: only while running
+                gr.Button(interactive=snap.paused and has_work),         # single step: paused, with work
+                gr.Button(interactive=snap.paused))                      # resume: only while paused
+    return (*render_panels(snap, *parallel, palette=palette, window=window), render_chat_status(chat_id, snap),
+            render_step_log(snap.recent_traces), render_timelines(snap.recent_traces),
+            render_plots(snap.recent_traces),
+            render_histogram("TTFT", snap.ttft) + render_histogram("ITL", snap.itl), *controls)
 
 
 def mount_dashboard(app, async_engine: AsyncLLMEngine, path: str = "/", api_key: str | None = None):
