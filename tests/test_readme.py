@@ -1,4 +1,5 @@
-"""The README stays true: CI runs exactly its test command."""
+"""The README stays true: CI runs exactly its test command, and the option tables in docs/configuration.md are
+the ones the code generates (minivllm/docs_tables.py)."""
 
 from __future__ import annotations
 
