@@ -146,3 +146,47 @@ def test_the_imports_of_the_docs_python_examples_work():
                         exec(statement, {})
                     except ImportError as e:
                         raise AssertionError(f"{doc.relative_to(ROOT)}: `{statement}`: {e}") from None
+
+
+def test_every_result_in_benchmarks_md_has_date_machine_commit_and_command():
+    """A results table of docs/benchmarks.md starts `| date | machine | commit |`; each of its rows has a date, a
+    machine of the Machines table, a commit and a command; the history table has a date and a commit."""
+    text = (ROOT / "docs" / "benchmarks.md").read_text()
+    tables = [t.splitlines() for t in re.findall(r"(?:^\|.*\|\n)+", text, re.M)]
+    machines = {row.split("|")[1].strip() for row in tables[0][2:]}
+    assert tables[0][0].startswith("| name |") and {"H100", "H200"} <= machines
+    results = history = 0
+    for table in tables[1:]:
+        header = [c.strip() for c in table[0].strip("|").split("|")]
+        rows = [[c.strip() for c in re.split(r"(?<!\\)\|", row.strip().strip("|"))] for row in table[2:]]
+        assert header[:2] in (["date", "machine"], ["date", "commit"]), f"a table without dates: {table[0]}"
+        for row in rows:
+            assert re.fullmatch(r"\d{4}-\d{2}-\d{2}", row[0]), row
+            if header[1] == "machine":
+                results += 1
+                assert row[1] in machines, f"machine {row[1]!r} is not in the Machines table"
+                assert re.fullmatch(r"[0-9a-f]{7}", row[2]), row
+                assert re.search(r"`(python|vllm|MINIVLLM_|VLLM_)", "|".join(row[3:])), f"no command: {row}"
+            else:
+                history += 1
+                assert re.fullmatch(r"[0-9a-f]{7}(, [0-9a-f]{7})*", row[1]), row
+    assert results >= 30 and history >= 10, (results, history)
+
+
+def test_the_commits_benchmarks_md_names_are_in_the_history():
+    import subprocess
+
+    try:
+        shallow = subprocess.run(["git", "rev-parse", "--is-shallow-repository"], cwd=ROOT, capture_output=True,
+                                 text=True, check=True).stdout.strip()
+    except (OSError, subprocess.CalledProcessError):
+        pytest.skip("not a git checkout")
+    if shallow != "false":
+        pytest.skip("a shallow clone lacks the history")
+    text = (ROOT / "docs" / "benchmarks.md").read_text()
+    commits = set(re.findall(r"(?<=\| )[0-9a-f]{7}(?= \||,)|(?<=, )[0-9a-f]{7}(?= \|)", text))
+    commits |= set(re.findall(r"\((?:at )?([0-9a-f]{7})\)", text))
+    assert len(commits) >= 20
+    missing = [c for c in sorted(commits) if subprocess.run(["git", "cat-file", "-e", f"{c}^{{commit}}"],
+                                                            cwd=ROOT, capture_output=True).returncode != 0]
+    assert not missing, f"commits not in this repository's history: {missing}"
