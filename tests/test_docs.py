@@ -115,9 +115,9 @@ def test_no_result_is_labelled_by_a_working_period(path):
 @pytest.mark.parametrize("path", [*LABELLED, *sorted((ROOT / ".ci").rglob("*")), ROOT / "app.py"],
                          ids=lambda p: p.relative_to(ROOT).as_posix())
 def test_no_absolute_path_of_a_build_machine(path):
-    if not path.is_file():
+    if not path.is_file() or "__pycache__" in path.parts:
         return
-    hits = re.findall(r"(?<![\w.~])/(?:work|root|tmp)/[\w./-]*", path.read_text())
+    hits = re.findall(r"(?<![\w.~])/(?:work|root|tmp)/[\w./-]*", path.read_text(errors="replace"))
     assert not hits, f"{path.relative_to(ROOT)} names paths of a build machine: {hits}"
 
 
