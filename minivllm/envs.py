@@ -101,12 +101,6 @@ def read(name: str, environ: Mapping[str, str] | None = None):
     return text
 
 
-def is_set(name: str, environ: Mapping[str, str] | None = None) -> bool:
-    """Whether `name` is set at all (even to ""), in `environ` (default: os.environ)."""
-    read(name, {})                                  # raises for a name not in the table
-    return name in (os.environ if environ is None else environ)
-
-
 def __getattr__(name: str):
     """`envs.MINIVLLM_X`: the current value of MINIVLLM_X, read and parsed at each access."""
     if name.startswith("MINIVLLM_"):

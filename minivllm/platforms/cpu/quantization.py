@@ -38,7 +38,7 @@ w8a8_int8 (cpu_gemm.cpp's `w8a8_linear`, AVX-512 VNNI): int8 weights in panels o
 per row in the call, `vpdpbusd` into int32 sums (exact), then one fp32 scaling; x and y in the model's dtype
 (fp32 or bf16). The default model's matmuls at 32 rows 12.3 ms against bf16's 20.3; the engine's decode step
 at batch 32 25.3 ms against bf16's 34.5, a 4,096-token prefill 1.5 s against 2.5-2.7 s; perplexity 49.04
-against fp32's 45.81 (README, "Measured", the fourteenth session). Elsewhere `torch._int_mm` on the same
+against fp32's 45.81 (README, "Measured"). Elsewhere `torch._int_mm` on the same
 integers (quantize_activations, then int32 sums). w4a8_int8 (`w4a8_linear`, VNNI only): int4's nibbles, two
 word rows a 192-byte chunk, each group's int32 sum scaled by d s and m s sum(qx); matmuls at 32 rows 15.7 ms,
 at 1 row 4.3 (the fewest bytes); a decode step at batch 1 7.6-7.8 ms against bf16's 11.2-15.7, at batch 32
@@ -48,7 +48,10 @@ The embedding keeps its full weight (a lookup reads one row per token); the LM h
 default model, gets its own quantized copy (it is 21% of the default model's weights and read every step).
 Under gguf the head is int8: the GGUF stored the embedding in an 8-bit format (about 29 distinct values per
 32 weights), not in Q4_1, and every linear layer's weights are exact Q4_1 values (checked at load).
-CUDA: not implemented; the option is refused there with a message.
+CUDA: not implemented; the option is refused there with a message (minivllm/platforms/__init__.py).
+
+Must never: keep a quantized linear layer's full weight (it is freed: only the quantized one can run), or
+answer a gate/up layer's plain product in any column order but [gate | up] (`_in_order`).
 """
 
 from __future__ import annotations
@@ -91,7 +94,7 @@ class Int8WeightOnlyMethod:
         in_features = layer.weight.shape[1]
         if in_features % 2:
             # minivllm's kernel takes int8 pairs; PyTorch's _weight_int8pack_mm crashes the process on an odd
-            # `in` (a segmentation fault, torch 2.13, 2026-11-27)
+            # `in` (a segmentation fault in torch 2.13)
             raise ValueError(f"quantization='int8' needs in_features divisible by 2; a layer has {in_features}. "
                              "Leave quantization unset for this model.")
         q, scale = self.quantize(layer.weight.detach().float())
