@@ -43,8 +43,9 @@
 # requests that step had scheduled end, with an error (the API answers them with a 500), and the rest keep
 # being served.
 #
-# On top of it, `minivllm/entrypoints/api_server.py` is an OpenAI-compatible HTTP server (its request and
-# response schemas live in `minivllm/entrypoints/protocol.py`), and `minivllm/entrypoints/dashboard.py` a
+# On top of it, `minivllm/entrypoints/api_server.py` is an OpenAI-compatible HTTP server (its request bodies are
+# read in `minivllm/entrypoints/protocol.py`, and run and answered by `serving_completion.py` and `serving_chat.py`
+# on `serving_engine.py`, as vLLM names them), and `minivllm/entrypoints/dashboard.py` a
 # Gradio page; `python app.py` runs both on one engine. This lesson uses the async engine directly, then
 # starts the HTTP server inside the notebook and talks to it with the official `openai` client.
 
