@@ -25,7 +25,7 @@ from __future__ import annotations
 from collections import OrderedDict, deque
 from dataclasses import dataclass, field
 
-from minivllm.core.journal import StepJournal
+from minivllm.core.journal import Journaled, StepJournal
 
 ROOT_HASH = 0   # the "parent hash" of a sequence's first block
 
@@ -38,7 +38,8 @@ def hash_block_tokens(parent_hash: int, token_ids: tuple[int, ...]) -> int:
 
 
 @dataclass
-class Block:
+class Block(Journaled):
+    JOURNALED = frozenset({"ref_count", "block_hash", "token_ids"})
     block_id: int
     ref_count: int = 0
     block_hash: int | None = None       # set once the block is full and its step committed
@@ -74,7 +75,9 @@ class PoolSnapshot:
     cached_free: frozenset[int]          # ref count 0, still in the prefix cache
 
 
-class BlockPool:
+class BlockPool(Journaled):
+    JOURNALED = frozenset({"num_evictions"})
+
     def __init__(self, num_blocks: int, journal: StepJournal, enable_prefix_caching: bool = True):
         if num_blocks < 1:
             raise ValueError(f"num_blocks is {num_blocks}; the KV pool needs at least one block.")
@@ -82,6 +85,8 @@ class BlockPool:
         self.journal = journal
         self.enable_prefix_caching = enable_prefix_caching
         self.blocks = [Block(i) for i in range(num_blocks)]
+        for block in self.blocks:
+            block.journal = journal
         self.clean_free: deque[int] = deque(range(num_blocks))
         # cached-free blocks -> the tick at which they were freed; dict order is LRU order (front evicted first)
         self.cached_free: OrderedDict[int, int] = OrderedDict()
@@ -119,9 +124,9 @@ class BlockPool:
             block_id, tick = self.cached_free.popitem(last=False)
             j.record(lambda: self._insert_cached(block_id, tick))
             self._uncache(block_id)
-            j.set(self, "num_evictions", self.num_evictions + 1)
+            self.num_evictions += 1
             self.events.evicted.append(block_id)
-        j.set(self.blocks[block_id], "ref_count", 1)
+        self.blocks[block_id].ref_count = 1
         self.events.allocated.append(block_id)
         return block_id
 
@@ -131,7 +136,7 @@ class BlockPool:
         if block.ref_count == 0:
             tick = self.cached_free.pop(block_id)
             self.journal.record(lambda: self._insert_cached(block_id, tick))
-        self.journal.set(block, "ref_count", block.ref_count + 1)
+        block.ref_count += 1
         self.events.prefix_hit_blocks.append(block_id)
 
     def free(self, block_id: int) -> None:
@@ -139,7 +144,7 @@ class BlockPool:
         back of the LRU queue; any other block becomes clean-free."""
         block = self.blocks[block_id]
         assert block.ref_count > 0, f"block {block_id} freed with ref count {block.ref_count}"
-        self.journal.set(block, "ref_count", block.ref_count - 1)
+        block.ref_count -= 1
         if block.ref_count > 0:
             return
         self.events.freed.append(block_id)
@@ -167,8 +172,8 @@ class BlockPool:
         that one stays in the map and this one keeps the hash (its children chain from it) without being shared."""
         block = self.blocks[block_id]
         assert block.ref_count > 0 and block.block_hash is None, f"block {block_id} cannot be cached now"
-        self.journal.set(block, "block_hash", block_hash)
-        self.journal.set(block, "token_ids", token_ids)
+        block.block_hash = block_hash
+        block.token_ids = token_ids
         if block_hash not in self.hash_to_block:
             self.hash_to_block[block_hash] = block_id
             self.journal.record(lambda: self.hash_to_block.pop(block_hash))
@@ -179,8 +184,8 @@ class BlockPool:
             h = block.block_hash
             del self.hash_to_block[h]
             self.journal.record(lambda: self.hash_to_block.__setitem__(h, block_id))
-        self.journal.set(block, "block_hash", None)
-        self.journal.set(block, "token_ids", ())
+        block.block_hash = None
+        block.token_ids = ()
 
     def drop_cached(self, block_id: int) -> None:
         """Forget a block's hash because its KV can no longer be trusted (a failed step may have written it).

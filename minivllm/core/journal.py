@@ -5,8 +5,12 @@ commits it once the step's tokens are in; if anything raises in between (the pla
 sampler, the detokenizer, a Ctrl-C), the scheduler rolls it back: every change the core made since `begin()` is
 undone, newest first, and the core is exactly as it was before the step.
 
-Every writer of core state (the scheduler, the KV cache manager, the block pool, the swap space) records, next to
-each change it makes, how to undo it:
+Attributes of core objects are journaled by their class (`Journaled` below): a write is a plain assignment,
+and the object records its undo itself, so a search for `num_computed_tokens =` finds every writer:
+
+    req.num_computed_tokens = num_cached          # Request lists it in JOURNALED: undone on rollback
+
+Changes to containers (queues, free lists, hash maps) record, next to the change, how to undo it:
 
     block_id = self.clean_free.popleft()
     self.journal.record(lambda: self.clean_free.appendleft(block_id))
@@ -19,7 +23,7 @@ altered, so replaying them in reverse order rebuilds the state piece by piece.
 from __future__ import annotations
 
 from collections.abc import Callable
-from typing import Any
+from typing import ClassVar
 
 
 class StepJournal:
@@ -38,12 +42,6 @@ class StepJournal:
         if self._undo is not None:
             self._undo.append(undo)
 
-    def set(self, obj: Any, attr: str, value: Any) -> None:
-        """`obj.attr = value`, undoable."""
-        old = getattr(obj, attr)
-        setattr(obj, attr, value)
-        self.record(lambda: setattr(obj, attr, old))
-
     def commit(self) -> None:
         assert self._undo is not None, "commit without begin"
         self._undo = None
@@ -55,3 +53,21 @@ class StepJournal:
         for action in reversed(undo):
             action()
         return len(undo)
+
+
+class Journaled:
+    """A core object whose attributes named in `JOURNALED` are undo-logged when assigned while a step is open.
+
+    `journal` is the core's StepJournal, given by the object's owner (the scheduler for requests, the block pool
+    for blocks); with none, or outside a step, an assignment is just an assignment. Reads cost nothing extra:
+    only `__setattr__` is involved, and the value lives in the instance's `__dict__` as usual."""
+    JOURNALED: ClassVar[frozenset[str]] = frozenset()
+    journal: StepJournal | None = None
+
+    def __setattr__(self, name: str, value: object) -> None:
+        if name in self.JOURNALED:
+            journal = self.journal
+            if journal is not None and journal._undo is not None and name in self.__dict__:
+                old = self.__dict__[name]
+                journal._undo.append(lambda: object.__setattr__(self, name, old))
+        object.__setattr__(self, name, value)

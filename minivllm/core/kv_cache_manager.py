@@ -20,12 +20,14 @@ identical prompts arriving together compute their shared prefix once, as in vLLM
 from __future__ import annotations
 
 from minivllm.core.block_pool import ROOT_HASH, BlockPool, hash_block_tokens
-from minivllm.core.journal import StepJournal
+from minivllm.core.journal import Journaled, StepJournal
 from minivllm.core.request import Request
 from minivllm.core.swap_space import SwapSpace
 
 
-class KVCacheManager:
+class KVCacheManager(Journaled):
+    JOURNALED = frozenset({"prefix_cache_queries", "prefix_cache_hits"})
+
     def __init__(self, num_blocks: int, block_size: int, journal: StepJournal, enable_prefix_caching: bool = True,
                  num_cpu_blocks: int = 0):
         if block_size < 1:
@@ -123,21 +125,22 @@ class KVCacheManager:
 
         All or nothing: returns False and changes nothing if the free blocks are not enough.
         """
-        pool, j = self.block_pool, self.journal
+        pool = self.block_pool
+        request.journal = self.journal          # its block table (and the scheduler's fields) are journaled from now
         total = request.num_computed_tokens + len(computed_blocks) * self.block_size + num_new_tokens
         num_fresh = max(self.blocks_needed(total) - len(request.block_table) - len(computed_blocks), 0)
         num_revived = sum(1 for b in computed_blocks if pool.blocks[b].ref_count == 0)   # cached-free hits
         if num_fresh + num_revived > pool.num_free_blocks:
             return False
         if not request.block_table and self.enable_prefix_caching and request.num_computed_tokens == 0:
-            j.set(self, "prefix_cache_queries", self.prefix_cache_queries + request.num_tokens)
-            j.set(self, "prefix_cache_hits", self.prefix_cache_hits + len(computed_blocks) * self.block_size)
+            self.prefix_cache_queries += request.num_tokens
+            self.prefix_cache_hits += len(computed_blocks) * self.block_size
         for block_id in computed_blocks:
             pool.touch(block_id)
         new_blocks = list(computed_blocks) + [pool.take_fresh() for _ in range(num_fresh)]
         if new_blocks:
             # a new list, not an in-place append: readers (the step trace) may keep the old one
-            j.set(request, "block_table", request.block_table + new_blocks)
+            request.block_table = request.block_table + new_blocks
         if computed_blocks:
             self._set_num_cached(request.request_id, len(computed_blocks))
         return True
@@ -178,7 +181,7 @@ class KVCacheManager:
         """Drop the request's hold on its blocks. Tail blocks are freed first, so they are evicted first."""
         for block_id in reversed(request.block_table):
             self.block_pool.free(block_id)
-        self.journal.set(request, "block_table", [])
+        request.block_table = []
         self._set_num_cached(request.request_id, None)
 
     # ------------------------------------------------------------------ swapping (preemption_mode="swap")
@@ -202,7 +205,7 @@ class KVCacheManager:
         commits); returns the (CPU block, device block) copies to make."""
         cpu_table = self.swap_space.release(request.request_id)
         device_table = [self.block_pool.take_fresh() for _ in cpu_table]
-        self.journal.set(request, "block_table", device_table)
+        request.block_table = device_table
         pairs = list(zip(cpu_table, device_table))
         self.block_pool.events.swap_in += pairs
         return pairs

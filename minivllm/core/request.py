@@ -18,6 +18,7 @@ from dataclasses import dataclass, field
 
 import torch
 
+from minivllm.core.journal import Journaled
 from minivllm.core.sampling_params import SamplingParams
 from minivllm.core.structured_output import Grammar
 
@@ -52,7 +53,11 @@ class RequestMetrics:
 
 
 @dataclass(eq=False)
-class Request:
+class Request(Journaled):
+    # Assignments to these are undone if the step fails (journal.py); `journal` is set when the scheduler adds it.
+    JOURNALED = frozenset({"status", "num_computed_tokens", "num_cached_tokens", "block_table", "num_preemptions",
+                           "stop_reason", "spec_token_ids"})
+
     request_id: str
     prompt_token_ids: list[int]
     sampling_params: SamplingParams

@@ -21,27 +21,11 @@ Order within a step:
 A step's life:  begin_step -> schedule -> (model forward, sampling: not here) -> update_from_output
                 -> finish_request for stop strings -> commit_step        (or rollback_step if anything raised)
 
-Batches in flight (pipeline parallelism, vLLM v1's batch queue): with `max_concurrent_batches` k > 1 the engine
-schedules the next batch while up to k - 1 earlier ones are still in later pipeline stages. A request is in flight
-from the schedule that puts it in a batch to the `update_from_output` of that batch: it is never scheduled again,
-preempted or given new tokens in between (its next token is not known yet). Each batch takes at most
-ceil(n / k) requests, n being the unfinished requests (at most max_num_seqs): the k batches share them evenly,
-so every stage has work (one batch would take them all, and the next would find none).
-
-    k = 2, four decoding requests:   batch 7 = [A B]  (in stage 1)     batch 8 = [C D]  (in stage 0)
-                                     A, B come back with batch 7's tokens; batch 9 takes them again
-
-Async scheduling (vLLM's `async_scheduling`): the engine schedules batch N + 1 while batch N is still on the
-device, so the host's work (this plan, the inputs, applying batch N's tokens, the text) overlaps the device's. A
-request of batch N may then be scheduled again before N's token is known: `num_computed_ahead` says how many of
-its tokens batch N computes (the next batch starts after them), and `num_output_placeholders` that batch N samples
-one token for it, which the model runner takes from batch N's device tensor as the next input. Only a request
-whose sampling does not read its own output tokens (no penalties, bad words, min_tokens, grammar) and that cannot
-reach max_tokens with the pending token runs ahead; it is never preempted while in flight. If batch N's token
-stops it, its token from batch N + 1 is dropped (one wasted row, as in vLLM).
-
-    async, decoding A:   batch 7 = [A: position 20]   batch 8 = [A: position 21, input = batch 7's token for A]
-                         A is in flight in both; batch 7's output moves num_computed_tokens to 21, batch 8's to 22
+Other modes plug in at named seams and cost this file nothing when they are off:
+    batches in flight (async scheduling, pipeline parallelism)   AsyncScheduler, a subclass (async_scheduler.py)
+    speculative decoding                                         _drafts_to_verify, update_draft_token_ids
+    structured output                                            _advance_grammar
+    swap preemption                                              _preempt, _swap_in (kv_cache_manager.py copies)
 
 Preemption modes (vLLM's names):
     recompute  drop the KV; the request re-runs its prompt + outputs as one prefill when it returns
@@ -54,68 +38,29 @@ from __future__ import annotations
 
 import bisect
 import itertools
-from dataclasses import dataclass, field
+from collections.abc import Mapping
+from types import MappingProxyType
 
+from minivllm.core.journal import Journaled
 from minivllm.core.kv_cache_manager import KVCacheManager
 from minivllm.core.request import Request, RequestStatus
+from minivllm.core.scheduler_output import EngineCoreOutput, SchedulerOutput
+
+__all__ = ["EngineCoreOutput", "Scheduler", "SchedulerOutput"]
 
 
-@dataclass
-class SchedulerOutput:
-    """One step's plan: plain data the model runner, the trace and the tests read."""
-    scheduled: list[Request]                 # batch order
-    num_scheduled_tokens: dict[str, int]     # request_id -> tokens to compute this step
-    kinds: dict[str, str] = field(default_factory=dict)      # request_id -> "prefill" | "decode"
-    num_prefill_tokens: int = 0
-    num_decode_tokens: int = 0
-    preempted: list[Request] = field(default_factory=list)
-    newly_admitted: list[str] = field(default_factory=list)   # request ids moved waiting -> running
-    # KV copies the model runner does before the forward, as (src block, dst block):
-    blocks_to_swap_out: list[tuple[int, int]] = field(default_factory=list)   # device -> CPU pool
-    blocks_to_swap_in: list[tuple[int, int]] = field(default_factory=list)    # CPU pool -> device
-    # Speculative decoding: request_id -> the draft tokens scheduled after its last token (verified this step;
-    # num_scheduled_tokens counts them).
-    scheduled_spec_decode_tokens: dict[str, list[int]] = field(default_factory=dict)
-    # Async scheduling: request_id -> tokens the batch still in flight computes for it (this batch starts at
-    # num_computed_tokens + that), and -> 1 when that batch also samples its next token (this batch's input for it
-    # is that token, read on the device). Empty without async scheduling.
-    num_computed_ahead: dict[str, int] = field(default_factory=dict)
-    num_output_placeholders: dict[str, int] = field(default_factory=dict)
+class Scheduler(Journaled):
+    # Counters a failed step must not move (journal.py): preemptions and vLLM's spec-decode counters (steps with
+    # drafts, draft tokens verified, accepted, accepted per draft position).
+    JOURNALED = frozenset({"num_preemptions", "num_drafts", "num_draft_tokens", "num_accepted_tokens",
+                           "num_accepted_tokens_per_pos"})
+    async_scheduling = False
+    # Requests in a batch whose output has not come back -> their tokens in such batches: none here, every batch
+    # comes back within its step (AsyncScheduler keeps batches in flight).
+    in_flight: Mapping[Request, int] = MappingProxyType({})
 
-    @property
-    def is_empty(self) -> bool:
-        """Nothing to run and nothing to copy."""
-        return not (self.scheduled or self.blocks_to_swap_out or self.blocks_to_swap_in)
-
-
-@dataclass
-class EngineCoreOutput:
-    """What one request got from a committed step (vLLM v1's name): the new tokens (one, or with speculative
-    decoding the accepted drafts and one more), and how it ended if it did."""
-    request: Request
-    new_token_ids: list[int]
-    finish_status: RequestStatus | None = None      # FINISHED_* when the core stopped it (EOS, stop token, length)
-    num_accepted_drafts: int = 0                    # speculative decoding: drafts the verification accepted
-
-
-def plan_ahead(num_tokens: int, num_computed_tokens: int, num_in_flight: int) -> tuple[int, int]:
-    """Where a running request's next batch starts, and how many tokens it has left to compute from there:
-    (start, num_left). `num_in_flight`: its tokens in a batch whose output has not come back (async scheduling;
-    0 otherwise). The next batch starts after them; if that batch computes the whole sequence, it also samples
-    the next token, which the next batch must compute too (its placeholder: num_left counts it).
-
-        prompt of 10, 4 computed, a chunk of 6 in flight:   start 10, 1 left (the token that chunk samples)
-        prompt of 10, 4 computed, a chunk of 3 in flight:   start 7, 3 left (the rest of the prompt)
-        decoding, 20 of 21 computed, nothing in flight:     start 20, 1 left"""
-    start = num_computed_tokens + num_in_flight
-    placeholder = int(num_in_flight > 0 and start >= num_tokens)
-    return start, num_tokens + placeholder - start
-
-
-class Scheduler:
     def __init__(self, kv_cache_manager: KVCacheManager, max_num_seqs: int, max_num_batched_tokens: int,
-                 max_model_len: int, preemption_mode: str = "recompute", max_concurrent_batches: int = 1,
-                 async_scheduling: bool = False):
+                 max_model_len: int, preemption_mode: str = "recompute"):
         if preemption_mode not in ("recompute", "swap"):
             raise ValueError(f"preemption_mode is {preemption_mode!r}; choose 'recompute' or 'swap'.")
         self.kv_cache_manager = kv_cache_manager
@@ -125,20 +70,11 @@ class Scheduler:
         self.max_num_batched_tokens = max_num_batched_tokens
         self.max_model_len = max_model_len
         self.preemption_mode = preemption_mode
-        self.max_concurrent_batches = max_concurrent_batches
-        self.async_scheduling = async_scheduling
-        # Running requests in a batch whose output has not come back -> their tokens scheduled in such batches.
-        self.in_flight: dict[Request, int] = {}
         self.waiting: list[Request] = []     # sorted by (priority, arrival_time, admission order)
         self.running: list[Request] = []
         self.num_preemptions = 0
-        # Speculative decoding (vLLM's spec-decode counters): steps with drafts, draft tokens verified, accepted;
-        # accepted per draft position.
-        self.num_drafts = 0
-        self.num_draft_tokens = 0
-        self.num_accepted_tokens = 0
+        self.num_drafts = self.num_draft_tokens = self.num_accepted_tokens = 0
         self.num_accepted_tokens_per_pos: list[int] = []
-        self._swap_out: list[tuple[int, int]] = []     # filled by _preempt during schedule()
         self._order = itertools.count()
         self._keys: dict[str, tuple] = {}
         self._events_at_begin: tuple[int, ...] = ()
@@ -147,6 +83,7 @@ class Scheduler:
     def add_request(self, request: Request) -> None:
         """Queue a new request. Called between steps only: it is final at once."""
         assert not self.journal.is_open, "requests are added between steps"
+        request.journal = self.journal
         self._keys[request.request_id] = (request.priority, request.arrival_time, next(self._order))
         self._push_waiting(request)
 
@@ -187,165 +124,144 @@ class Scheduler:
 
     # ------------------------------------------------------------------ the step
     def schedule(self) -> SchedulerOutput:
-        kv, j = self.kv_cache_manager, self.journal
-        budget = self.max_num_batched_tokens
-        scheduled: dict[Request, int] = {}
-        preempted: list[Request] = []
-        self._swap_out = []
-        swap_in: list[tuple[int, int]] = []
-        spec: dict[str, list[int]] = {}
-
-        ahead: dict[str, int] = {}
-        placeholders: dict[str, int] = {}
-
-        cap = -(-min(len(self.running) + len(self.waiting), self.max_num_seqs) // self.max_concurrent_batches)
-        # 1. Running requests: decodes (1 token left to compute) before prefill chunks; not those in flight (unless
-        #    async scheduling lets them run ahead).
-        for req in sorted(self.running, key=lambda r: self._tokens_left(r) > 1):
-            if budget == 0 or len(scheduled) == cap:
+        """This step's batch: which requests run and how many tokens each. Allocates their blocks (preempting
+        when the pool is full); `num_computed_tokens` moves only when the output comes back (update_from_output)."""
+        kv = self.kv_cache_manager
+        out = SchedulerOutput([], {})
+        budget = self.max_num_batched_tokens          # tokens this step may compute, prefills and decodes together
+        max_batch = self._max_batch_size()
+        # 1. Running requests: decodes (one token left to compute) first, then the next chunks of long prompts.
+        for req in sorted(self._runnable(), key=lambda r: self._num_tokens_left(r) > 1):
+            if budget == 0 or len(out.scheduled) == max_batch:
                 break
-            if req.status is not RequestStatus.RUNNING:            # preempted in this step
+            if req.status is not RequestStatus.RUNNING:        # preempted earlier in this step
                 continue
-            k = self.in_flight.get(req, 0)
-            if k and not self._can_run_ahead(req, k):
-                continue
-            start, left = plan_ahead(req.num_tokens, req.num_computed_tokens, k)
-            p = start + left - req.num_tokens                # 1: the batch in flight samples its next input
-            n = min(left, budget)
-            drafts = req.spec_token_ids if n == 1 and req.num_computed_tokens == req.num_tokens - 1 and not k else []
-            drafts = drafts[:budget - n]                 # a decode verifies its drafts in the same step
-            n += len(drafts)
-            if k:          # in flight: room after the tokens its batch computes, or it waits (never preempted)
-                if kv.allocate_slots(req, k + n):
-                    scheduled[req] = n
-                    budget -= n
-                    ahead[req.request_id] = k
-                    if p:
-                        placeholders[req.request_id] = p
-                continue
-            while not kv.allocate_slots(req, n):
-                victim = max((r for r in self.running if r not in self.in_flight),     # lowest priority, latest
-                             key=lambda r: self._keys[r.request_id])
-                if victim in scheduled:                         # give back its share of this step
-                    budget += scheduled.pop(victim)
-                self._preempt(victim)
-                preempted.append(victim)
+            n = min(self._num_tokens_left(req), budget)        # a whole prompt, a chunk of it, or 1 to decode
+            drafts = self._drafts_to_verify(req, n, budget)    # speculative decoding: checked in the same pass
+            while not self._allocate(req, n + len(drafts)):
+                victim = self._choose_victim(req)              # no free block: the lowest priority, latest
+                if victim is None:
+                    break
+                budget += out.remove(victim)                   # give back its share of this step
+                out.blocks_to_swap_out += self._preempt(victim)
+                out.preempted.append(victim)
                 if victim is req:
                     break
             else:
-                scheduled[req] = n
-                budget -= n
-                if drafts:
-                    spec[req.request_id] = list(drafts)
-
-        # Offer the blocks this step completes to requests admitted below (same-step prefix sharing); a draft is
-        # not a token of the request yet, so its block is not offered. Not under async scheduling: the step ends
-        # with its batch still in flight, and a request admitted on such a block would count as computed tokens
-        # whose KV is not there yet (vLLM v1 shares no blocks within a step either).
-        for req, n in scheduled.items():
-            if not self.async_scheduling:
-                kv.register_pending(req, req.num_computed_tokens + n - len(spec.get(req.request_id, ())))
-
-        # 2. Waiting requests, in priority then arrival order.
-        admitted: list[str] = []
-        while (self.waiting and budget > 0 and len(self.running) < self.max_num_seqs and len(scheduled) < cap
-               and not preempted):
+                out.add(req, n, drafts)
+                budget -= n + len(drafts)
+        self._offer_blocks(out, out.scheduled)                 # same-step prefix sharing with the admissions below
+        # 2. Waiting requests by (priority, arrival), while room is left; none after a preemption (the pool is full).
+        while (self.waiting and budget > 0 and len(self.running) < self.max_num_seqs
+               and len(out.scheduled) < max_batch and not out.preempted):
             req = self.waiting[0]
-            if req.status is RequestStatus.SWAPPED:              # its KV is in the CPU pool: bring it back
-                n = min(req.num_tokens - req.num_computed_tokens, budget)
-                if not kv.can_swap_in(req, n):
-                    break
-                swap_in += kv.swap_in(req)
-                allocated = kv.allocate_slots(req, n)
-                assert allocated, "can_swap_in promised room for the new tokens"
+            if req.status is RequestStatus.SWAPPED:            # its KV is in the CPU pool: bring it back
+                n = self._swap_in(req, budget, out)
             else:
-                computed = kv.get_computed_blocks(req)
+                computed = kv.get_computed_blocks(req)         # prefix-cache hits: whole blocks, from the start
                 num_cached = len(computed) * self.block_size
                 n = min(req.num_tokens - num_cached, budget)
                 if not kv.allocate_slots(req, n, computed):
-                    break                                        # no room: it waits, in order
-                j.set(req, "num_computed_tokens", num_cached)
-                if req.status is RequestStatus.WAITING:          # first admission: record prefix hits
-                    j.set(req, "num_cached_tokens", num_cached)
+                    n = 0
+                else:
+                    req.num_computed_tokens = num_cached
+                    if req.status is RequestStatus.WAITING:    # first admission: record its prefix hits
+                        req.num_cached_tokens = num_cached
+            if n == 0:
+                break                                          # no room: it waits, and everyone behind it
             self._remove(self.waiting, req)
-            j.set(req, "status", RequestStatus.RUNNING)
+            req.status = RequestStatus.RUNNING
             self._append_running(req)
-            admitted.append(req.request_id)
-            scheduled[req] = n
+            out.newly_admitted.append(req.request_id)
+            out.add(req, n, [])
             budget -= n
-            if not self.async_scheduling:
-                kv.register_pending(req, req.num_computed_tokens + n)
-
-        out = SchedulerOutput(scheduled=list(scheduled),
-                              num_scheduled_tokens={r.request_id: n for r, n in scheduled.items()},
-                              preempted=preempted, newly_admitted=admitted,
-                              blocks_to_swap_out=self._swap_out, blocks_to_swap_in=swap_in,
-                              scheduled_spec_decode_tokens=spec, num_computed_ahead=ahead,
-                              num_output_placeholders=placeholders)
-        for req, n in scheduled.items():
-            self._set_in_flight(req, self.in_flight.get(req, 0) + n)
-        for req, n in scheduled.items():
-            # A decode computes the one token sampled last step (and verifies its drafts, if any); anything else is
-            # (a chunk of) a prefill, including a preempted request recomputing its prompt and outputs.
-            n -= len(spec.get(req.request_id, ()))
-            p = placeholders.get(req.request_id, 0)
-            start = req.num_computed_tokens + ahead.get(req.request_id, 0)
-            is_decode = n == 1 and req.num_output_tokens + p > 0 and start == req.num_tokens + p - 1
-            out.kinds[req.request_id] = "decode" if is_decode else "prefill"
-            if is_decode:
-                out.num_decode_tokens += n + len(spec.get(req.request_id, ()))
-            else:
-                out.num_prefill_tokens += n
+            self._offer_blocks(out, [req])
+        self._update_after_schedule(out)
         return out
 
-    def _tokens_left(self, req: Request) -> int:
-        """Tokens the request still has to run through the model, counting what its batch in flight computes."""
-        return plan_ahead(req.num_tokens, req.num_computed_tokens, self.in_flight.get(req, 0))[1]
+    # The seams of schedule(): AsyncScheduler (async_scheduler.py) overrides them for batches in flight.
+    def _runnable(self) -> list[Request]:
+        """The running requests that may join this batch: all of them."""
+        return self.running
 
-    def _can_run_ahead(self, req: Request, k: int) -> bool:
-        """Async scheduling: may a request whose batch in flight computes `k` of its tokens join the next batch?
-        The rest of a prompt may (its tokens are known). A token still being sampled may be the next input only if
-        the request's sampling reads no output tokens of its own, and that token cannot end it by length."""
-        if not self.async_scheduling:
-            return False
-        if req.num_computed_tokens + k < req.num_tokens:          # its batch computes a prefill chunk, samples nothing
-            return True
-        sp = req.sampling_params
-        return (not sp.uses_logits_processing and req.grammar is None
-                and req.num_output_tokens + 1 < sp.max_tokens and req.num_tokens + 1 < self.max_model_len)
+    def _max_batch_size(self) -> int:
+        return self.max_num_seqs
 
-    def _set_in_flight(self, req: Request, k: int) -> None:
-        """in_flight[req] = k (0 removes it), journaled."""
-        old = self.in_flight.get(req, 0)
-        if k:
-            self.in_flight[req] = k
-        else:
-            self.in_flight.pop(req, None)
+    def _num_tokens_left(self, req: Request) -> int:
+        """Tokens the request still has to run through the model: 1 when it is decoding."""
+        return req.num_tokens - req.num_computed_tokens
 
-        def undo() -> None:
-            if old:
-                self.in_flight[req] = old
+    def _drafts_to_verify(self, req: Request, n: int, budget: int) -> list[int]:
+        """Speculative decoding: a decoding request's draft tokens (update_draft_token_ids), verified in the same
+        forward as its last token, as far as the budget left after its `n` tokens allows. [] without drafts."""
+        if n == 1 and req.num_computed_tokens == req.num_tokens - 1:
+            return req.spec_token_ids[:budget - n]
+        return []
+
+    def _allocate(self, req: Request, num_tokens: int) -> bool:
+        return self.kv_cache_manager.allocate_slots(req, num_tokens)
+
+    def _choose_victim(self, req: Request) -> Request | None:
+        """Who is preempted when `req` finds no free block: the lowest priority, and among equals the latest to
+        arrive (possibly `req` itself), as vLLM does."""
+        return max(self.running, key=lambda r: self._keys[r.request_id])
+
+    def _offer_blocks(self, out: SchedulerOutput, requests: list[Request]) -> None:
+        """Offer the full blocks these requests compute this step to requests admitted after them in the same step
+        (kv_cache_manager.py). A draft is not a token of the request yet, so its block is not offered."""
+        for req in requests:
+            num_drafts = len(out.scheduled_spec_decode_tokens.get(req.request_id, ()))
+            self.kv_cache_manager.register_pending(
+                req, req.num_computed_tokens + out.num_scheduled_tokens[req.request_id] - num_drafts)
+
+    def _update_after_schedule(self, out: SchedulerOutput) -> None:
+        """Label each scheduled request: a decode computes the one token sampled last step (and verifies its drafts,
+        if any); anything else is (a chunk of) a prefill, including a preempted request recomputing its tokens."""
+        for req in out.scheduled:
+            rid = req.request_id
+            num_drafts = len(out.scheduled_spec_decode_tokens.get(rid, ()))
+            n = out.num_scheduled_tokens[rid] - num_drafts
+            p = out.num_output_placeholders.get(rid, 0)
+            start = req.num_computed_tokens + out.num_computed_ahead.get(rid, 0)
+            is_decode = n == 1 and req.num_output_tokens + p > 0 and start == req.num_tokens + p - 1
+            out.kinds[rid] = "decode" if is_decode else "prefill"
+            if is_decode:
+                out.num_decode_tokens += n + num_drafts
             else:
-                self.in_flight.pop(req, None)
-        self.journal.record(undo)
+                out.num_prefill_tokens += n
 
-    def _preempt(self, req: Request) -> None:
-        """Send a running request back to the waiting queue, its KV swapped out or dropped."""
-        kv, j = self.kv_cache_manager, self.journal
+    # ------------------------------------------------------------------ preemption
+    def _preempt(self, req: Request) -> list[tuple[int, int]]:
+        """Send a running request back to the waiting queue, its KV swapped out or dropped. Returns the block copies
+        a swap needs, (device block, CPU block) pairs, for the model runner to do before the next forward."""
+        kv = self.kv_cache_manager
+        swap_out: list[tuple[int, int]] = []
         self._remove(self.running, req)
-        if req in self.in_flight:             # (never chosen by schedule(); its batch's output would be dropped)
-            self._set_in_flight(req, 0)
         if self.preemption_mode == "swap" and kv.can_swap_out(req):
-            self._swap_out += kv.swap_out(req)
-            j.set(req, "status", RequestStatus.SWAPPED)
+            swap_out = kv.swap_out(req)
+            req.status = RequestStatus.SWAPPED
         else:
             kv.free(req)
-            j.set(req, "num_computed_tokens", 0)
-            j.set(req, "status", RequestStatus.PREEMPTED)
-        j.set(req, "num_preemptions", req.num_preemptions + 1)
-        j.set(self, "num_preemptions", self.num_preemptions + 1)
+            req.num_computed_tokens = 0
+            req.status = RequestStatus.PREEMPTED
+        req.num_preemptions += 1
+        self.num_preemptions += 1
         self._push_waiting(req)
+        return swap_out
 
+    def _swap_in(self, req: Request, budget: int, out: SchedulerOutput) -> int:
+        """Bring a swapped request's KV back from the CPU pool and make room for its next tokens; how many it may
+        compute this step (0: no room, it keeps waiting)."""
+        kv = self.kv_cache_manager
+        n = min(req.num_tokens - req.num_computed_tokens, budget)
+        if not kv.can_swap_in(req, n):
+            return 0
+        out.blocks_to_swap_in += kv.swap_in(req)
+        allocated = kv.allocate_slots(req, n)
+        assert allocated, "can_swap_in promised room for the new tokens"
+        return n
+
+    # ------------------------------------------------------------------ the step's output
     def update_from_output(self, out: SchedulerOutput, sampled: dict[str, list[int] | int]) -> list[EngineCoreOutput]:
         """After the model ran: the scheduled tokens now have KV (their full blocks join the prefix cache), and each
         request in `sampled` (request_id -> tokens: one, or with speculative decoding its accepted drafts and one
@@ -356,16 +272,12 @@ class Scheduler:
         With drafts: the step computed KV for the last token and every draft; only the accepted drafts' KV is kept
         (num_computed_tokens covers them), the rejected ones' slots are overwritten by the next step, and the
         prefix cache only ever hashes blocks of accepted tokens."""
-        j = self.journal
         outputs = []
         for req in out.scheduled:
-            if req not in self.in_flight:                   # finished (aborted) while its batch was in flight
-                continue
             num_scheduled = out.num_scheduled_tokens[req.request_id]
-            self._set_in_flight(req, self.in_flight[req] - num_scheduled)   # > 0: a later batch runs ahead of it
             tokens = sampled.get(req.request_id)
             if tokens is None:                              # a prefill chunk that does not end the prompt
-                j.set(req, "num_computed_tokens", req.num_computed_tokens + num_scheduled)
+                req.num_computed_tokens += num_scheduled
                 self.kv_cache_manager.cache_blocks(req, req.num_computed_tokens)
                 continue
             if isinstance(tokens, int):
@@ -379,10 +291,10 @@ class Scheduler:
                 if status is not None:
                     break
             # KV is valid for every token but the newest (accepted drafts included, rejected ones not).
-            j.set(req, "num_computed_tokens", min(req.num_computed_tokens + num_scheduled, req.num_tokens - 1))
+            req.num_computed_tokens = min(req.num_computed_tokens + num_scheduled, req.num_tokens - 1)
             self.kv_cache_manager.cache_blocks(req, req.num_computed_tokens)
             if req.spec_token_ids:
-                j.set(req, "spec_token_ids", [])            # verified (or dropped): the proposer makes new ones
+                req.spec_token_ids = []                     # verified (or dropped): the proposer makes new ones
             if status is not None:
                 self.finish_request(req, status)
             outputs.append(EngineCoreOutput(req, kept, status, accepted))
@@ -390,41 +302,47 @@ class Scheduler:
 
     def _append_token(self, req: Request, token: int) -> RequestStatus | None:
         """Append one new token (journaled), advance the grammar; the status it ends the request with, if any."""
-        j = self.journal
         req.append_output_token(token)
-        j.record(req.pop_output_token)
-        grammar = req.grammar
-        if grammar is not None and not grammar.is_terminated:
-            if not grammar.accept(token):        # the bitmask allowed only tokens the grammar accepts
-                raise RuntimeError(f"request {req.request_id}: token {token} was sampled but its grammar "
-                                   f"({grammar.describe()}) does not accept it")
-            j.record(grammar.rollback)
+        self.journal.record(req.pop_output_token)
+        grammar_done = self._advance_grammar(req, token)
         sp = req.sampling_params
         if not sp.ignore_eos and token in req.eos_token_ids:
             return RequestStatus.FINISHED_STOPPED
-        if grammar is not None and grammar.is_terminated:     # ignore_eos: nothing may follow the grammar
+        if grammar_done:                                      # ignore_eos: nothing may follow the grammar
             return RequestStatus.FINISHED_STOPPED
         if token in sp.stop_token_ids:
-            j.set(req, "stop_reason", token)
+            req.stop_reason = token
             return RequestStatus.FINISHED_STOPPED
         if req.num_output_tokens >= sp.max_tokens or req.num_tokens >= self.max_model_len:
             return RequestStatus.FINISHED_LENGTH
         return None
 
+    def _advance_grammar(self, req: Request, token: int) -> bool:
+        """Structured output: the request's grammar accepts `token` (journaled); True once the grammar is complete.
+        False for a request without one."""
+        grammar = req.grammar
+        if grammar is None:
+            return False
+        if not grammar.is_terminated:
+            if not grammar.accept(token):        # the bitmask allowed only tokens the grammar accepts
+                raise RuntimeError(f"request {req.request_id}: token {token} was sampled but its grammar "
+                                   f"({grammar.describe()}) does not accept it")
+            self.journal.record(grammar.rollback)
+        return grammar.is_terminated
+
     def _count_accepted(self, drafts: list[int], tokens: list[int]) -> int:
         """vLLM's spec-decode counters: the accepted drafts are the leading tokens that equal the drafts (counted
         as verified, also past a stop that then drops them). Returns how many."""
-        j = self.journal
         accepted = 0
         while accepted < min(len(drafts), len(tokens) - 1) and tokens[accepted] == drafts[accepted]:
             accepted += 1
-        j.set(self, "num_drafts", self.num_drafts + 1)
-        j.set(self, "num_draft_tokens", self.num_draft_tokens + len(drafts))
-        j.set(self, "num_accepted_tokens", self.num_accepted_tokens + accepted)
+        self.num_drafts += 1
+        self.num_draft_tokens += len(drafts)
+        self.num_accepted_tokens += accepted
         per_pos = list(self.num_accepted_tokens_per_pos) + [0] * (len(drafts) - len(self.num_accepted_tokens_per_pos))
         for i in range(accepted):
             per_pos[i] += 1
-        j.set(self, "num_accepted_tokens_per_pos", per_pos)
+        self.num_accepted_tokens_per_pos = per_pos
         return accepted
 
     def update_draft_token_ids(self, drafts: dict[str, list[int]]) -> None:
@@ -437,7 +355,7 @@ class Scheduler:
             if req.grammar is not None:
                 tokens = req.grammar.validate_tokens(tokens)
             if tokens:
-                self.journal.set(req, "spec_token_ids", list(tokens))
+                req.spec_token_ids = list(tokens)
 
     def drop_output_tokens(self, req: Request, num_tokens: int) -> None:
         """Take back the last `num_tokens` output tokens of a request that is about to finish on a stop string
@@ -451,22 +369,20 @@ class Scheduler:
     def finish_request(self, req: Request, status: RequestStatus, stop_reason: int | str | None = None) -> None:
         """Remove a request wherever it is and free its blocks. Safe to call in any state."""
         assert status.finished
-        kv, j = self.kv_cache_manager, self.journal
+        kv = self.kv_cache_manager
         if req.status is RequestStatus.RUNNING:
             self._remove(self.running, req)
-            if req in self.in_flight:                       # its batch's output will be dropped
-                self._set_in_flight(req, 0)
         elif not req.is_finished:
             self._remove(self.waiting, req)
         if req.status is RequestStatus.SWAPPED:
             kv.free_swapped(req)
         kv.free(req)
-        j.set(req, "status", status)
+        req.status = status
         if stop_reason is not None:
-            j.set(req, "stop_reason", stop_reason)
+            req.stop_reason = stop_reason
         key = self._keys.pop(req.request_id, None)
         if key is not None:
-            j.record(lambda: self._keys.__setitem__(req.request_id, key))
+            self.journal.record(lambda: self._keys.__setitem__(req.request_id, key))
 
     # ------------------------------------------------------------------ introspection
     @property
@@ -487,7 +403,6 @@ class Scheduler:
                 req.status is RequestStatus.SWAPPED), f"{req}: swapped status and CPU blocks disagree"
             assert req.status is RequestStatus.SWAPPED or req.num_computed_tokens == 0, (
                 f"{req} waits with {req.num_computed_tokens} computed tokens but no KV")
-        assert set(self.in_flight) <= set(self.running), "a request in flight is not running"
         live = self.running + self.waiting
         assert len(set(live)) == len(live), "a request is queued twice"
         assert {r.request_id for r in live} == set(self._keys), "the queues and the priority keys disagree"

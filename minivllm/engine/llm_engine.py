@@ -26,9 +26,13 @@ from minivllm.core.journal import StepJournal
 from minivllm.core.kv_cache_manager import KVCacheManager
 from minivllm.core.request import Request, RequestMetrics, RequestStatus
 from minivllm.core.sampling_params import SamplingParams
+from minivllm.core.async_scheduler import AsyncScheduler
+from minivllm.core.block_pool import BlockEvents
 from minivllm.core.scheduler import Scheduler, SchedulerOutput
 from minivllm.core.structured_output import StructuredOutputManager
 from minivllm.core.trace import PipelineTrace, StepTrace, StepTracer
+from minivllm.engine.engine_stats import EngineQueues, EngineStats, QueuedRequest
+from minivllm.engine.input_processor import InputProcessor, ProcessedRequest, PromptType
 from minivllm.engine.output_processor import OutputProcessor
 from minivllm.engine.parallel_sampling import ParentRequest
 from minivllm.engine.sigint import SigintGuard
@@ -40,67 +44,20 @@ from minivllm.worker.executor import InFlightBatch, make_executor
 
 logger = logging.getLogger(__name__)
 
-PromptType = str | dict | list
+__all__ = ["EngineQueues", "EngineStats", "LLMEngine", "PromptType", "QueuedRequest"]
 
-
-@dataclass(frozen=True)
-class QueuedRequest:
-    """One live request as the queues hold it: what the dashboard's queue panel lists."""
-    request_id: str
-    status: str                      # running | waiting | preempted | swapped (RequestStatus.value)
-    priority: int                    # lower runs first
-    num_prompt_tokens: int
-    num_output_tokens: int
-    num_preemptions: int
-    parent_id: str | None = None     # n > 1: the id the caller knows; None when it is this request's own
-
-
-@dataclass(frozen=True)
-class EngineQueues:
-    """The scheduler's two queues at one moment, in their order. One definition everywhere (the dashboard, the
-    stats, /metrics): `waiting` is the waiting queue, which holds new requests and the preempted and swapped ones
-    (their `status` says which); `running` holds blocks and is scheduled every step."""
-    running: tuple[QueuedRequest, ...]
-    waiting: tuple[QueuedRequest, ...]
-
-    def with_status(self, status: str) -> tuple[QueuedRequest, ...]:
-        return tuple(q for q in self.running + self.waiting if q.status == status)
 
 
 @dataclass
-class EngineStats:
-    num_running: int
-    num_waiting: int                 # waiting, preempted and swapped requests: all in the waiting queue
-    num_kv_blocks: int
-    num_free_blocks: int
-    kv_usage: float                  # fraction of blocks held by requests
-    prefix_cache_hit_rate: float     # cached prompt tokens / prompt tokens looked up
-    prefix_cache_hits: int           # tokens
-    prefix_cache_queries: int        # tokens
-    num_preemptions: int
-    num_swapped: int                 # requests whose KV is in the CPU pool right now
-    num_steps: int
-    num_prompt_tokens_computed: int  # prefill tokens that ran through the model (recomputes included)
-    num_generated_tokens: int
-    num_failed_steps: int            # steps that raised and were rolled back
-    num_batches_in_flight: int = 0   # pipeline parallelism: batches issued whose tokens are not applied yet
-    # Speculative decoding (vLLM's spec-decode counters): verification steps of a request with drafts, draft
-    # tokens verified, drafts accepted, and accepted drafts by position (0 = the first draft of a step).
-    num_spec_drafts: int = 0
-    num_spec_draft_tokens: int = 0
-    num_spec_accepted_tokens: int = 0
-    num_spec_accepted_tokens_per_pos: tuple[int, ...] = ()
-
-    @property
-    def spec_acceptance_rate(self) -> float:
-        """Accepted draft tokens / draft tokens verified (0 when none were)."""
-        return self.num_spec_accepted_tokens / self.num_spec_draft_tokens if self.num_spec_draft_tokens else 0.0
-
-    @property
-    def spec_mean_acceptance_length(self) -> float:
-        """Tokens a request gets from one verification step: its accepted drafts plus the one the target adds."""
-        return 1 + self.num_spec_accepted_tokens / self.num_spec_drafts if self.num_spec_drafts else 0.0
-
+class _StepRecord:
+    """What one committed step did: its outputs, and what its trace shows."""
+    outputs: list[RequestOutput]
+    issued: InFlightBatch | None            # the batch this step scheduled and sent, if any
+    batch: InFlightBatch | None             # the batch whose tokens this step applied, if any came back
+    pipe: tuple[InFlightBatch, ...]         # the batches in flight while it waited
+    core_outputs: list
+    finished: list[Request]
+    events: BlockEvents
 
 class LLMEngine:
     def __init__(self, config: EngineConfig):
@@ -126,12 +83,20 @@ class LLMEngine:
         self.max_concurrent_batches = self.executor.max_concurrent_batches
         self.batch_queue: collections.deque[InFlightBatch] = collections.deque()
         # Async scheduling: two batches in the queue too, but each may hold every request (the next one runs
-        # ahead of the one on the device, scheduler.py), so the scheduler plans as for one.
+        # ahead of the one on the device, async_scheduler.py), so the scheduler plans as for one.
         self.async_scheduling = self.executor.async_scheduling
-        self.scheduler = Scheduler(self.kv_cache_manager, config.max_num_seqs, config.max_num_batched_tokens,
-                                   self.max_model_len, config.preemption_mode,
-                                   1 if self.async_scheduling else self.max_concurrent_batches,
-                                   self.async_scheduling)
+        if self.async_scheduling or self.max_concurrent_batches > 1:
+            self.scheduler: Scheduler = AsyncScheduler(
+                self.kv_cache_manager, config.max_num_seqs, config.max_num_batched_tokens, self.max_model_len,
+                config.preemption_mode, 1 if self.async_scheduling else self.max_concurrent_batches,
+                self.async_scheduling)
+            self.step_fn = self.step_with_batch_queue
+        else:
+            self.scheduler = Scheduler(self.kv_cache_manager, config.max_num_seqs, config.max_num_batched_tokens,
+                                       self.max_model_len, config.preemption_mode)
+            self.step_fn = self.execute_step
+        self.input_processor = InputProcessor(self.tokenizer, self.model_config.vocab_size, self.max_model_len,
+                                              self.kv_cache_manager)
         self.output_processor = OutputProcessor(self.tokenizer)
         eos = set(self.model_config.eos_token_id)
         if self.tokenizer.eos_token_id is not None:
@@ -152,77 +117,23 @@ class LLMEngine:
 
     # ------------------------------------------------------------------ requests in
     def tokenize(self, prompt: PromptType) -> tuple[str | None, list[int]]:
-        """A prompt is a string, {"prompt_token_ids": [...]} (optionally with "prompt"), or a list of ids.
-        Strings are tokenized with the tokenizer's default special tokens (a BOS where the model expects one),
-        as vLLM does; chat prompts already carry theirs from the chat template (LLM.chat)."""
-        if isinstance(prompt, str):
-            return prompt, self.tokenizer.encode(prompt)
-        if isinstance(prompt, dict):
-            unknown = set(prompt) - {"prompt", "prompt_token_ids"}
-            if unknown:
-                raise ValueError(f"prompt dict has unknown key(s) {sorted(unknown)}; "
-                                 "use 'prompt_token_ids' (and optionally 'prompt').")
-            if "prompt_token_ids" in prompt:
-                return prompt.get("prompt"), list(prompt["prompt_token_ids"])
-            if "prompt" in prompt:
-                return self.tokenize(prompt["prompt"])
-            raise ValueError("prompt dict needs 'prompt' or 'prompt_token_ids'.")
-        if isinstance(prompt, (list, tuple)):
-            return None, list(prompt)
-        raise ValueError(f"prompt is a {type(prompt).__name__}; pass a string or "
-                         "{'prompt_token_ids': [...]}.")
+        """(text, token ids) of a prompt (InputProcessor.tokenize)."""
+        return self.input_processor.tokenize(prompt)
 
     def validate_request(self, token_ids: list[int], params: SamplingParams, priority: int = 0) -> None:
-        """Raise ValueError, naming the value and the limit, for a request that can never run."""
-        if not isinstance(params, SamplingParams):
-            raise ValueError(f"sampling_params is a {type(params).__name__}; pass SamplingParams.")
-        if isinstance(priority, bool) or not isinstance(priority, int) or abs(priority) >= 2 ** 63:
-            raise ValueError(f"priority is {priority!r} ({type(priority).__name__}); it must be an int "
-                             "(lower runs first; 0 is the default).")
-        n = len(token_ids)
-        if n == 0:
-            raise ValueError("prompt is empty (0 tokens); give at least one token.")
-        vocab = self.model_config.vocab_size
-        bad = [t for t in token_ids if not isinstance(t, int) or isinstance(t, bool) or not 0 <= t < vocab]
-        if bad:
-            raise ValueError(f"prompt_token_ids contains {bad[:3]}; token ids must be ints in [0, {vocab}).")
-        for name, ids in (("allowed_token_ids", params.allowed_token_ids), ("logit_bias", params.logit_bias)):
-            outside = [t for t in ids or () if t >= vocab]
-            if outside:
-                raise ValueError(f"{name} has token id(s) {outside[:3]}; token ids must be in [0, {vocab}).")
-        if n >= self.max_model_len:
-            raise ValueError(f"prompt has {n} tokens; max_model_len is {self.max_model_len}, which leaves no "
-                             f"room for output. Shorten the prompt or raise max_model_len.")
-        # The longest the sequence can get: the KV of all but the last token must fit in the whole pool.
-        longest = min(n + params.max_tokens, self.max_model_len) - 1
-        kv = self.kv_cache_manager
-        need = kv.blocks_needed(longest)
-        if need > kv.num_blocks:
-            raise ValueError(
-                f"prompt ({n} tokens) + max_tokens ({params.max_tokens}) needs {need} KV blocks of "
-                f"{self.config.block_size} tokens, but the whole pool has {kv.num_blocks} "
-                f"blocks ({kv.num_blocks * self.config.block_size} tokens). Lower max_tokens, "
-                "shorten the prompt, or raise num_kv_blocks.")
+        """ValueError, naming the value and the limit, for a request that can never run (InputProcessor)."""
+        self.input_processor.validate_request(token_ids, params, priority)
 
-    def bad_words_token_ids(self, params: SamplingParams) -> list[list[int]]:
-        """Each bad word as token ids, as vLLM tokenizes them: as written (leading spaces stripped), and with one
-        leading space when that gives a different first token and as many tokens (the word inside a text)."""
-        out: list[list[int]] = []
-        for word in params.bad_words or []:
-            out.append(self.tokenizer.encode(word.lstrip(), add_special_tokens=False))
-            spaced = self.tokenizer.encode(" " + word.lstrip(), add_special_tokens=False)
-            if spaced[0] != out[-1][0] and len(spaced) == len(out[-1]):
-                out.append(spaced)
-        return out
-
-    def add_request(self, prompt: PromptType, sampling_params: SamplingParams | None = None,
+    def add_request(self, prompt: PromptType | ProcessedRequest, sampling_params: SamplingParams | None = None,
                     request_id: str | None = None, priority: int = 0) -> Request | ParentRequest:
-        """Validate and queue a request. All or nothing: if it raises, the engine holds no trace of it.
+        """Check and queue a request. All or nothing: if it raises, the engine holds no trace of it.
+        A ProcessedRequest (InputProcessor.process_inputs, as LLM.generate makes them) is queued without being
+        checked again: its parameters and priority are its own.
         With `n > 1` the request fans out into n core requests (parallel_sampling.py); the ParentRequest returned
         carries the id its outputs come back under."""
-        params = sampling_params or SamplingParams()
-        text, token_ids = self.tokenize(prompt)
-        self.validate_request(token_ids, params, priority)
+        if not isinstance(prompt, ProcessedRequest):
+            prompt = self.input_processor.process_inputs(prompt, sampling_params or SamplingParams(), priority)
+        text, token_ids, params, priority = prompt.prompt, prompt.prompt_token_ids, prompt.params, prompt.priority
         request_id = str(next(self._ids)) if request_id is None else str(request_id)
         parent = None
         if params.n > 1:
@@ -233,7 +144,7 @@ class LLMEngine:
         structured = params.structured_outputs
         reqs = [Request(rid, token_ids, params if parent is None else parent.child_params(i),
                         eos_token_ids=self.eos_token_ids, priority=priority,
-                        bad_words_token_ids=self.bad_words_token_ids(params),
+                        bad_words_token_ids=prompt.bad_words_token_ids,
                         grammar=structured and self.structured_output_manager.grammar_for(structured))
                 for i, rid in enumerate(ids)]
         added = []
@@ -267,113 +178,153 @@ class LLMEngine:
 
     # ------------------------------------------------------------------ the step
     def step(self, ahead: bool = True) -> list[RequestOutput]:
-        """One engine iteration. Returns an output for every request that has one (see RequestOutputKind).
+        """One engine iteration: an output for every request that has one (see RequestOutputKind).
 
         All or nothing: if anything in it raises, the core is rolled back (journal.py) and the exception is
-        re-raised; `failed_request_ids` then lists the requests of the batch that failed.
-
-        With one batch in flight (no pipeline stages) a step schedules a batch, runs it and applies its tokens. With
-        pipeline stages it is vLLM v1's batch-queue step: schedule and issue the next batch if fewer than
-        `max_concurrent_batches` are in flight; then, if the queue is full or nothing new could be scheduled, wait
-        for the oldest batch and apply its tokens. A failed step leaves the batches issued by earlier steps in
-        flight (the one whose tokens it was applying keeps its logits, to be sampled again) and forgets the batch it
-        issued itself: its requests are scheduled again, and its blocks are not trusted (Scheduler.rollback_step).
-
-        Async scheduling is the same step with two batches and one stage: the next batch is scheduled and issued
-        (sampled on the device, its inputs read from the batch before) and then the older batch's tokens come to the
-        host and are applied, while the device runs the newer one. A failed step also puts back the random state the
-        batch it issued drew from.
-
-        ahead=False (the server's single steps while paused, async_llm.py): nothing is left in flight. A step with
-        batches in flight only finishes the oldest; one with none schedules a batch and waits for it, as a
-        synchronous engine's step does."""
+        re-raised; `failed_request_ids` then lists the requests of the batch that failed. The step itself is
+        `step_fn`, picked once in __init__ (as vLLM's EngineCore does): `execute_step`, one batch scheduled, run
+        and applied, or `step_with_batch_queue` when batches stay in flight (pipeline stages, async scheduling).
+        Here it is only wrapped: Ctrl-C waits for a consistent point (sigint.py), and the trace goes to listeners.
+        `ahead=False` (the server's single steps while paused): leave no batch in flight."""
         start = time.perf_counter()
-        scheduler, sampler, queue, j = self.scheduler, self.model_runner.sampler, self.batch_queue, self.journal
-        sched, issued, batch, rng_state = None, None, None, None
-        pipe: tuple[InFlightBatch, ...] = ()      # the batches in flight while this step waited (the trace's)
-        core_outputs: list = []
-        with self._sigint:                  # Ctrl-C waits for a consistent point, except in the forward (sigint.py)
-            scheduler.begin_step()
-            try:
-                if len(queue) < self.max_concurrent_batches and (ahead or not queue):
-                    sched = scheduler.schedule()
-                    if not sched.is_empty:
-                        prev = None
-                        if self.async_scheduling:      # it samples as it is issued, reading the batch before
-                            rng_state = sampler.get_rng_state(sched.scheduled)
-                            prev = queue[-1] if queue else None
-                        with self._sigint.open():
-                            issued = self.executor.issue(sched, prev, self.structured_output_manager.grammar_bitmask)
-                        queue.append(issued)
-                        j.record(queue.pop)
-                if not queue:
-                    scheduler.commit_step()
-                    return []
-                pipe = tuple(queue)
-                if issued is None or len(queue) == self.max_concurrent_batches or not ahead:
-                    # The oldest batch's tokens: wait for its logits, sample, update the core.
-                    batch = queue.popleft()
-                    j.record(lambda: queue.appendleft(batch))
-                    if not self.async_scheduling:      # (async: sampled when it was issued)
-                        rng_state = sampler.get_rng_state(batch.sched.scheduled)
-                    with self._sigint.open():
-                        sampling_reqs, tokens, logprobs = self.executor.collect(
-                            batch, self.structured_output_manager.grammar_bitmask)
-                    sampled = {req.request_id: toks for req, toks in zip(sampling_reqs, tokens)}
-                    core_outputs = scheduler.update_from_output(batch.sched, sampled)
-                    update = self.output_processor.process_outputs(core_outputs, logprobs)
-                    for req, stop_string, num_dropped in update.stop_strings:
-                        scheduler.drop_output_tokens(req, num_dropped)      # speculative tokens after the stop string
-                        scheduler.finish_request(req, RequestStatus.FINISHED_STOPPED, stop_string)
-                    # Speculative decoding: the next step's drafts, from the tokens as they now stand.
-                    scheduler.update_draft_token_ids(self.executor.propose_draft_token_ids(sampling_reqs,
-                                                                                           self.max_model_len))
-                self._sigint.raise_if_held()    # the last point a held Ctrl-C can still fail the step
+        with self._sigint:
+            record = self.step_fn(ahead)
+        if record is not None and self.trace_listeners:
+            self._publish_trace(record, time.perf_counter() - start)
+        return record.outputs if record is not None else []
+
+    def execute_step(self, ahead: bool = True) -> _StepRecord | None:
+        """The synchronous step, one transaction: schedule, run the model, sample, update the core, make the text.
+        None when there was nothing to run."""
+        scheduler = self.scheduler
+        sched, batch, rng_state = None, None, None
+        scheduler.begin_step()
+        try:
+            sched = scheduler.schedule()
+            if sched.is_empty:
                 scheduler.commit_step()
-            except BaseException:
-                scheduler.rollback_step()
-                if rng_state is not None:
-                    sampler.set_rng_state(rng_state)
-                if issued is not None and not issued.received:
-                    self._drain(issued)
-                self.num_failed_steps += 1
-                if batch is not None:
-                    blamed = batch.sched.scheduled
-                elif sched is not None:
-                    blamed = sched.scheduled
-                else:   # the plan itself failed: blame what it was working on, so no caller retries forever
-                    blamed = self.scheduler.running or self.scheduler.waiting[:1]
-                self.failed_request_ids = list(dict.fromkeys(   # parents' ids for n > 1; not those that ended
-                    self.output_processor.external_id(r.request_id) for r in blamed if not r.is_finished))
-                raise
-            # committed: the front end's share of the step (a Ctrl-C held until here is raised on leaving the guard)
-            now = time.time()
-            if issued is not None:
-                self.output_processor.mark_scheduled(sched.scheduled, now)
-            outputs, finished = [], []
-            if batch is not None:
-                outputs = self.output_processor.apply(update, now)
-                finished = [co.request for co in core_outputs if co.request.is_finished]
-                for req in finished:
-                    del self.requests[req.request_id]
-                self.num_prompt_tokens_computed += batch.sched.num_prefill_tokens
-                self.num_generated_tokens += sum(len(co.new_token_ids) for co in core_outputs)
-            self.num_steps += 1
-            events = self.kv_cache_manager.block_pool.pop_events()
-        if self.trace_listeners:
-            accepted = {co.request.request_id: co.num_accepted_drafts for co in core_outputs}
-            pipeline = PipelineTrace(issued.step_id if issued else None, batch.step_id if batch else None,
-                                     tuple((b.step_id, tuple(r.request_id for r in b.sched.scheduled)) for b in pipe))
-            trace = self._tracer.build(self.num_steps, time.perf_counter() - start,
-                                       sched if issued is not None else SchedulerOutput([], {}), events,
-                                       self.scheduler, finished, self.output_processor.external_id, accepted,
-                                       pipeline)
-            for listener in self.trace_listeners:
-                try:
-                    listener(trace)
-                except Exception:       # a listener's bug must not lose the step's outputs
-                    logger.exception("step trace listener %r failed", listener)
-        return outputs
+                return None
+            rng_state = self.model_runner.get_rng_state(sched.scheduled)     # a failed step draws again
+            with self._sigint.open():               # the forward is the one place a Ctrl-C stops at once
+                batch = self.executor.issue(sched, None, self._grammar_bitmask)
+                sampling_reqs, tokens, logprobs = self.executor.collect(batch, self._grammar_bitmask)
+            core_outputs, update = self._update_core(batch, sampling_reqs, tokens, logprobs)
+            self._sigint.raise_if_held()            # the last point a held Ctrl-C can still fail the step
+            scheduler.commit_step()
+        except BaseException:
+            self._fail_step(rng_state, batch, sched.scheduled if sched is not None else None)
+            raise
+        return self._finish_step(batch, batch, core_outputs, update, (batch,))
+
+    def step_with_batch_queue(self, ahead: bool = True) -> _StepRecord | None:
+        """The overlapped step (vLLM v1's batch queue), one transaction too. Schedule and issue the next batch if
+        fewer than `max_concurrent_batches` are in flight; then, if the queue is full or nothing new could be issued
+        (or `ahead` is False), wait for the oldest batch and apply its tokens. A failed step leaves the batches
+        issued by earlier steps in flight (the one whose tokens it was applying keeps its logits, to be sampled
+        again) and forgets the batch it issued itself (Scheduler.rollback_step distrusts its blocks).
+
+        Async scheduling is this step with two batches and one stage: the next batch is issued (sampled on the
+        device, its inputs read from the batch before) and then the older batch's tokens come to the host and are
+        applied while the device runs the newer one. Its random state is saved before the issue, which samples."""
+        scheduler, queue, runner = self.scheduler, self.batch_queue, self.model_runner
+        sched, issued, batch, rng_state = None, None, None, None
+        core_outputs, update = [], None
+        scheduler.begin_step()
+        try:
+            if len(queue) < self.max_concurrent_batches and (ahead or not queue):
+                sched = scheduler.schedule()
+                if not sched.is_empty:
+                    if self.async_scheduling:
+                        rng_state = runner.get_rng_state(sched.scheduled)
+                    with self._sigint.open():
+                        issued = self.executor.issue(sched, queue[-1] if queue and self.async_scheduling else None,
+                                                     self._grammar_bitmask)
+                    queue.append(issued)
+                    self.journal.record(queue.pop)
+            if not queue:
+                scheduler.commit_step()
+                return None
+            pipe = tuple(queue)
+            if issued is None or len(queue) == self.max_concurrent_batches or not ahead:
+                batch = queue.popleft()                 # the oldest batch: wait for it, sample, update the core
+                self.journal.record(lambda: queue.appendleft(batch))
+                if not self.async_scheduling:           # (async: sampled when it was issued)
+                    rng_state = runner.get_rng_state(batch.sched.scheduled)
+                with self._sigint.open():
+                    sampling_reqs, tokens, logprobs = self.executor.collect(batch, self._grammar_bitmask)
+                core_outputs, update = self._update_core(batch, sampling_reqs, tokens, logprobs)
+            self._sigint.raise_if_held()
+            scheduler.commit_step()
+        except BaseException:
+            blamed = batch.sched.scheduled if batch is not None else sched.scheduled if sched is not None else None
+            self._fail_step(rng_state, issued, blamed)
+            raise
+        return self._finish_step(issued, batch, core_outputs, update, pipe)
+
+    # The pieces both steps share.
+    def _grammar_bitmask(self, requests: list[Request], drafts: dict[str, list[int]]):
+        return self.structured_output_manager.grammar_bitmask(requests, drafts)
+
+    def _update_core(self, batch: InFlightBatch, sampling_reqs: list[Request], tokens: list, logprobs) -> tuple:
+        """Inside the transaction: a batch's tokens go to the core, the output processor finds stop strings (and
+        the core stops those requests), and the proposer drafts the next step's tokens (speculative decoding)."""
+        scheduler = self.scheduler
+        sampled = {req.request_id: toks for req, toks in zip(sampling_reqs, tokens)}
+        core_outputs = scheduler.update_from_output(batch.sched, sampled)
+        update = self.output_processor.process_outputs(core_outputs, logprobs)
+        for req, stop_string, num_dropped in update.stop_strings:
+            scheduler.drop_output_tokens(req, num_dropped)      # speculative tokens after the stop string
+            scheduler.finish_request(req, RequestStatus.FINISHED_STOPPED, stop_string)
+        scheduler.update_draft_token_ids(self.executor.propose_draft_token_ids(sampling_reqs, self.max_model_len))
+        return core_outputs, update
+
+    def _fail_step(self, rng_state, issued: InFlightBatch | None, blamed: list[Request] | None) -> None:
+        """A step raised: undo the core, put back the random state, drain the batch it issued from the ranks, and
+        name the requests it was working on (the plan itself failing blames what it was working on, so no caller
+        retries forever)."""
+        self.scheduler.rollback_step()
+        if rng_state is not None:
+            self.model_runner.set_rng_state(rng_state)
+        if issued is not None and not issued.received:
+            self._drain(issued)
+        self.num_failed_steps += 1
+        if blamed is None:
+            blamed = self.scheduler.running or self.scheduler.waiting[:1]
+        self.failed_request_ids = list(dict.fromkeys(   # parents' ids for n > 1; not those that ended
+            self.output_processor.external_id(r.request_id) for r in blamed if not r.is_finished))
+
+    def _finish_step(self, issued: InFlightBatch | None, batch: InFlightBatch | None, core_outputs: list,
+                     update, pipe: tuple[InFlightBatch, ...]) -> _StepRecord:
+        """Committed: the front end's share of the step (timestamps, the outputs, the request table, counters)."""
+        now = time.time()
+        if issued is not None:
+            self.output_processor.mark_scheduled(issued.sched.scheduled, now)
+        outputs, finished = [], []
+        if batch is not None:
+            outputs = self.output_processor.apply(update, now)
+            finished = [co.request for co in core_outputs if co.request.is_finished]
+            for req in finished:
+                del self.requests[req.request_id]
+            self.num_prompt_tokens_computed += batch.sched.num_prefill_tokens
+            self.num_generated_tokens += sum(len(co.new_token_ids) for co in core_outputs)
+        self.num_steps += 1
+        return _StepRecord(outputs, issued, batch, pipe, core_outputs, finished,
+                           self.kv_cache_manager.block_pool.pop_events())
+
+    def _publish_trace(self, record: _StepRecord, elapsed: float) -> None:
+        issued, batch = record.issued, record.batch
+        accepted = {co.request.request_id: co.num_accepted_drafts for co in record.core_outputs}
+        pipeline = PipelineTrace(issued.step_id if issued else None, batch.step_id if batch else None,
+                                 tuple((b.step_id, tuple(r.request_id for r in b.sched.scheduled))
+                                       for b in record.pipe))
+        trace = self._tracer.build(self.num_steps, elapsed, issued.sched if issued else SchedulerOutput([], {}),
+                                   record.events, self.scheduler, record.finished, self.output_processor.external_id,
+                                   accepted, pipeline)
+        for listener in self.trace_listeners:
+            try:
+                listener(trace)
+            except Exception:       # a listener's bug must not lose the step's outputs
+                logger.exception("step trace listener %r failed", listener)
 
     def _drain(self, batch: InFlightBatch) -> None:
         """A rolled-back step issued `batch` into the pipe: wait until every stage is done with it and drop its logits,

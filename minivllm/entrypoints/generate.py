@@ -109,9 +109,8 @@ def _stream(llm, prompts: list[str], params: SamplingParams) -> list[tuple[int, 
     `params` asks for DELTA outputs: each holds only the new text and token ids. Returns each request's
     (prompt tokens, output tokens), in input order."""
     engine = llm.llm_engine
-    for p in prompts:                       # check every prompt before the first one runs
-        engine.validate_request(engine.tokenize(p)[1], params)
-    ids = [engine.add_request(p, params).request_id for p in prompts]
+    requests = [engine.input_processor.process_inputs(p, params) for p in prompts]   # all checked before one runs
+    ids = [engine.add_request(r).request_id for r in requests]
     counts = {i: [0, 0] for i in ids}
     while engine.has_unfinished_requests():
         for out in engine.step():

@@ -10,6 +10,7 @@ import dataclasses
 from collections.abc import Sequence
 
 from minivllm.config import EngineConfig
+from minivllm.engine.input_processor import ProcessedRequest
 from minivllm.engine.llm_engine import EngineStats, LLMEngine, PromptType
 from minivllm.outputs import RequestOutput
 from minivllm.core.sampling_params import RequestOutputKind, SamplingParams
@@ -44,21 +45,20 @@ class LLM:
         params = self._broadcast(sampling_params, len(prompts), "sampling_params")
         priority = self._broadcast(priority, len(prompts), "priority", default=0)
         engine = self.llm_engine
-        tokenized = []
+        processed = []
         for i, (p, sp, pr) in enumerate(zip(prompts, params, priority)):
             if isinstance(sp, dict):
                 sp = SamplingParams.from_dict(sp)
             if not isinstance(sp, SamplingParams):
                 raise ValueError(f"sampling_params[{i}] is a {type(sp).__name__}; pass SamplingParams.")
             try:
-                text, ids = engine.tokenize(p)
-                engine.validate_request(ids, sp, pr)
+                request = engine.input_processor.process_inputs(p, sp, pr)     # checked here, and only here
             except ValueError as e:
                 raise ValueError(f"prompt {i}: {e}") from None
             # one output per request, at the end (vLLM's LLM does the same); the caller's params stay as given
             sp = dataclasses.replace(sp, output_kind=RequestOutputKind.FINAL_ONLY)
-            tokenized.append(({"prompt": text, "prompt_token_ids": ids}, sp))
-        return self._run(tokenized, priority, use_tqdm)
+            processed.append(dataclasses.replace(request, params=sp))
+        return self._run(processed, use_tqdm)
 
     def chat(self, messages: list[dict] | list[list[dict]],
              sampling_params: SamplingParams | Sequence[SamplingParams] | None = None,
@@ -100,15 +100,14 @@ class LLM:
             return list(value)
         return [value] * n
 
-    def _run(self, requests: list[tuple[dict, SamplingParams]], priority: list[int],
-             use_tqdm: bool) -> list[RequestOutput]:
+    def _run(self, requests: list[ProcessedRequest], use_tqdm: bool) -> list[RequestOutput]:
         engine = self.llm_engine
         ids: list[str] = []
         results: dict[str, RequestOutput] = {}
         bar = None
         try:
-            for (p, sp), pr in zip(requests, priority):          # inside the try: a failed add takes back the rest
-                ids.append(engine.add_request(p, sp, priority=pr).request_id)
+            for request in requests:                  # inside the try: a failed add takes back the rest
+                ids.append(engine.add_request(request).request_id)
             if use_tqdm:
                 from tqdm.auto import tqdm
                 bar = tqdm(total=len(ids), desc="Processed prompts", dynamic_ncols=True)

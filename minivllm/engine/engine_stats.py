@@ -1,0 +1,68 @@
+"""The engine's state as plain data: its counters (EngineStats) and its two queues (EngineQueues).
+
+Owns nothing live: LLMEngine.get_stats / get_queues copy these out, and the stats recorder, /metrics and the
+dashboard read the copies, never the engine.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+
+@dataclass(frozen=True)
+class QueuedRequest:
+    """One live request as the queues hold it: what the dashboard's queue panel lists."""
+    request_id: str
+    status: str                      # running | waiting | preempted | swapped (RequestStatus.value)
+    priority: int                    # lower runs first
+    num_prompt_tokens: int
+    num_output_tokens: int
+    num_preemptions: int
+    parent_id: str | None = None     # n > 1: the id the caller knows; None when it is this request's own
+
+
+@dataclass(frozen=True)
+class EngineQueues:
+    """The scheduler's two queues at one moment, in their order. One definition everywhere (the dashboard, the
+    stats, /metrics): `waiting` is the waiting queue, which holds new requests and the preempted and swapped ones
+    (their `status` says which); `running` holds blocks and is scheduled every step."""
+    running: tuple[QueuedRequest, ...]
+    waiting: tuple[QueuedRequest, ...]
+
+    def with_status(self, status: str) -> tuple[QueuedRequest, ...]:
+        return tuple(q for q in self.running + self.waiting if q.status == status)
+
+
+@dataclass
+class EngineStats:
+    num_running: int
+    num_waiting: int                 # waiting, preempted and swapped requests: all in the waiting queue
+    num_kv_blocks: int
+    num_free_blocks: int
+    kv_usage: float                  # fraction of blocks held by requests
+    prefix_cache_hit_rate: float     # cached prompt tokens / prompt tokens looked up
+    prefix_cache_hits: int           # tokens
+    prefix_cache_queries: int        # tokens
+    num_preemptions: int
+    num_swapped: int                 # requests whose KV is in the CPU pool right now
+    num_steps: int
+    num_prompt_tokens_computed: int  # prefill tokens that ran through the model (recomputes included)
+    num_generated_tokens: int
+    num_failed_steps: int            # steps that raised and were rolled back
+    num_batches_in_flight: int = 0   # pipeline parallelism: batches issued whose tokens are not applied yet
+    # Speculative decoding (vLLM's spec-decode counters): verification steps of a request with drafts, draft
+    # tokens verified, drafts accepted, and accepted drafts by position (0 = the first draft of a step).
+    num_spec_drafts: int = 0
+    num_spec_draft_tokens: int = 0
+    num_spec_accepted_tokens: int = 0
+    num_spec_accepted_tokens_per_pos: tuple[int, ...] = ()
+
+    @property
+    def spec_acceptance_rate(self) -> float:
+        """Accepted draft tokens / draft tokens verified (0 when none were)."""
+        return self.num_spec_accepted_tokens / self.num_spec_draft_tokens if self.num_spec_draft_tokens else 0.0
+
+    @property
+    def spec_mean_acceptance_length(self) -> float:
+        """Tokens a request gets from one verification step: its accepted drafts plus the one the target adds."""
+        return 1 + self.num_spec_accepted_tokens / self.num_spec_drafts if self.num_spec_drafts else 0.0

@@ -1,0 +1,103 @@
+"""InputProcessor: a prompt and its parameters in, a request the core can run out (vLLM v1's `InputProcessor`).
+
+Owns: tokenizing prompts (strings, token ids, {"prompt"/"prompt_token_ids"} dicts), checking a request once, before
+anything is queued (every error names the value, the limit and the fix), and the token ids of its bad words. It
+never touches the queues: LLMEngine.add_request takes what `process_inputs` returns and queues it as it is.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from minivllm.core.kv_cache_manager import KVCacheManager
+from minivllm.core.sampling_params import SamplingParams
+
+PromptType = str | dict | list
+
+
+@dataclass(frozen=True)
+class ProcessedRequest:
+    """A request checked and tokenized: what LLMEngine.add_request queues without looking at it again."""
+    prompt: str | None
+    prompt_token_ids: list[int]
+    params: SamplingParams
+    priority: int
+    bad_words_token_ids: list[list[int]]
+
+
+class InputProcessor:
+    def __init__(self, tokenizer, vocab_size: int, max_model_len: int, kv_cache_manager: KVCacheManager):
+        self.tokenizer = tokenizer
+        self.vocab_size = vocab_size
+        self.max_model_len = max_model_len
+        self.kv_cache_manager = kv_cache_manager       # read only: the pool's size bounds a request
+
+    def process_inputs(self, prompt: PromptType, params: SamplingParams, priority: int = 0) -> ProcessedRequest:
+        """Tokenize and check one request; ValueError for one that can never run."""
+        text, token_ids = self.tokenize(prompt)
+        self.validate_request(token_ids, params, priority)
+        return ProcessedRequest(text, token_ids, params, priority, self.bad_words_token_ids(params))
+
+    def tokenize(self, prompt: PromptType) -> tuple[str | None, list[int]]:
+        """A prompt is a string, {"prompt_token_ids": [...]} (optionally with "prompt"), or a list of ids.
+        Strings are tokenized with the tokenizer's default special tokens (a BOS where the model expects one),
+        as vLLM does; chat prompts already carry theirs from the chat template (LLM.chat)."""
+        if isinstance(prompt, str):
+            return prompt, self.tokenizer.encode(prompt)
+        if isinstance(prompt, dict):
+            unknown = set(prompt) - {"prompt", "prompt_token_ids"}
+            if unknown:
+                raise ValueError(f"prompt dict has unknown key(s) {sorted(unknown)}; "
+                                 "use 'prompt_token_ids' (and optionally 'prompt').")
+            if "prompt_token_ids" in prompt:
+                return prompt.get("prompt"), list(prompt["prompt_token_ids"])
+            if "prompt" in prompt:
+                return self.tokenize(prompt["prompt"])
+            raise ValueError("prompt dict needs 'prompt' or 'prompt_token_ids'.")
+        if isinstance(prompt, (list, tuple)):
+            return None, list(prompt)
+        raise ValueError(f"prompt is a {type(prompt).__name__}; pass a string or "
+                         "{'prompt_token_ids': [...]}.")
+
+    def validate_request(self, token_ids: list[int], params: SamplingParams, priority: int = 0) -> None:
+        """Raise ValueError, naming the value and the limit, for a request that can never run."""
+        if not isinstance(params, SamplingParams):
+            raise ValueError(f"sampling_params is a {type(params).__name__}; pass SamplingParams.")
+        if isinstance(priority, bool) or not isinstance(priority, int) or abs(priority) >= 2 ** 63:
+            raise ValueError(f"priority is {priority!r} ({type(priority).__name__}); it must be an int "
+                             "(lower runs first; 0 is the default).")
+        n = len(token_ids)
+        if n == 0:
+            raise ValueError("prompt is empty (0 tokens); give at least one token.")
+        vocab = self.vocab_size
+        bad = [t for t in token_ids if not isinstance(t, int) or isinstance(t, bool) or not 0 <= t < vocab]
+        if bad:
+            raise ValueError(f"prompt_token_ids contains {bad[:3]}; token ids must be ints in [0, {vocab}).")
+        for name, ids in (("allowed_token_ids", params.allowed_token_ids), ("logit_bias", params.logit_bias)):
+            outside = [t for t in ids or () if t >= vocab]
+            if outside:
+                raise ValueError(f"{name} has token id(s) {outside[:3]}; token ids must be in [0, {vocab}).")
+        if n >= self.max_model_len:
+            raise ValueError(f"prompt has {n} tokens; max_model_len is {self.max_model_len}, which leaves no "
+                             f"room for output. Shorten the prompt or raise max_model_len.")
+        # The longest the sequence can get: the KV of all but the last token must fit in the whole pool.
+        longest = min(n + params.max_tokens, self.max_model_len) - 1
+        kv = self.kv_cache_manager
+        need = kv.blocks_needed(longest)
+        if need > kv.num_blocks:
+            raise ValueError(
+                f"prompt ({n} tokens) + max_tokens ({params.max_tokens}) needs {need} KV blocks of "
+                f"{kv.block_size} tokens, but the whole pool has {kv.num_blocks} "
+                f"blocks ({kv.num_blocks * kv.block_size} tokens). Lower max_tokens, "
+                "shorten the prompt, or raise num_kv_blocks.")
+
+    def bad_words_token_ids(self, params: SamplingParams) -> list[list[int]]:
+        """Each bad word as token ids, as vLLM tokenizes them: as written (leading spaces stripped), and with one
+        leading space when that gives a different first token and as many tokens (the word inside a text)."""
+        out: list[list[int]] = []
+        for word in params.bad_words or []:
+            out.append(self.tokenizer.encode(word.lstrip(), add_special_tokens=False))
+            spaced = self.tokenizer.encode(" " + word.lstrip(), add_special_tokens=False)
+            if spaced[0] != out[-1][0] and len(spaced) == len(out[-1]):
+                out.append(spaced)
+        return out
