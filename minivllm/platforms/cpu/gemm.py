@@ -1,4 +1,4 @@
-"""CPU matmuls with weights prepacked once for oneDNN, as vLLM's CPU backend does for unquantized layers.
+"""CPU matmuls with weights packed once at load, as vLLM's CPU backend does for unquantized layers.
 
 Owns: turning each linear layer's (out, in) weight into a packed layout at load time (`prepack_linear_weights`),
 the linear methods that multiply by it (`PackedLinearMethod`, `GateUpPanelsMethod`: the layer's `quant_method`,
@@ -26,7 +26,6 @@ packed_linear: 48-column panels of 32-bit words, one fp32 weight or a bf16 pair 
 order; bf16 needs AVX-512 BF16 for vdpbf16ps). oneDNN ran a 32-row decode step's matmuls at about 60-70% of
 this CPU's peak with the weights coming from memory; this runs them 10-25% faster, and 1-row steps at the
 memory's bandwidth (README, "Measured"). MINIVLLM_CPU_OWN_GEMM=0 keeps oneDNN.
-
 
 A gated MLP's gate/up weight is packed for it in gate/up panels (`fuse_silu_and_mul`): the matmul then also
 computes silu(gate) * up from its accumulators, and the (rows, 2 * intermediate) activation is never written
