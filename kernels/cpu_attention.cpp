@@ -23,9 +23,7 @@
 // (at::parallel_for).
 // Each pass walks the block table block by block and slot by slot (no division per token), in 8-lane fp32
 // registers (vec8), and asks for the next block while it reads the current one (prefetch): the blocks are
-// scattered over the pool, where the hardware prefetcher loses the stream. Measured on the default model's
-// shapes (32 sequences of 160 tokens, 30 layers' caches, 2-core AVX2): 15-20% less time than reading token by
-// token with a division per token (README, "Decode attention").
+// scattered over the pool, where the hardware prefetcher loses the stream; it also saves a division per token.
 // Softmax is the exact two-pass form (max first), in fp32, like the reference; only the order of the fp32
 // sums differs from it, so results agree to about 1e-6 (tests/test_cpu_attention.py).
 
@@ -112,8 +110,7 @@ inline void prefetch(const void* p, int64_t bytes) {
 }
 
 // The same into L2 only (prefetcht1), for the AVX-512 decode path, which asks for whole blocks ahead from memory:
-// a request into L1 holds one of its few miss buffers per line until the line arrives, and there, measured
-// 1.5x slower (README, "Measured", twelfth session).
+// a request into L1 holds one of its few miss buffers per line until the line arrives, which stalls the stream.
 inline void prefetch_l2(const void* p, int64_t bytes) {
   for (int64_t off = 0; off < bytes; off += 64) __builtin_prefetch(static_cast<const char*>(p) + off, 0, 2);
 }
@@ -165,14 +162,11 @@ inline float exp_and_sum(float* s, int64_t n) {
 //     for a block and kept in a small buffer between blocks. A bf16 row is split into its even and odd elements
 //     (a shift and a mask: no conversion instructions), so the accumulators hold the dims in that order until
 //     the output is written.
-// Memory: a pass asks for the block kAheadBlocks on while it reads the current one (into L2: prefetcht1, which
-// measured 1.5x faster here than asking for L1, whose few miss buffers fill), the first value blocks during the
+// Memory: a pass asks for the block kAheadBlocks on while it reads the current one (into L2: prefetcht1; asking for
+// L1 fills its few miss buffers and stalls), the first value blocks during the
 // last key blocks, and the next item's first key blocks during the last value blocks (a thread claims its next
 // item when it starts one). Items are handed out longest first from a shared counter.
-// Measured on 30 layers' bf16 caches at batch 32 (contexts 64-512, a 2,048-block pool, 2 cores, AMD EPYC Zen 4,
-// tools alternating in one process): 0.60 ms a layer with the earlier form of this path (an item per KV head,
-// one horizontal sum per score, asking for L1), 0.34 ms with this one (11.6 against 20.4 GB/s); contexts
-// 129-160: 0.35-0.47 against 0.20-0.22 ms.
+// Its time per layer against the PyTorch reference is in docs/benchmarks.md.
 constexpr int64_t kAheadBlocks = 2;            // a block's slices are asked for this many blocks ahead
 typedef float v16 __attribute__((vector_size(64)));   // 16 fp32 lanes (the same type as __m512)
 

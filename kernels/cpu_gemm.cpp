@@ -33,15 +33,13 @@
 // So 24 multiply-adds of 16 lanes per 3 loads and 8 broadcasts, the panel streams from memory front to back
 // (asked for ahead with prefetches) and stays in L2 for the other row tiles. Those later tiles compute from
 // cache, so each also asks for a third of the thread's next panel into L2 (Panel::next), and that panel's first
-// tile does not wait on memory: a decode step's matmuls at 32 rows 8-15% faster (README, "Measured", thirteenth
-// session). In bf16 a product of two bf16 values is exact in fp32, so the sums are fp32 sums of exact products, as oneDNN's are; only their order
-// differs. The bias is added in fp32, and a bf16 result is rounded once, to nearest even (vcvtneps2bf16).
+// tile does not wait on memory. In bf16 a product of two bf16 values is exact in fp32, so the sums are fp32 sums of
+// exact products, as oneDNN's are; only their order differs. The bias is added in fp32, and a bf16 result is
+// rounded once, to nearest even (vcvtneps2bf16).
 //
-// Measured on 2 cores (AMD EPYC, Zen 4), the default model's four matmuls of all 30 layers (weights from
-// memory), bf16: 32 rows 18 ms against oneDNN's 24 ms; 1 row 7.2 against 11.5 ms (28 GB/s: the memory's
-// bandwidth); equal from 2,048 rows up. fp32: 32 rows 37.2 against 41.8 ms, 1 row 11.1 against 20.6 ms.
-// int8 and int4: below, and the README's "Measured". With int8 activations (vpdpbusd), 32 rows: w8a8 12.4 ms,
-// w4a8 15.7 ms; w8a8 at 512 rows at 73-78% of the cores' integer peak (README, "Measured", fourteenth session).
+// Why it exists: at decode batch sizes oneDNN's packed GEMM leaves memory bandwidth unused on these cores; this
+// kernel streams each weight panel once per step. Its times against oneDNN, per format and row count, are in
+// docs/benchmarks.md; tests/test_cpu_gemm.py checks it against torch's matmul.
 
 #include <ATen/ATen.h>
 #include <ATen/Parallel.h>

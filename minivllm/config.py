@@ -173,7 +173,7 @@ class EngineConfig:
     def async_scheduling_on(self, device_type: str) -> bool:
         """Whether the engine schedules ahead: the option when it is set; unset, vLLM's rule (on unless something
         cannot use it) with one more case: off on a CPU, where the forward runs in the host's own thread and there
-        is nothing to overlap (measured 0.95x there; 1.66x on an H100, README "Measured")."""
+        is nothing to overlap (docs/benchmarks.md has both platforms' measurements)."""
         if self.async_scheduling is not None:
             return self.async_scheduling
         one_process = (self.tensor_parallel_size == self.pipeline_parallel_size == 1

@@ -124,7 +124,7 @@ def check_plan_ahead(fn):
     for args, want, what in cases:
         expect_equal(tuple(fn(*args)), want, what)
     yield "start after the tokens in flight; one more token when that batch samples"
-    from minivllm.core.scheduler import plan_ahead
+    from minivllm.core.async_scheduler import plan_ahead
     rng = random.Random(1)
     for i in range(200):
         num_tokens = rng.randrange(1, 60)
@@ -134,7 +134,7 @@ def check_plan_ahead(fn):
                      f"random case {i}: plan_ahead({num_tokens}, {computed}, {in_flight}) as minivllm's")
     yield "200 random requests plan as minivllm's scheduler does"
 
-    import minivllm.core.scheduler as scheduler
+    import minivllm.core.async_scheduler as scheduler
     from minivllm import LLM
     e = _async_engines()
     real = scheduler.plan_ahead

@@ -152,19 +152,19 @@ class AsyncLLMEngine:
         raises, none of them stays in the engine.
 
         One trip instead of a tokenize and then an add matters under load: each trip waits for the step in
-        flight, so a request that needed two joined the batch one whole step later (README, "Measured")."""
+        flight, so a request that needed two would join the batch one whole step later."""
         loop = asyncio.get_running_loop()
 
         def add_all() -> list[RequestStream]:
             streams: list[RequestStream] = []
             num_prompt_tokens = 0
             news = build(self.engine)
-            if len(news) > 1:                            # validate all first, so that adds rarely need undoing
-                for new in news:
-                    self.engine.validate_request(self.engine.tokenize(new.prompt)[1], new.params, new.priority)
+            # every request checked once, all before the first is added (so adds rarely need undoing)
+            processed = [self.engine.input_processor.process_inputs(new.prompt, new.params, new.priority)
+                         for new in news]
             try:
-                for new in news:
-                    req = self.engine.add_request(new.prompt, new.params, new.request_id, new.priority)
+                for new, request in zip(news, processed):
+                    req = self.engine.add_request(request, request_id=new.request_id)
                     streams.append(RequestStream(req.request_id, loop, self.abort,
                                                  delta=new.params.output_kind is RequestOutputKind.DELTA))
                     self._tracked[req.request_id] = _Tracked(streams[-1])

@@ -263,6 +263,9 @@ class LLMEngine:
 
     # The pieces both steps share.
     def _grammar_bitmask(self, requests: list[Request], drafts: dict[str, list[int]]):
+        """Structured output's seam: the allowed tokens of the rows that have a grammar (None: no row has one)."""
+        if not any(req.grammar is not None for req in requests):
+            return None
         return self.structured_output_manager.grammar_bitmask(requests, drafts)
 
     def _update_core(self, batch: InFlightBatch, sampling_reqs: list[Request], tokens: list, logprobs) -> tuple:
