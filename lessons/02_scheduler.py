@@ -174,7 +174,7 @@ engine.check_integrity()
 
 # %% [markdown]
 # Now the real run. `with engine.record_traces() as traces:` gives a list that every step run inside the `with`
-# block appends a `StepTrace` to: plain data copied out of the engine (see `minivllm/core/trace.py`). Recording
+# block appends a `StepTrace` to: plain data copied out of the engine (see `minivllm/engine/trace.py`). Recording
 # stops when the block ends. We step until everything is done, adding `late` after step 4.
 
 # %%

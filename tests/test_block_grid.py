@@ -13,7 +13,7 @@ import torch
 
 from minivllm import LLM, SamplingParams
 from minivllm.core.block_pool import PoolSnapshot
-from minivllm.core.trace import RequestTrace, StepTrace
+from minivllm.engine.trace import RequestTrace, StepTrace
 from minivllm.entrypoints.block_grid import (
     GRID_CSS,
     PALETTE,

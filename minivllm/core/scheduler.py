@@ -25,13 +25,8 @@ Other modes plug in at named seams and cost this file nothing when they are off:
     batches in flight (async scheduling, pipeline parallelism)   AsyncScheduler, a subclass (async_scheduler.py)
     speculative decoding                                         _drafts_to_verify, update_draft_token_ids
     structured output                                            _advance_grammar
-    swap preemption                                              _preempt, _swap_in (kv_cache_manager.py copies)
-
-Preemption modes (vLLM's names):
-    recompute  drop the KV; the request re-runs its prompt + outputs as one prefill when it returns
-               (its full blocks stay in the prefix cache, so it often hits them)
-    swap       copy its blocks to a CPU pool; copy them back when it returns (falls back to recompute
-               when the CPU pool is full)
+    swap preemption (vLLM's modes: recompute drops the KV and     _preempt, _swap_in
+      re-runs the tokens as one prefill; swap copies the blocks to a CPU pool and back, or falls back to recompute)
 """
 
 from __future__ import annotations
@@ -47,7 +42,6 @@ from minivllm.core.request import Request, RequestStatus
 from minivllm.core.scheduler_output import EngineCoreOutput, SchedulerOutput
 
 __all__ = ["EngineCoreOutput", "Scheduler", "SchedulerOutput"]
-
 
 class Scheduler(Journaled):
     # Counters a failed step must not move (journal.py): preemptions and vLLM's spec-decode counters (steps with
@@ -339,10 +333,9 @@ class Scheduler(Journaled):
         self.num_drafts += 1
         self.num_draft_tokens += len(drafts)
         self.num_accepted_tokens += accepted
-        per_pos = list(self.num_accepted_tokens_per_pos) + [0] * (len(drafts) - len(self.num_accepted_tokens_per_pos))
-        for i in range(accepted):
-            per_pos[i] += 1
-        self.num_accepted_tokens_per_pos = per_pos
+        old = self.num_accepted_tokens_per_pos      # a new list: the journal keeps the old one
+        padded = old + [0] * (len(drafts) - len(old))
+        self.num_accepted_tokens_per_pos = [n + (i < accepted) for i, n in enumerate(padded)]
         return accepted
 
     def update_draft_token_ids(self, drafts: dict[str, list[int]]) -> None:
@@ -385,9 +378,7 @@ class Scheduler(Journaled):
             self.journal.record(lambda: self._keys.__setitem__(req.request_id, key))
 
     # ------------------------------------------------------------------ introspection
-    @property
-    def num_swapped(self) -> int:
-        return len(self.kv_cache_manager.swap_space.tables)
+    num_swapped = property(lambda self: len(self.kv_cache_manager.swap_space.tables))
 
     def check_integrity(self) -> None:
         """Assert the scheduler's and the KV cache's invariants. For tests and debug runs."""

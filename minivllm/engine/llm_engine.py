@@ -1,14 +1,11 @@
-"""LLMEngine: add requests, then `step()` until none are left (vLLM's LLMEngine / EngineCore).
+"""LLMEngine: add requests, then `step()` until none are left (vLLM v1's LLMEngine and EngineCore in one).
 
-Owns: the request table and the loop schedule -> run model -> sample -> update the core -> detokenize, as one
-transaction: if any part raises (the plan, the forward, the sampler, the detokenizer, a Ctrl-C), the scheduler rolls
-the core back to where it was before the step, the sampler's random state is restored, and the exception reaches
-the caller with the step's request ids in `failed_request_ids`. The scheduler decides what runs, the KV cache manager
-where KV goes, the model runner computes, the output processor makes text; the engine wires them and never reaches
-into their internals.
-
-Continuous batching falls out of the loop: finished requests leave at the end of any step and
-waiting ones join at the start of the next.
+Owns: the request table and the step: schedule -> run the model -> sample -> update the core -> detokenize, as
+one transaction. If any part raises (the plan, the forward, the sampler, the detokenizer, a Ctrl-C), the core
+is rolled back to where it was before the step, the random state is restored, and the exception reaches the
+caller with the step's request ids in `failed_request_ids`. The step is `execute_step`, or with batches in flight
+`step_with_batch_queue`, picked once in __init__ as `step_fn`; `step()` only wraps it (Ctrl-C guard, trace).
+The engine wires the scheduler, the executor and the output processor and never reaches into their internals.
 """
 
 from __future__ import annotations
@@ -30,7 +27,7 @@ from minivllm.core.async_scheduler import AsyncScheduler
 from minivllm.core.block_pool import BlockEvents
 from minivllm.core.scheduler import Scheduler, SchedulerOutput
 from minivllm.core.structured_output import StructuredOutputManager
-from minivllm.core.trace import PipelineTrace, StepTrace, StepTracer
+from minivllm.engine.trace import PipelineTrace, StepTrace, StepTracer
 from minivllm.engine.engine_stats import EngineQueues, EngineStats, QueuedRequest
 from minivllm.engine.input_processor import InputProcessor, ProcessedRequest, PromptType
 from minivllm.engine.output_processor import OutputProcessor
@@ -283,13 +280,16 @@ class LLMEngine:
 
     def _fail_step(self, rng_state, issued: InFlightBatch | None, blamed: list[Request] | None) -> None:
         """A step raised: undo the core, put back the random state, drain the batch it issued from the ranks, and
-        name the requests it was working on (the plan itself failing blames what it was working on, so no caller
-        retries forever)."""
+        name the requests it was working on (if the plan itself failed, what it was planning: no caller retries
+        forever)."""
         self.scheduler.rollback_step()
         if rng_state is not None:
             self.model_runner.set_rng_state(rng_state)
         if issued is not None and not issued.received:
-            self._drain(issued)
+            try:        # wait until every stage is done with it: the pipe then holds exactly the queue's batches
+                self.executor.discard(issued)
+            except BaseException as e:    # the executor stopped its ranks (it says why); the step's error goes up
+                logger.warning("could not drain batch %d from the pipeline: %s", issued.step_id, e)
         self.num_failed_steps += 1
         if blamed is None:
             blamed = self.scheduler.running or self.scheduler.waiting[:1]
@@ -328,14 +328,6 @@ class LLMEngine:
                 listener(trace)
             except Exception:       # a listener's bug must not lose the step's outputs
                 logger.exception("step trace listener %r failed", listener)
-
-    def _drain(self, batch: InFlightBatch) -> None:
-        """A rolled-back step issued `batch` into the pipe: wait until every stage is done with it and drop its logits,
-        so the pipe holds exactly the batches in the queue (each stage's next message is the next one's)."""
-        try:
-            self.executor.discard(batch)
-        except BaseException as e:    # the executor stopped its ranks (it says why); the step's own error goes up
-            logger.warning("could not drain batch %d from the pipeline: %s", batch.step_id, e)
 
     def add_trace_listener(self, listener: Callable[[StepTrace], None]) -> None:
         """Call `listener(StepTrace)` after every step (see trace.py). Costs nothing while there are none."""

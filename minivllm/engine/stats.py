@@ -14,7 +14,7 @@ import threading
 from dataclasses import dataclass, field
 
 from minivllm.core.block_pool import PoolSnapshot
-from minivllm.core.trace import StepTrace
+from minivllm.engine.trace import StepTrace
 from minivllm.engine.llm_engine import EngineQueues, EngineStats
 from minivllm.outputs import RequestOutput
 

@@ -36,7 +36,7 @@ from collections.abc import Callable, Iterable
 from dataclasses import dataclass
 
 from minivllm.core.block_pool import PoolSnapshot
-from minivllm.core.trace import RequestTrace, StepTrace
+from minivllm.engine.trace import RequestTrace, StepTrace
 
 # Twelve colours from the Tableau 10, Okabe-Ito and Paul Tol sets (all designed for colour-blind readers), in an
 # order where each entry is far from the next (CIELAB distance > 50, also under simulated deuteranopia and

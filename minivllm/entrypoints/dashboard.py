@@ -31,7 +31,7 @@ from dataclasses import dataclass
 from minivllm.engine.async_llm import AsyncLLMEngine
 from minivllm.engine.llm_engine import EngineQueues, QueuedRequest
 from minivllm.engine.stats import EngineSnapshot
-from minivllm.core.trace import StepTrace
+from minivllm.engine.trace import StepTrace
 from minivllm.entrypoints.block_grid import (  # noqa: F401  (block_owners, request_color: re-exported)
     GRID_CSS,
     RequestPalette,

@@ -17,7 +17,7 @@ from __future__ import annotations
 import html
 from collections.abc import Sequence
 
-from minivllm.core.trace import RequestTrace, StepTrace
+from minivllm.engine.trace import RequestTrace, StepTrace
 from minivllm.engine.stats import Histogram
 
 STEP_LOG_LINES = 30
