@@ -159,7 +159,7 @@ class ModelRunner(PipelineStageMixin):
     def release_memory(self) -> None:
         """At shutdown: drop the weights, the KV caches and the CUDA graphs, so the next engine in this process
         gets the memory (on a GPU the default budget is a fraction of what is free). Safe to call twice; the
-        runner runs no step afterwards (executor.py refuses with a clear error)."""
+        runner runs no step afterwards (executor_base.py refuses with a clear error)."""
         self.graphs = None
         self.model = None
         self.kv_cache = self.cpu_kv_cache = None

@@ -15,7 +15,7 @@ The sampling rule makes every kept token follow exactly the target's distributio
 al. 2023): P(token = x) = q(x) min(1, p(x)/q(x)) + (1 - sum_y min(p(y), q(y))) * max(p(x) - q(x), 0) / Z = p(x).
 So speculation changes the cost of decoding, never its output distribution (and greedy output not at all).
 Requests whose logits processing depends on the tokens before it (penalties, bad_words, min_tokens) get no drafts
-(worker/executor.py), so the rows here need only the position-independent part of the sampler.
+(spec_decode.propose_drafts), so the rows here need only the position-independent part of the sampler.
 """
 
 from __future__ import annotations
