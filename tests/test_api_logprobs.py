@@ -13,6 +13,8 @@ from minivllm import SamplingParams
 
 from test_api_server import CHAT, MODEL, client, no_server_errors, server  # noqa: F401  (fixtures)
 
+pytestmark = pytest.mark.slow       # a real server for this module, and each answer checked offline too
+
 PROMPT = "The capital of France is"
 
 

@@ -164,6 +164,7 @@ def test_server_sent_events_end_with_done(server):
     assert all("usage" not in p for p in payloads)       # no stream_options: no usage chunk
 
 
+@pytest.mark.slow
 def test_stop_strings_seed_top_k_and_top_p(client):
     out = client.completions.create(model=MODEL, prompt="1, 2, 3, 4,", max_tokens=16, temperature=0, stop=[" 7"])
     assert out.choices[0].finish_reason == "stop" and out.choices[0].stop_reason == " 7"
@@ -177,6 +178,7 @@ def test_stop_strings_seed_top_k_and_top_p(client):
 
 
 # ---------------------------------------------------------------------- concurrency and disconnects
+@pytest.mark.slow
 def test_sixteen_concurrent_streams_are_batched_together(server):
     traces, stop_recording = record_traces(server)
 
@@ -205,6 +207,7 @@ def test_sixteen_concurrent_streams_are_batched_together(server):
     check_integrity(server)
 
 
+@pytest.mark.slow
 def test_a_request_sent_during_a_step_joins_the_very_next_step(client, server):
     """The route tokenizes, sizes and adds a request in one trip to the engine thread (add_requests). Each trip
     waits for the step in flight, so a tokenize and then an add joined the batch a whole step later: this test
@@ -274,6 +277,7 @@ def test_a_client_that_gives_up_on_a_non_streamed_answer_is_aborted(server):
     check_integrity(server)
 
 
+@pytest.mark.slow
 def test_load_64_clients_a_quarter_hanging_up(server):
     """64 clients at once; 16 hang up at random moments (mid-stream, or while waiting for an answer). Every
     other request must come back exactly as it does alone (greedy, same text and finish reason), nothing
@@ -483,6 +487,7 @@ def test_the_official_client_raises_bad_request_and_the_server_keeps_serving(cli
     assert httpx.get(server.url + "/health").status_code == 200
 
 
+@pytest.mark.slow
 def test_no_field_value_makes_a_500(server):
     """Every field, every JSON type: the answer is a 200 or a 400, never a 500, and the engine lives on."""
     values = [None, True, -1, 0, 3, 2.5, 1e308, 10 ** 400, -(10 ** 400), "x", "\ud800", [], [1], ["x"], {},
@@ -632,6 +637,7 @@ def test_an_unimplemented_field_is_a_400_naming_it(client, name, value):
         assert e.value.body["param"] == name and "does not implement" in e.value.message
 
 
+@pytest.mark.slow
 def test_penalties_and_filters_reach_the_sampler(client, llm):
     """Each field changes the answer exactly as the same SamplingParams do offline (tests/test_penalties.py holds
     those to Hugging Face and to hand-written references)."""
@@ -698,6 +704,7 @@ def test_max_tokens_that_fits_the_context_exactly_is_accepted(client, server, hf
 
 
 # ---------------------------------------------------------------------- lists of prompts, n choices
+@pytest.mark.slow
 def test_a_list_of_prompts_gets_one_choice_each_with_usage_summed(client):
     prompts = ["The capital of France is", "One, two, three,", [504, 3458, 282]]
     alone = [client.completions.create(model=MODEL, prompt=p, max_tokens=6, temperature=0) for p in prompts]
@@ -736,6 +743,7 @@ def test_n_choices_are_seeded_samples_streamed_by_index(client):
     assert usage.completion_tokens == 24 and usage.prompt_tokens == out.usage.prompt_tokens
 
 
+@pytest.mark.slow
 def test_n_chat_choices_and_prompt_lists_number_choices_as_vllm(client):
     chat = client.chat.completions.create(model=MODEL, messages=CHAT, max_tokens=8, temperature=0, n=2)
     assert [c.index for c in chat.choices] == [0, 1]

@@ -21,6 +21,7 @@ SCHEMA = {"type": "object", "properties": {"city": {"type": "string", "maxLength
           "required": ["city", "population"]}
 
 
+@pytest.mark.slow
 def test_chat_response_format_json_schema(client, llm):
     fmt = {"type": "json_schema", "json_schema": {"name": "city", "schema": SCHEMA, "strict": True}}
     out = client.chat.completions.create(model=MODEL, messages=CHAT, max_tokens=60, temperature=0,
@@ -36,6 +37,7 @@ def test_chat_response_format_json_schema(client, llm):
     assert text == want[0].outputs[0].text
 
 
+@pytest.mark.slow
 def test_sampled_and_streamed_json_validates(client):
     fmt = {"type": "json_schema", "json_schema": {"name": "city", "schema": SCHEMA}}
     out = client.chat.completions.create(model=MODEL, messages=CHAT, max_tokens=80, temperature=0.9, seed=4, n=3,
@@ -48,6 +50,7 @@ def test_sampled_and_streamed_json_validates(client):
     assert streamed == out.choices[0].message.content         # seed 4 is sample 0's seed
 
 
+@pytest.mark.slow
 def test_completions_json_object_and_vllm_fields(client):
     out = client.completions.create(model=MODEL, prompt='A JSON object with a key "answer" set to 42:',
                                     max_tokens=40, temperature=0,

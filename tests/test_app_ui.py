@@ -186,6 +186,7 @@ def app_process(tmp_path):
     yield from start_app(tmp_path, "--num-kv-blocks", "128")
 
 
+@pytest.mark.slow
 def test_the_dashboard_streams_a_chat_and_the_block_grid_changes(app_process, tmp_path):
     if not shutil.which(CHROMIUM):
         pytest.fail(f"{CHROMIUM} is missing: install Debian's chromium (apt-get install -y chromium).")
@@ -269,6 +270,7 @@ def small_pool_app(tmp_path):
     yield from start_app(tmp_path, "--num-kv-blocks", "24", "--max-num-seqs", "8")
 
 
+@pytest.mark.slow
 def test_the_dashboard_shows_the_queue_a_preempted_chat_and_the_history(small_pool_app, tmp_path):
     """Issue 19's browser checks: waiting requests listed while paused, shared blocks drawn as shared, the chat
     told it was preempted (it asked for priority 5, so it is the victim), the timelines, plots, step log and

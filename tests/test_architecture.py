@@ -9,6 +9,8 @@ import re
 import sys
 from pathlib import Path
 
+import pytest
+
 from minivllm import SamplingParams
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -70,6 +72,7 @@ def traced_request_path(llm) -> list[str]:
     return sorted(files)
 
 
+@pytest.mark.slow
 def test_one_greedy_request_runs_through_the_files_docs_architecture_lists(llm):
     traced = traced_request_path(llm)
     documented = documented_request_path()

@@ -84,6 +84,7 @@ def test_generate_streams_the_greedy_tokens_one_delta_at_a_time(async_engine, hf
     assert outs[-1].outputs[0].finish_reason == "length"
 
 
+@pytest.mark.slow
 def test_concurrent_requests_share_steps_and_match_running_alone(async_engine):
     prompts = [f"Question {i}: what is {i} plus {i}?" for i in range(6)]
 
@@ -200,6 +201,7 @@ def test_add_requests_adds_all_in_one_command_or_none(async_engine, engine):
     assert traces[0].num_prefill_tokens == 2 * len(finals[0].prompt_token_ids)   # both in the first step
 
 
+@pytest.mark.slow
 def test_a_failing_step_ends_its_requests_with_an_error_and_the_loop_goes_on(async_engine, engine):
     runner = engine.model_runner
     real = runner.execute_model
@@ -388,6 +390,7 @@ def test_two_single_steps_queued_together_run_two_steps(async_engine):
     asyncio.run(main())
 
 
+@pytest.mark.slow
 def test_a_failed_step_fails_only_its_own_requests(model_dir):
     """With one sequence per step, a failed step scheduled only the running request: the waiting one is untouched
     and later gives exactly the tokens it gives alone."""

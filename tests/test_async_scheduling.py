@@ -76,6 +76,7 @@ def drained(engine) -> None:
     assert not engine.scheduler.in_flight
 
 
+@pytest.mark.slow
 def test_greedy_equals_hf_token_for_token_with_the_next_batch_always_ahead(model_dir, prompt_ids, hf_reference):
     """Chunked prefill (a 32-token budget) and decodes: every decode after the first runs ahead of its batch."""
     llm = make(model_dir, True, max_num_batched_tokens=32, max_num_seqs=6, num_kv_blocks=64)
@@ -91,6 +92,7 @@ def test_greedy_equals_hf_token_for_token_with_the_next_batch_always_ahead(model
     llm.shutdown()
 
 
+@pytest.mark.slow
 def test_decodes_through_the_cuda_graph_buffers_read_the_previous_batchs_tokens(model_dir, prompt_ids, hf_reference):
     """The graph path's half of async scheduling, rehearsed on a CPU (DecodeGraphs with capture=False runs the same
     static buffers eagerly): the tokens still on the device are written into the static input ids after the host's
@@ -136,6 +138,7 @@ def same_outputs(sync, asyn) -> None:
                         assert dx[t].logprob == dy[t].logprob or abs(dx[t].logprob - dy[t].logprob) < 1e-4  # -inf
 
 
+@pytest.mark.slow
 def test_seeded_sampling_logprobs_stops_and_n_equal_the_synchronous_engine(model_dir):
     """Seeded sampling draws from each request's own generator, so async scheduling draws the same tokens; stop
     strings and stop tokens end a request one batch late on the device, and that extra token is dropped."""
@@ -157,6 +160,7 @@ def test_seeded_sampling_logprobs_stops_and_n_equal_the_synchronous_engine(model
     assert spy.scored_ahead >= 20                 # logprobs (and prompt logprobs) scored on the device, not collect
 
 
+@pytest.mark.slow
 def test_requests_whose_sampling_reads_their_outputs_never_run_ahead(model_dir):
     """Penalties and min_tokens read the request's own output tokens, and a grammar's mask needs its last token,
     which the host does not have yet for a placeholder: those requests wait for their batch (and still equal the
@@ -184,6 +188,7 @@ def test_requests_whose_sampling_reads_their_outputs_never_run_ahead(model_dir):
     assert spy.ran_ahead == {ids[PROMPTS[2]]}
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("mode", ["recompute", "swap"])
 def test_preemption_and_prefix_hits_give_the_synchronous_engines_tokens(model_dir, prompt_ids, mode):
     """A pool too small for the batch: requests are preempted (never one in flight), swapped out or dropped, and
@@ -199,6 +204,7 @@ def test_preemption_and_prefix_hits_give_the_synchronous_engines_tokens(model_di
     assert spy.placeholders > 0
 
 
+@pytest.mark.slow
 def test_aborting_a_request_whose_batch_is_in_flight(model_dir, prompt_ids, hf_reference):
     """Between steps a batch stays on the device (the victim's decode in it ran ahead of the batch before). Abort
     the victim then: its row is dropped when the batch comes back, its blocks are freed once, the others still
@@ -228,6 +234,7 @@ def test_aborting_a_request_whose_batch_is_in_flight(model_dir, prompt_ids, hf_r
     llm.shutdown()
 
 
+@pytest.mark.slow
 def test_the_serving_engine_streams_hfs_tokens_with_async_scheduling(model_dir, prompt_ids, hf_reference):
     """The server's AsyncLLMEngine over an async-scheduling engine: concurrent streams, one token per delta, HF's
     greedy tokens; a stream left early aborts its request while its batch is in flight, and nothing leaks."""
@@ -268,6 +275,7 @@ def test_the_serving_engine_streams_hfs_tokens_with_async_scheduling(model_dir, 
     engine.shutdown()
 
 
+@pytest.mark.slow
 def test_a_paused_server_engine_has_nothing_in_flight_and_steps_one_token_at_a_time(model_dir, prompt_ids,
                                                                                    hf_reference):
     """The dashboard's pause and single step over an async-scheduling engine (the default on a GPU): pausing
@@ -358,6 +366,7 @@ def test_unset_async_scheduling_is_on_where_it_works_and_pays(kw, device_type, o
     assert config.async_scheduling_on(device_type) is on
 
 
+@pytest.mark.slow
 def test_an_engine_left_unset_on_a_cpu_schedules_one_batch_at_a_time(model_dir):
     with LLM(str(model_dir), device="cpu", dtype="float32", num_kv_blocks=64) as llm:
         engine = llm.llm_engine

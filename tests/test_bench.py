@@ -10,6 +10,7 @@ from minivllm.bench.cli import main
 from minivllm.bench.workload import TOKEN_ID_HIGH, TOKEN_ID_LOW, Workload
 
 
+@pytest.mark.slow
 def test_bench_compare_hf_gives_every_request_its_tokens_in_both_engines(tmp_path):
     out = tmp_path / "bench.json"
     rc = main(["--num-requests", "3", "--input-len-min", "8", "--input-len-max", "16",
@@ -37,6 +38,7 @@ def test_bench_compare_hf_gives_every_request_its_tokens_in_both_engines(tmp_pat
     assert hw["decode"]["batch"] == 3 and hw["decode"]["median_floor_s"] > 0
 
 
+@pytest.mark.slow
 def test_prefix_mode_computes_the_shared_prefix_once(tmp_path):
     out = tmp_path / "prefix.json"
     assert main(["prefix", "--num-requests", "4", "--shared-prefix-len", "64", "--json", str(out)]) == 0
@@ -63,6 +65,7 @@ def test_bad_arguments_are_usage_errors(argv, capsys):
     assert "usage:" in capsys.readouterr().err
 
 
+@pytest.mark.slow
 def test_serve_mode_runs_from_the_command_line():
     """As `python -m minivllm.bench serve`: main_serve must be defined before the module runs main()."""
     import subprocess
@@ -145,6 +148,7 @@ def test_a_quantized_run_is_measured_against_its_own_bytes_and_kernels(quantizat
     assert floor == (weights + roofline.kv_bytes_per_token(cfg, 2) * 200) / 1e10
 
 
+@pytest.mark.slow
 def test_spec_mode_compares_speculation_off_and_on_with_identical_greedy_outputs(tmp_path, capsys):
     out = tmp_path / "spec.json"
     rc = main(["spec", "--workload", "repeat", "--num-requests", "1", "--output-len-max", "12", "--max-num-seqs", "1",
@@ -167,6 +171,7 @@ def test_spec_mode_compares_speculation_off_and_on_with_identical_greedy_outputs
     assert sum(r["accepted_per_position"]) == r["num_accepted_tokens"]
 
 
+@pytest.mark.slow
 def test_spec_mode_on_the_random_workload_gives_every_request_its_tokens(tmp_path):
     out = tmp_path / "spec.json"
     rc = main(["spec", "--num-requests", "2", "--input-len-min", "8", "--input-len-max", "16", "--output-len-min", "6",
@@ -179,6 +184,7 @@ def test_spec_mode_on_the_random_workload_gives_every_request_its_tokens(tmp_pat
     assert len(r["accepted_per_position"]) <= 2 and r["num_draft_tokens"] <= 2 * r["num_drafts"]
 
 
+@pytest.mark.slow
 def test_repeat_workload_prompts_are_chat_prompts_the_model_answers_by_copying():
     """The repeat workload is only useful if the model copies: its greedy answers start with the text's words."""
     from minivllm import LLM
@@ -206,6 +212,7 @@ def test_spec_workload_flag_is_for_the_spec_mode(capsys):
     assert exc.value.code == 2 and "--workload repeat is for the spec mode" in capsys.readouterr().err
 
 
+@pytest.mark.slow
 def test_pipeline_mode_overlaps_the_stages_only_with_batches_in_flight(tmp_path, capsys, monkeypatch):
     import torch
 

@@ -56,6 +56,7 @@ def reference(hf_bf16, llm_bf16):
     return prompts, [hf_greedy_with_logits(hf_bf16, p, NUM_TOKENS) for p in prompts]
 
 
+@pytest.mark.slow
 def test_bf16_is_bf16_end_to_end(llm_bf16):
     runner = llm_bf16.llm_engine.model_runner
     assert runner.dtype == torch.bfloat16
@@ -66,6 +67,7 @@ def test_bf16_is_bf16_end_to_end(llm_bf16):
     assert runner.bytes_per_block == 2 * 30 * 16 * 3 * 64 * 2
 
 
+@pytest.mark.slow
 def test_bf16_is_as_close_to_fp32_as_hf_bf16_is(llm_bf16, reference, hf_model):
     """Both bf16 runs against HF fp32 on the same tokens: minivllm's bf16 error at most 1.25x HF's own."""
     prompts, hf = reference
@@ -84,6 +86,7 @@ def test_bf16_is_as_close_to_fp32_as_hf_bf16_is(llm_bf16, reference, hf_model):
         f"minivllm bf16 is {mine_error:.3f} from fp32, HF's own bf16 {hf_bf16_error:.3f}")
 
 
+@pytest.mark.slow
 def test_bf16_greedy_parts_from_hf_only_at_near_ties(llm_bf16, reference):
     prompts, hf = reference
     error = max_logprob_error(llm_bf16, prompts, hf)

@@ -13,6 +13,7 @@ def run_cli(*args, timeout=300):
                           timeout=timeout)
 
 
+@pytest.mark.slow
 def test_chat_question_is_answered_with_paris(model_dir):
     r = run_cli("--chat", "--temperature", "0", "--max-tokens", "16", "What is the capital of France?")
     assert r.returncode == 0, r.stderr
@@ -20,6 +21,7 @@ def test_chat_question_is_answered_with_paris(model_dir):
     assert "1 request(s)" in r.stderr and "output tokens/s" in r.stderr
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("args, message", [
     (["--top-p", "2", "hi"], "top_p is 2.0"),
     (["--max-tokens", "0", "hi"], "max_tokens is 0"),
@@ -36,6 +38,7 @@ def test_bad_arguments_exit_2_without_traceback(args, message):
     assert "Traceback" not in r.stderr
 
 
+@pytest.mark.slow
 def test_prompts_file_stream_and_stop(tmp_path, capsys, model_dir):
     from minivllm.generate import main
 

@@ -1,5 +1,7 @@
 """Lesson 00's exercise check (lessons/checks/c00_tour.py) passes the solution, rejects the rest."""
 
+import pytest
+
 from tests.course_helpers import empty, passes, rejects
 
 NAME = "00.blocks_held"
@@ -15,6 +17,7 @@ def full_blocks_only(num_prompt_tokens, num_output_tokens, block_size):
     return (num_prompt_tokens + num_output_tokens - 1) // block_size
 
 
+@pytest.mark.slow
 def test_the_solution_passes():
     passes(NAME)
 

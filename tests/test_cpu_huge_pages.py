@@ -65,6 +65,7 @@ def _greedy(monkeypatch, huge: str, **kwargs):
     return llm, [o.outputs[0].token_ids for o in outs]
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("quantization", [None, "int8"])
 def test_the_engine_gives_the_same_tokens_on_2mb_pages(monkeypatch, quantization):
     _, plain = _greedy(monkeypatch, "0", quantization=quantization)

@@ -66,6 +66,7 @@ PROBE = textwrap.dedent("""
 """)
 
 
+@pytest.mark.slow
 @needs_runtime
 def test_the_restarted_process_really_runs_with_the_preload_on_every_core(tmp_path):
     script = tmp_path / "probe.py"
@@ -84,6 +85,7 @@ def test_the_restarted_process_really_runs_with_the_preload_on_every_core(tmp_pa
                        "openmp": "GNU (libgomp)", "threads": got["threads"]}     # as many torch threads either way
 
 
+@pytest.mark.slow
 @needs_runtime
 def test_greedy_output_is_identical_with_and_without_the_preload():
     """The same CLI run twice (fp32, greedy, two prompts batched): the text and token counts are identical, and

@@ -142,10 +142,12 @@ def test_a_preempted_chat_is_told_it_was_preempted_and_why(async_engine):
     assert request_status("chat-1", forgotten) == ("finished", sentence)
 
 
+@pytest.mark.slow
 def test_history_views_draw_the_real_steps(async_engine):
     check_history_views(async_engine, first_token_with_the_prefill=True)
 
 
+@pytest.mark.slow
 def test_history_views_draw_the_real_steps_with_async_scheduling(model_dir):
     """The same views over an engine that schedules ahead (the default on a GPU): a token reaches the host one
     step after the batch that computed it, so a request's last step only collects its last token."""

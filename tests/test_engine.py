@@ -81,6 +81,7 @@ def test_the_three_output_kinds_agree(llm, stop):
         assert last.finish_reason == "stop" and last.stop_reason == stop[0] and stop[0] not in last.text
 
 
+@pytest.mark.slow
 def test_a_request_that_can_never_fit_fails_alone(model_dir):
     from minivllm import LLM
 
@@ -99,6 +100,7 @@ def test_a_request_that_can_never_fit_fails_alone(model_dir):
     assert engine.kv_cache_manager.num_free_blocks == 8
 
 
+@pytest.mark.slow
 def test_shutdown_gives_the_memory_back_and_later_steps_say_so(model_dir):
     """LLM.shutdown() (or leaving its with-block) drops the weights and the KV cache, so the next LLM in the
     process gets them (on a GPU the default budget is a fraction of what is free); using the old one afterwards

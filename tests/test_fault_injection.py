@@ -59,6 +59,8 @@ from minivllm.worker.executor import InFlightBatch
 from tests.oracle import PROMPTS as SHARED_PROMPTS
 from tests.test_kv_cache_properties import Spy, check_rolled_back, core_state, live_blocks
 
+pytestmark = pytest.mark.slow       # fuzzers over real engines and Ctrl-C into child processes
+
 MAX_TOKENS = 8
 SEEDS = (None, 1, 2)           # None: greedy; otherwise temperature 0.8 with this per-request seed
 PREFIXES = ["The capital of France is Paris, and the capital of Italy is",

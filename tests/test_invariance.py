@@ -48,6 +48,7 @@ def run(llm, prompt_ids, params=None):
     return [o.outputs[0].token_ids for o in outs], traces
 
 
+@pytest.mark.slow
 def test_prefix_caching_changes_nothing_and_hits(model_dir, tokenizer, baseline, prompt_ids):
     shared = [tokenizer.encode(SYSTEM + p, add_special_tokens=False) for p in PROMPTS]
     off, _ = run(make_llm(model_dir, enable_prefix_caching=False, num_kv_blocks=256), shared)
@@ -61,6 +62,7 @@ def test_prefix_caching_changes_nothing_and_hits(model_dir, tokenizer, baseline,
     assert min(r.num_cached_tokens for r in traces[0].requests) >= system_blocks * 16
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("budget", [16, 64, None])
 def test_chunked_prefill_budget_changes_nothing(model_dir, baseline, prompt_ids, budget):
     kw = {"max_num_batched_tokens": budget, "max_num_seqs": budget} if budget else {}
@@ -81,6 +83,7 @@ def test_chunked_prefill_budget_changes_nothing(model_dir, baseline, prompt_ids,
         assert max(chunks.values()) == 1
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("mode", ["recompute", "swap"])
 def test_preemption_changes_nothing_and_happens(model_dir, baseline, prompt_ids, mode):
     # 12 blocks of 16 tokens = 192 slots for 6 requests that grow to ~60 tokens each: preemption is forced.
@@ -95,6 +98,7 @@ def test_preemption_changes_nothing_and_happens(model_dir, baseline, prompt_ids,
         assert any(r.status == "preempted" for t in traces for r in t.requests)
 
 
+@pytest.mark.slow
 def test_random_aborts_leave_the_others_unchanged(model_dir, baseline, prompt_ids):
     llm = make_llm(model_dir, num_kv_blocks=20, preemption_mode="swap", swap_space=0.05,
                    max_num_batched_tokens=32, max_num_seqs=32)

@@ -167,6 +167,7 @@ def llm_fp8(model_dir):
                max_num_seqs=8)
 
 
+@pytest.mark.slow
 def test_the_cache_is_fp8_with_calibrated_scales(llm_fp8, model_dir):
     runner = llm_fp8.llm_engine.model_runner
     assert runner.kv_cache.dtype == FP8 and runner.dtype == torch.float32
@@ -234,6 +235,7 @@ def _prompt_logprobs(llm, ids: list[int]) -> list[float]:
     return [out.prompt_logprobs[k][ids[k]].logprob for k in range(1, len(ids))]
 
 
+@pytest.mark.slow
 def test_fp8_is_as_far_from_fp32_as_hf_with_the_same_rounding_is(llm_fp8, hf_fp8, hf_model):
     """Teacher-forced over 400 tokens, read back from the fp8 cache chunk by chunk. Two runs of the same rounding
     cannot agree token for token: one ULP of e4m3 is 6-12%, so a 1e-6 difference in fp32 (HF's and minivllm's
@@ -253,6 +255,7 @@ def test_fp8_is_as_far_from_fp32_as_hf_with_the_same_rounding_is(llm_fp8, hf_fp8
     assert oracle_error > 0.05                                             # rounding the KV does matter here
 
 
+@pytest.mark.slow
 def test_fp8_greedy_follows_hf_with_the_same_rounding(llm_fp8, hf_fp8):
     """Decode steps (the batched decode path) through the fp8 cache: HF-with-rounding's greedy tokens, until a
     rounding flip (see above) tips a near tie; where they part, minivllm's token is in HF's top 2."""
@@ -271,6 +274,7 @@ def test_fp8_greedy_follows_hf_with_the_same_rounding(llm_fp8, hf_fp8):
     assert agreed >= len(prompts) * 16 // 2, f"only {agreed} tokens agree before the first difference"
 
 
+@pytest.mark.slow
 def test_fp8_swap_preemption_round_trips_the_bytes(model_dir):
     """preemption_mode="swap" copies fp8 blocks to the CPU pool and back (as bytes): the output is the same as
     without any preemption."""
@@ -285,6 +289,7 @@ def test_fp8_swap_preemption_round_trips_the_bytes(model_dir):
     assert got == expected
 
 
+@pytest.mark.slow
 def test_fp8_scales_and_tokens_under_pipeline_and_tensor_parallelism(model_dir, llm_fp8):
     """The calibration runs across ranks: pipeline stages pass the calibration prompt's hidden states on (the
     same arithmetic as one rank, so the same scales and tokens exactly); tensor-parallel ranks agree on each

@@ -315,6 +315,7 @@ class CoreModel(RuleBasedStateMachine):
 
 
 TestCoreModel = CoreModel.TestCase
+TestCoreModel.pytestmark = [pytest.mark.slow]          # hundreds of generated runs
 TestCoreModel.settings = settings(max_examples=300, stateful_step_count=50, deadline=None,
                                   suppress_health_check=[HealthCheck.too_slow])
 

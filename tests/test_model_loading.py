@@ -34,6 +34,7 @@ def write_tiny_checkpoint(path, arch: str, tokenizer_dir, **overrides):
     return model.eval()
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("arch, extra", [
     ("LlamaForCausalLM", {}),
     ("LlamaForCausalLM", {"tie_word_embeddings": True, "rope_scaling": {

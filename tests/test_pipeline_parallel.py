@@ -42,6 +42,7 @@ def reference(model_dir, prompt_ids):
     return token_ids(LLM(str(model_dir), **FEATURES).generate(prompt_ids, greedy(), use_tqdm=False))
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("tp, pp", [(1, 2), (1, 3), (3, 2)], ids=["pp2", "pp3", "tp3xpp2"])
 def test_pipeline_stages_give_one_ranks_tokens_with_every_feature_on(model_dir, prompt_ids, reference, tp, pp):
     """With one batch per stage in flight (the default), as vLLM v1's batch queue."""
@@ -64,6 +65,7 @@ def test_pipeline_stages_give_one_ranks_tokens_with_every_feature_on(model_dir, 
         assert not hasattr(runner.model, "lm_head") and runner.kv_cache.shape[1] == len(runner.model.layers)
 
 
+@pytest.mark.slow
 def test_each_stage_holds_only_its_layers_so_more_blocks_fit(model_dir):
     """The same KV memory per rank holds PP times the blocks: a stage stores its own layers' KV only."""
     one = LLM(str(model_dir), device="cpu", kv_cache_memory_gb=0.05)
@@ -98,6 +100,7 @@ def test_more_stages_than_layers_is_refused_before_any_process_starts(model_dir)
     assert {p.pid for p in multiprocessing.active_children()} == before
 
 
+@pytest.mark.slow
 def test_a_dying_stage_stops_the_engine_naming_the_rank(model_dir):
     llm = LLM(str(model_dir), device="cpu", num_kv_blocks=64, pipeline_parallel_size=3)
     pids = llm.llm_engine.executor.worker_pids
@@ -108,6 +111,7 @@ def test_a_dying_stage_stops_the_engine_naming_the_rank(model_dir):
     assert wait_gone(pids) == []
 
 
+@pytest.mark.slow
 def test_n_gram_speculation_through_the_pipeline(model_dir):
     text = "The quick brown fox jumps over the lazy dog. " * 3
     kw = dict(device="cpu", dtype="float32", num_kv_blocks=64)
@@ -118,6 +122,7 @@ def test_n_gram_speculation_through_the_pipeline(model_dir):
         assert llm.get_stats().num_spec_accepted_tokens > 0
 
 
+@pytest.mark.slow
 def test_torchrun_launch_with_tp_x_pp_matches_one_rank(llm):
     """torchrun starts every rank (as it would across machines); every rank runs the engine in lockstep, and the last
     stage broadcasts the logits so that every rank samples the same tokens. The README's command: TP 3 x PP 2, six
@@ -148,6 +153,7 @@ def overlaps(times: dict[int, list[tuple[int, float, float]]]) -> int:
     return n
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("k", [1, 2])
 def test_with_two_batches_in_flight_the_stages_work_at_the_same_time(model_dir, prompt_ids, reference, k):
     """Measured, not inferred: each rank notes when it works on which batch. With one batch in flight stage 0 waits
@@ -165,6 +171,7 @@ def test_with_two_batches_in_flight_the_stages_work_at_the_same_time(model_dir, 
             assert overlaps(times) >= len(times[0]) // 2, times
 
 
+@pytest.mark.slow
 def test_a_step_that_fails_with_two_batches_in_flight_rolls_back_and_serving_goes_on(model_dir, prompt_ids, reference):
     """The sampler raises while one batch is being applied and the next is already in the pipe. The step rolls back:
     the batch it issued is forgotten (its requests are scheduled again) and the batch it was applying stays in flight
@@ -206,6 +213,7 @@ def test_a_step_that_fails_with_two_batches_in_flight_rolls_back_and_serving_goe
         assert not engine.batch_queue or all(r.is_finished for b in engine.batch_queue for r in b.sched.scheduled)
 
 
+@pytest.mark.slow
 def test_aborting_a_request_whose_batch_is_in_flight(model_dir, prompt_ids, reference):
     """An abort between steps frees the request at once; when its batch comes back, its row is dropped. The other
     requests' tokens are unchanged."""
@@ -237,6 +245,7 @@ def test_batches_in_flight_need_pipeline_stages():
         EngineConfig.from_kwargs(max_concurrent_batches=0, pipeline_parallel_size=2)
 
 
+@pytest.mark.slow
 def test_the_dashboard_shows_which_batch_each_stage_holds(model_dir, prompt_ids):
     """The engine view's parallelism panel, drawn from real steps: with two batches in flight the last stage holds
     the older one and stage 0 the newer; with one, stage 0 is idle while the last stage works (the bubble)."""
@@ -257,6 +266,7 @@ def test_the_dashboard_shows_which_batch_each_stage_holds(model_dir, prompt_ids)
         assert all(rid in page for rid in pipe[0][1])
 
 
+@pytest.mark.slow
 def test_aborting_a_prompt_logprobs_request_during_its_prefill_in_flight(model_dir, prompt_ids, reference):
     """Its batch comes back with prompt-logprob rows for a request that is gone: they are dropped."""
     with LLM(str(model_dir), pipeline_parallel_size=2, **FEATURES) as llm:
@@ -274,6 +284,7 @@ def test_aborting_a_prompt_logprobs_request_during_its_prefill_in_flight(model_d
         assert engine.kv_cache_manager.num_free_blocks == engine.kv_cache_manager.num_blocks
 
 
+@pytest.mark.slow
 def test_tp2_x_pp2_on_a_tiny_llama_with_every_feature_on(tmp_path, model_dir):
     """TP 2 x PP 2 (four ranks: two stages of two TP ranks) on a tiny Llama whose heads TP 2 divides, with prefix
     caching, chunked prefill and preemption, two batches in flight; the oracle is the plain engine (which

@@ -197,6 +197,7 @@ def fp32_tokens(llm, tokenizer):
 # machine of 2026-11-27 with minivllm's int8/int4 kernels, int8 74, int4 36, gguf 84 (with PyTorch's: 80, 28,
 # 80; perplexities README, "Measured"). bf16 models (2026-11-27, the activation in the gate/up matmul): int8
 # 80, int4 28, gguf 86. Floors below those.
+@pytest.mark.slow
 @pytest.mark.parametrize("method,floor,dtype", [("int8", 60, "float32"), ("int4", 24, "float32"),
                                                ("gguf", 64, "float32"), ("gguf", 64, "bfloat16"),
                                                ("int8", 60, "bfloat16"), ("int4", 20, "bfloat16")])

@@ -26,6 +26,7 @@ def greedy_both(path, max_tokens: int):
     return [o.outputs[0].token_ids for o in outs], [hf_greedy(hf, p, max_tokens) for p in PROMPTS]
 
 
+@pytest.mark.slow
 def test_tiny_qwen3_loads_in_both_and_matches(tmp_path):
     path = write_random_checkpoint("tiny-qwen3", tmp_path / "tiny", dtype="float32", init_std=0.2)
     config = json.loads((path / "config.json").read_text())
@@ -36,6 +37,7 @@ def test_tiny_qwen3_loads_in_both_and_matches(tmp_path):
     assert len(set(mine[0])) > 3                            # varied tokens, so the comparison means something
 
 
+@pytest.mark.slow
 def test_qwen3_0_6b_shape_matches_hf(tmp_path):
     """The performance issue's GPU model, at its real shape (28 layers, 16 query / 8 KV heads of 128,
     vocabulary 151,936, tied embeddings, q/k norms), random weights, fp32 on the CPU: token for token."""
@@ -51,6 +53,7 @@ def test_qwen3_0_6b_shape_matches_hf(tmp_path):
     assert len(set(mine[0])) > 3
 
 
+@pytest.mark.slow
 def test_errors_name_the_choice(tmp_path):
     with pytest.raises(ValueError, match="shape is 'qwen9'; choose one of qwen3-0.6b, tiny-qwen3"):
         write_random_checkpoint("qwen9", tmp_path / "x")
@@ -64,6 +67,7 @@ def test_errors_name_the_choice(tmp_path):
     assert cli.returncode == 2 and "already holds a checkpoint" in cli.stderr
 
 
+@pytest.mark.slow
 def test_bench_runs_hf_in_minivllm_dtype_and_device(tmp_path):
     from minivllm.bench.hf import hf_generate_batch, load_hf_model
     path = write_random_checkpoint("tiny-qwen3", tmp_path / "t")           # bf16 on disk

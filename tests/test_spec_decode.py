@@ -81,6 +81,7 @@ def test_greedy_equals_hugging_face_with_speculation(spec_llm, hf_model, tokeniz
     assert accepted / drafts > 0.3, (drafts, accepted)              # the copy prompts are mostly accepted
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("kw", [
     dict(),                                                          # prefix caching on (default)
     dict(enable_prefix_caching=False),
@@ -145,6 +146,7 @@ def test_structured_output_with_speculation(spec_llm, plain_llm):
     json.loads(got.text)
 
 
+@pytest.mark.slow
 def test_a_request_with_penalties_gets_no_drafts_and_is_unchanged(model_dir, plain_llm):
     llm = make_llm(model_dir)
     sp = SamplingParams(temperature=0, max_tokens=24, repetition_penalty=1.3)
@@ -245,6 +247,7 @@ def test_the_test_rejects_a_wrong_rule():
     assert chisquare(first.double().numpy(), (P[0].double() * n).numpy()).pvalue < 1e-6
 
 
+@pytest.mark.slow
 def test_seeded_sampling_with_speculation_follows_the_same_distribution(spec_llm, plain_llm):
     """End to end: 300 seeded 3-token continuations (top_k 2) of a copy prompt with and without speculation are two
     samples of one distribution (chi-square on the contingency table of the continuations)."""
@@ -287,6 +290,7 @@ def test_bad_speculative_config(model_dir, cfg, message):
     assert message in str(e.value)
 
 
+@pytest.mark.slow
 def test_speculation_under_tensor_parallelism(model_dir, reference):
     """TP 3 (worker processes, gloo): the drafts are in the flat batch every rank runs; rank 0 verifies."""
     llm = make_llm(model_dir, tensor_parallel_size=3, distributed_executor_backend="mp")
@@ -304,6 +308,7 @@ def draft_llm(model_dir, **spec):
                speculative_config={"method": "draft_model", "num_speculative_tokens": 3, **spec})
 
 
+@pytest.mark.slow
 def test_the_target_as_its_own_draft_accepts_every_proposal(model_dir, reference):
     llm = draft_llm(model_dir, model=str(model_dir))
     outs = run(llm, COPY + PROMPTS[:2], greedy())
@@ -313,6 +318,7 @@ def test_the_target_as_its_own_draft_accepts_every_proposal(model_dir, reference
     assert s.spec_mean_acceptance_length == 1 + s.num_spec_draft_tokens / s.num_spec_drafts      # every one kept
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("kind", ["first-layers", "random-weights"])
 def test_a_poor_draft_changes_nothing(model_dir, reference, tmp_path, kind):
     """The target's first 6 layers, or a tiny random-weights model with the same tokenizer: most drafts are
@@ -329,6 +335,7 @@ def test_a_poor_draft_changes_nothing(model_dir, reference, tmp_path, kind):
     assert s.num_spec_draft_tokens > 0 and s.spec_acceptance_rate < 0.5, s
 
 
+@pytest.mark.slow
 def test_a_draft_with_another_vocabulary_is_refused(model_dir, tmp_path):
     from minivllm.model.random_checkpoint import write_random_checkpoint
     write_random_checkpoint("tiny-qwen3", tmp_path / "draft", dtype="float32")

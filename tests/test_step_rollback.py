@@ -103,6 +103,7 @@ def test_a_failed_step_changes_nothing(small_llm, engine, where, exc):
     assert a.output_token_ids == b.output_token_ids == want
 
 
+@pytest.mark.slow
 def test_ctrl_c_in_generate_then_the_same_prompt_gives_the_reference_text(small_llm, engine):
     """The issue's scenario: Ctrl-C inside the forward of LLM.generate([p, p]); before the fix the next request
     with that prompt hit blocks that were cached but never computed, and got wrong text."""
@@ -117,6 +118,7 @@ def test_ctrl_c_in_generate_then_the_same_prompt_gives_the_reference_text(small_
     assert (got.token_ids, got.text) == (want.token_ids, want.text)
 
 
+@pytest.mark.slow
 def test_a_failed_step_after_a_preemption_distrusts_the_reused_blocks(model_dir):
     """A step that preempts one request and hands its blocks to another, then fails: the rollback gives the victim
     its blocks back, but the failed forward may have written them, so the victim recomputes from the first one."""
@@ -274,6 +276,7 @@ def test_stop_and_eos_tokens_leave_no_text_unless_asked(small_llm, tokenizer):
     assert tokenizer.decode([eos]) not in o.text
 
 
+@pytest.mark.slow
 def test_string_prompts_get_the_tokenizers_special_tokens(model_dir, tmp_path):
     """A tokenizer that adds a BOS (as Llama 2/3's do) gets it on string prompts, as in vLLM and HF."""
     import shutil

@@ -127,6 +127,7 @@ def test_logprobs_see_the_mask(llm):
     assert c.logprobs[-1][c.token_ids[-1]].logprob == pytest.approx(0.0, abs=1e-6)
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("mode", ["recompute", "swap"])
 def test_preemption_keeps_the_grammar_in_step(model_dir, mode):
     """A pool too small for everyone: requests are preempted mid-JSON and come back; the matcher is untouched by

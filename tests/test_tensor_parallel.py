@@ -71,6 +71,7 @@ def reference(llm):
     return token_ids(llm.generate(PROMPTS, greedy(), use_tqdm=False))
 
 
+@pytest.mark.slow
 def test_tp3_matches_tp1_on_the_default_model(model_dir, reference):
     llm = LLM(str(model_dir), device="cpu", dtype="float32", num_kv_blocks=256, tensor_parallel_size=3)
     try:
@@ -88,6 +89,7 @@ def test_tp3_matches_tp1_on_the_default_model(model_dir, reference):
     assert wait_gone(pids) == []
 
 
+@pytest.mark.slow
 def test_tp2_matches_tp1_on_a_tiny_llama(tmp_path, model_dir):
     write_tiny_checkpoint(tmp_path, "LlamaForCausalLM", model_dir, num_attention_heads=4, num_key_value_heads=2)
     prompts = [{"prompt_token_ids": p} for p in ([5, 17, 42, 7, 99, 3, 250, 31], [9, 8, 7], list(range(40, 80)))]
@@ -100,6 +102,7 @@ def test_tp2_matches_tp1_on_a_tiny_llama(tmp_path, model_dir):
     assert wait_gone(pids) == []
 
 
+@pytest.mark.slow
 def test_features_fire_and_leave_outputs_unchanged_under_tp(model_dir, prompt_ids_with_shared_prefix):
     """Prefix caching, chunked prefill and preemption at once, on 3 ranks, against the same engine on 1."""
     prompts = [{"prompt_token_ids": p} for p in prompt_ids_with_shared_prefix]
@@ -187,6 +190,7 @@ def test_each_rank_reads_only_its_own_shard(model_dir, monkeypatch):
                                    full.layers[0].self_attn.o_proj.weight[:, rank * 192:(rank + 1) * 192])
 
 
+@pytest.mark.slow
 def test_workers_stop_on_garbage_collection_and_after_a_worker_dies(model_dir):
     llm = LLM(str(model_dir), device="cpu", num_kv_blocks=64, tensor_parallel_size=3)
     pids = llm.llm_engine.executor.worker_pids
@@ -213,6 +217,7 @@ def _cli(tag, *args, **kw):
                             stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, **kw)
 
 
+@pytest.mark.slow
 def test_cli_with_tp3_exits_cleanly_and_leaves_no_process(llm):
     tag = uuid.uuid4().hex
     proc = _cli(tag, "--tensor-parallel-size", "3", "--temperature", "0", "--max-tokens", "12",
@@ -224,6 +229,7 @@ def test_cli_with_tp3_exits_cleanly_and_leaves_no_process(llm):
     assert wait_gone(processes_with_tag(tag)) == []
 
 
+@pytest.mark.slow
 def test_cli_interrupted_with_ctrl_c_leaves_no_process():
     tag = uuid.uuid4().hex
     # Ctrl-C in a terminal signals the whole foreground process group: the driver and its workers.
@@ -238,6 +244,7 @@ def test_cli_interrupted_with_ctrl_c_leaves_no_process():
     assert wait_gone(processes_with_tag(tag)) == []
 
 
+@pytest.mark.slow
 def test_torchrun_launch_matches_tp1(tmp_path, model_dir):
     """torchrun starts both ranks (as it would across machines); every rank runs the engine in lockstep."""
     write_tiny_checkpoint(tmp_path, "LlamaForCausalLM", model_dir, num_attention_heads=4, num_key_value_heads=2,

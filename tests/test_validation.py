@@ -75,6 +75,7 @@ def test_prompt_over_max_model_len_names_both_numbers(llm):
     _assert_engine_idle(llm)
 
 
+@pytest.mark.slow
 def test_request_larger_than_the_pool_names_both_numbers(model_dir):
     small = LLM(str(model_dir), device="cpu", dtype="float32", num_kv_blocks=8)      # 128 token slots
     with pytest.raises(ValueError) as e:

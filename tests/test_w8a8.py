@@ -295,6 +295,7 @@ def hf_with_rounding(model_dir, name, dtype=torch.float64):
     return model
 
 
+@pytest.mark.slow
 def test_every_linear_layer_runs_the_scheme(scheme):
     name, llm, _ = scheme
     model = llm.llm_engine.model_runner.model
@@ -306,6 +307,7 @@ def test_every_linear_layer_runs_the_scheme(scheme):
         assert [m.packed_silu_and_mul for m in layers if hasattr(m, "feeds_silu_and_mul")] == [True] * 30
 
 
+@pytest.mark.slow
 def test_it_is_as_far_from_fp32_as_hf_with_the_same_rounding_is(scheme, hf_model):
     """Teacher-forced over 1,000 tokens of the bench's passages. As with the fp8 cache (tests/test_kv_cache_fp8.py),
     two runs of the same rounding cannot agree bit for bit: a 1e-6 difference between two fp32 sums moves an
@@ -330,6 +332,7 @@ def test_it_is_as_far_from_fp32_as_hf_with_the_same_rounding_is(scheme, hf_model
     assert oracle_error > 0.1                                              # the rounding does matter
 
 
+@pytest.mark.slow
 def test_decode_steps_match_hf_with_the_same_rounding(scheme, hf_model, model_dir):
     """Decode steps (the batched decode path): minivllm's log-probs of its own greedy tokens against HF's, teacher-
     forced on the same tokens. Greedy text cannot be the check: on this 135M model a single rounding flip moves
@@ -364,6 +367,7 @@ def test_decode_steps_match_hf_with_the_same_rounding(scheme, hf_model, model_di
     assert apart(lps["oracle"], lps["fp32"]) > 0.02
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("name", list(METHODS))
 def test_a_request_gets_the_same_tokens_alone_and_in_a_batch(model_dir, name):
     """Each row (w8a8_int8) or each row's group (w4a8_int8) is rounded with its own scale and the integer sums are
