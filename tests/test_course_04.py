@@ -1,5 +1,6 @@
 """Lesson 04's exercise check (lessons/checks/c04_paged_attention.py) passes the solution, rejects the rest."""
 
+import pytest
 import torch
 
 from tests.course_helpers import empty, passes, rejects
@@ -52,6 +53,7 @@ def gqa_by_modulo(q, key_cache, value_cache, block_table, seq_len, scale):
     return _attend(q, k, v, scale)
 
 
+@pytest.mark.slow
 def test_the_solution_passes():
     passes(NAME)
 

@@ -1,5 +1,7 @@
 """Lesson 06's exercise check (lessons/checks/c06_serving.py) passes the solution, rejects the rest."""
 
+import pytest
+
 from tests.course_helpers import empty, passes, rejects
 
 NAME = "06.stream_deltas"
@@ -50,6 +52,7 @@ def holds_back_a_whole_stop_string(pieces, stop):
     return deltas
 
 
+@pytest.mark.slow
 def test_the_solution_passes():
     passes(NAME)
 

@@ -1,5 +1,7 @@
 """Lesson 07's exercise check (lessons/checks/c07_performance.py) passes the solution, rejects the rest."""
 
+import pytest
+
 from tests.course_helpers import empty, passes, rejects
 
 NAME = "07.decode_memory_floor_ms"
@@ -23,14 +25,17 @@ def embedding_twice(cfg, itemsize, batch, context, bandwidth):
     return (weights + 2 * cfg.num_hidden_layers * kv * batch * context) * itemsize / bandwidth * 1e3
 
 
+@pytest.mark.slow
 def test_the_solution_passes():
     passes(NAME)
 
 
+@pytest.mark.slow
 def test_an_empty_answer_is_told_to_write_code():
     rejects(empty, NAME, "not written yet")
 
 
+@pytest.mark.slow
 def test_plausible_wrong_answers_are_rejected_with_the_case():
     rejects(kv_once, NAME, "K and V of every cached token, every layer")
     rejects(embedding_twice, NAME, "its parameters are")

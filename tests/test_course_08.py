@@ -1,5 +1,6 @@
 """Lesson 08's exercise check (lessons/checks/c08_sampling.py) passes the solution, rejects the rest."""
 
+import pytest
 import torch
 
 from tests.course_helpers import empty, passes, rejects
@@ -36,6 +37,7 @@ def first_row_top_p_for_all(logits, top_p):
     return _filter(logits, lambda probs: probs.cumsum(-1) - probs < p)
 
 
+@pytest.mark.slow
 def test_the_solution_passes():
     passes(NAME)
 

@@ -1,5 +1,7 @@
 """Lesson 09's exercise check (lessons/checks/c09_spec_decode.py) passes the solution, rejects the rest."""
 
+import pytest
+
 from tests.course_helpers import empty, passes, rejects
 
 NAME = "09.ngram_propose"
@@ -36,6 +38,7 @@ def shortest_n_first(token_ids, k, min_n, max_n):
     return _search(token_ids, k, range(min_n, max_n + 1), lambda n: range(len(token_ids) - n - 1, -1, -1))
 
 
+@pytest.mark.slow
 def test_the_solution_passes():
     passes(NAME)
 

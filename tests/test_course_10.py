@@ -1,5 +1,7 @@
 """Lesson 10's exercise check (lessons/checks/c10_flat_batch.py) passes the solution, rejects the rest."""
 
+import pytest
+
 from tests.course_helpers import empty, passes, rejects
 
 NAME = "10.slot_mapping"
@@ -27,6 +29,7 @@ def end_inclusive(block_table, start, end, block_size):
             for p in range(start, min(end + 1, len(block_table) * block_size))]
 
 
+@pytest.mark.slow
 def test_the_solution_passes():
     passes(NAME)
 
