@@ -1,5 +1,7 @@
 """Lesson 11's exercise check (lessons/checks/c11_beyond_the_floor.py) passes the solution, rejects the rest."""
 
+import pytest
+
 from tests.course_helpers import empty, passes, rejects
 
 NAME = "11.pad_decode_batch"
@@ -30,6 +32,7 @@ def pads_context_zero(input_ids, positions, slot_mapping, seq_lens, block_tables
     return _pad(input_ids, positions, slot_mapping, seq_lens, block_tables, size, len_pad=0)
 
 
+@pytest.mark.slow
 def test_the_solution_passes():
     passes(NAME)
 
@@ -61,6 +64,7 @@ def ignores_in_flight(num_tokens, num_computed_tokens, num_in_flight):
     return num_computed_tokens, num_tokens - num_computed_tokens
 
 
+@pytest.mark.slow
 def test_plan_ahead_solution_passes():
     passes(PLAN)
 
@@ -95,6 +99,7 @@ def one_scale_for_all(x):
     return torch.round(xf / s[:, None]).to(torch.int8), s
 
 
+@pytest.mark.slow
 def test_quantize_activations_solution_passes():
     passes(QUANT)
 
