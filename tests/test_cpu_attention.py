@@ -111,6 +111,7 @@ def test_decode_kernel_refuses_bad_input_with_a_clear_error():
         cpu_ops.paged_decode_attention(torch.randn(2, 8, 64), kc, vc, tables, lens, 0.125)
 
 
+@pytest.mark.slow
 def test_loading_the_kernels_does_not_flush_denormals():
     """The library is compiled with -ffast-math but not linked with it; linked, GCC adds crtfastmath.o, which
     sets flush-to-zero for the whole process and would change every fp32 op in torch."""
@@ -123,6 +124,7 @@ def test_loading_the_kernels_does_not_flush_denormals():
     assert float(out.stdout.strip()) > 0, out.stderr
 
 
+@pytest.mark.slow
 def test_the_cpu_default_serves_through_the_kernel_and_matches_hf_and_the_reference(model_dir, hf_model,
                                                                                      monkeypatch):
     """auto on a CPU picks 'cpu'; its decode steps call the C++ kernel (counted), and greedy output equals
@@ -159,6 +161,7 @@ def test_the_cpu_default_serves_through_the_kernel_and_matches_hf_and_the_refere
         assert got == want[:n]
 
 
+@pytest.mark.slow
 def test_without_the_kernels_the_cpu_serves_with_the_reference_and_says_why(model_dir):
     """MINIVLLM_CPU_KERNELS=0 (as a machine without a C++ compiler): auto falls back to 'torch'; asking for
     'cpu' by name is refused with the reason and the fix."""
