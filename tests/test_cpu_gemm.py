@@ -165,6 +165,7 @@ def test_no_packing_for_other_dtypes_and_fallback_on_mismatch():
     torch.testing.assert_close(cpu_gemm.gemm(x, w.bfloat16(), None, packed), F.linear(x, w.bfloat16()))
 
 
+@pytest.mark.slow
 def test_every_linear_of_the_model_is_packed_for_onednn_and_used(monkeypatch):
     from minivllm import LLM, SamplingParams
 

@@ -82,6 +82,7 @@ def test_rotary_on_strided_views_of_qkv_equals_forward_native(dtype, head_dim):
     torch.testing.assert_close(got_k, want_k, **_ulps(dtype))
 
 
+@pytest.mark.slow
 def test_the_model_runs_the_fused_layers_on_a_cpu(llm, monkeypatch):
     """Every RMSNorm, rotary and activation of a forward pass goes through the C++ ops (counted; the activation
     inside the gate/up matmul where the model's weights are packed for it), and turning them off
