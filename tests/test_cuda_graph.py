@@ -31,6 +31,7 @@ def attach_emulated_graphs(llm: LLM, max_num_seqs: int) -> DecodeGraphs:
     return graphs
 
 
+@pytest.mark.slow
 def test_padded_static_decode_matches_hf_and_eager(llm, hf_model, tokenizer):
     """Six requests that finish one after another: decode batches of 6, 5, 4, 3, 2, 1 run in buckets of
     8, 8, 4, 4, 2, 1 with padding rows, block tables of changing widths, and prefill steps in between."""
