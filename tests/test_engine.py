@@ -16,6 +16,7 @@ def run_alone(llm, prompt, n):
     return llm.generate(prompt, greedy(n), use_tqdm=False)[0].outputs[0].token_ids
 
 
+@pytest.mark.slow
 def test_requests_join_and_leave_a_running_batch(llm):
     engine = llm.llm_engine
     a = engine.add_request("The sun rises in the", greedy(12))
@@ -55,6 +56,7 @@ def test_abort_frees_every_block_at_any_point(llm):
     assert engine.abort_request(running.request_id) is None      # unknown or finished: ignored
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("stop", [[], ["city,"], [" the"]])
 def test_the_three_output_kinds_agree(llm, stop):
     """DELTA outputs add up to the CUMULATIVE ones, token for token and character for character; FINAL_ONLY gives
@@ -118,6 +120,7 @@ def test_shutdown_gives_the_memory_back_and_later_steps_say_so(model_dir):
     assert len(first[0].outputs[0].token_ids) == 3
 
 
+@pytest.mark.slow
 def test_warm_up_runs_a_prefill_and_touches_no_state(llm, monkeypatch):
     """ModelRunner.warm_up (what `python app.py --warmup-tokens N` runs before serving): one dummy prefill through
     the model on a scratch cache; no counter moves, the KV cache keeps its bytes, and later output is unchanged."""

@@ -19,6 +19,7 @@ def hf_logprobs(hf_model, prompt_ids: list[int], output_ids: list[int]) -> torch
     return logits[len(prompt_ids) - 1:len(prompt_ids) + len(output_ids) - 1].log_softmax(dim=-1)
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("params", [dict(temperature=0), dict(temperature=1.0, top_k=20, seed=3, repetition_penalty=1.2)],
                          ids=["greedy", "sampled_with_penalty"])
 def test_logprobs_are_hfs_log_softmax_before_any_sampling_transformation(llm, hf_model, params):
