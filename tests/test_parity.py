@@ -28,6 +28,7 @@ def test_batched_greedy_matches_hf_token_for_token(llm, hf_reference):
         assert out.outputs[0].finish_reason == "length"
 
 
+@pytest.mark.slow
 def test_each_prompt_alone_equals_the_batch(llm, hf_reference):
     prompt_ids, expected = hf_reference
     llm.llm_engine.kv_cache_manager.reset_prefix_cache()
@@ -42,6 +43,7 @@ def test_string_prompts_are_tokenized_like_hf(llm, tokenizer):
     assert out.prompt == PROMPTS[0]
 
 
+@pytest.mark.slow
 def test_chat_answers_paris(llm):
     out = llm.chat([{"role": "user", "content": "What is the capital of France?"}],
                    SamplingParams(temperature=0, max_tokens=16), use_tqdm=False)[0]
@@ -51,6 +53,7 @@ def test_chat_answers_paris(llm):
     assert "<|im_end|>" not in out.outputs[0].text
 
 
+@pytest.mark.slow
 def test_outputs_come_back_in_input_order_with_metrics(llm):
     prompts = ["One", "Two two two two two two two two two two two two", "Three three"]
     outs = llm.generate(prompts, [greedy(3), greedy(9), greedy(5)], use_tqdm=False)
