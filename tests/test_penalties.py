@@ -132,6 +132,7 @@ def _greedy(llm, prompt, **kw):
     return llm.generate(prompt, sp, use_tqdm=False)[0].outputs[0]
 
 
+@pytest.mark.slow
 def test_greedy_repetition_penalty_and_min_tokens_match_hugging_face(llm, hf_model, tokenizer):
     """HF's RepetitionPenaltyLogitsProcessor and MinNewTokensLengthLogitsProcessor (EOS due at token 13 here)."""
     prompt = "A list of prime numbers: 2, 3, 5, 7,"
@@ -156,6 +157,7 @@ def test_allowed_token_ids_and_logit_bias_end_to_end(llm, tokenizer):
     assert biased == [comma] * 6 and comma not in plain
 
 
+@pytest.mark.slow
 def test_bad_words_never_appear(llm, tokenizer):
     prompt = "The capital of France is"
     assert "Paris" in _greedy(llm, prompt, max_tokens=12).text
@@ -167,6 +169,7 @@ def test_bad_words_never_appear(llm, tokenizer):
     assert not any(w in o.outputs[0].text for o in sampled for w in banned)
 
 
+@pytest.mark.slow
 def test_min_tokens_holds_off_eos(llm):
     chat = [{"role": "user", "content": "Say hi."}]
     plain = llm.chat(chat, SamplingParams(temperature=0, max_tokens=60))[0].outputs[0]
@@ -176,6 +179,7 @@ def test_min_tokens_holds_off_eos(llm):
     assert held.token_ids[:len(plain.token_ids) - 1] == plain.token_ids[:-1]       # same text until EOS was due
 
 
+@pytest.mark.slow
 def test_plain_requests_in_a_penalized_batch_keep_their_outputs(llm):
     prompts = ["The capital of France is", "Hello, my name is", "A list of prime numbers: 2, 3, 5, 7,",
                "Once upon a time"]
