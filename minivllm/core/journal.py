@@ -6,9 +6,9 @@ sampler, the detokenizer, a Ctrl-C), the scheduler rolls it back: every change t
 undone, newest first, and the core is exactly as it was before the step.
 
 Attributes of core objects are journaled by their class (`Journaled` below): a write is a plain assignment,
-and the object records its undo itself, so a search for `num_computed_tokens =` finds every writer:
+and the object records its undo itself, so a search for `status =` finds every writer of a request's status:
 
-    req.num_computed_tokens = num_cached          # Request lists it in JOURNALED: undone on rollback
+    req.status = RequestStatus.RUNNING            # a journaled field of Request: undone on rollback
 
 Changes to containers (queues, free lists, hash maps) record, next to the change, how to undo it:
 
@@ -22,8 +22,9 @@ altered, so replaying them in reverse order rebuilds the state piece by piece.
 
 from __future__ import annotations
 
+import dataclasses
 from collections.abc import Callable
-from typing import ClassVar
+from typing import Any, ClassVar
 
 
 class StepJournal:
@@ -53,6 +54,16 @@ class StepJournal:
         for action in reversed(undo):
             action()
         return len(undo)
+
+
+def journaled(default: Any = dataclasses.MISSING, **kw: Any) -> Any:
+    """A dataclass field of a `Journaled` class whose assignments the journal undoes (see `journaled_fields`)."""
+    return dataclasses.field(default=default, metadata={"journaled": True}, **kw)
+
+
+def journaled_fields(cls: type) -> frozenset[str]:
+    """The names of a dataclass's `journaled()` fields: its JOURNALED set."""
+    return frozenset(f.name for f in dataclasses.fields(cls) if f.metadata.get("journaled"))
 
 
 class Journaled:

@@ -18,7 +18,7 @@ from dataclasses import dataclass, field
 
 import torch
 
-from minivllm.core.journal import Journaled
+from minivllm.core.journal import Journaled, journaled, journaled_fields
 from minivllm.core.sampling_params import SamplingParams
 from minivllm.core.structured_output import Grammar
 
@@ -54,10 +54,7 @@ class RequestMetrics:
 
 @dataclass(eq=False)
 class Request(Journaled):
-    # Assignments to these are undone if the step fails (journal.py); `journal` is set when the scheduler adds it.
-    JOURNALED = frozenset({"status", "num_computed_tokens", "num_cached_tokens", "block_table", "num_preemptions",
-                           "stop_reason", "spec_token_ids"})
-
+    # journaled(): assignments are undone if the step fails (journal.py); `journal` is set when the scheduler adds it.
     request_id: str
     prompt_token_ids: list[int]
     sampling_params: SamplingParams
@@ -66,16 +63,16 @@ class Request(Journaled):
     arrival_time: float = field(default_factory=time.time)
 
     output_token_ids: list[int] = field(default_factory=list)
-    status: RequestStatus = RequestStatus.WAITING
-    num_computed_tokens: int = 0          # tokens whose KV is in the cache
-    num_cached_tokens: int = 0            # of the prompt, how many came from the prefix cache (first schedule)
-    block_table: list[int] = field(default_factory=list)   # physical block ids; only the KV cache manager writes it
-    num_preemptions: int = 0
-    stop_reason: int | str | None = None  # the stop string or stop token that ended it
+    status: RequestStatus = journaled(RequestStatus.WAITING)
+    num_computed_tokens: int = journaled(0)    # tokens whose KV is in the cache
+    num_cached_tokens: int = journaled(0)      # of the prompt, how many came from the prefix cache (first schedule)
+    block_table: list[int] = journaled(default_factory=list)   # physical block ids; only the KV cache manager writes it
+    num_preemptions: int = journaled(0)
+    stop_reason: int | str | None = journaled(None)   # the stop string or stop token that ended it
     generator: torch.Generator | None = None   # per-request RNG when sampling_params.seed is set
     bad_words_token_ids: list[list[int]] = field(default_factory=list)   # sampling_params.bad_words, tokenized
     grammar: Grammar | None = None        # structured output's matcher; the scheduler advances it (structured_output.py)
-    spec_token_ids: list[int] = field(default_factory=list)   # speculative decoding: draft tokens for the next step
+    spec_token_ids: list[int] = journaled(default_factory=list)   # speculative decoding: drafts for the next step
 
     def __post_init__(self) -> None:
         self.all_token_ids = list(self.prompt_token_ids)   # prompt + outputs, appended as we go
@@ -111,3 +108,6 @@ class Request(Journaled):
         return (f"Request({self.request_id!r}, {self.status.value}, prompt={self.num_prompt_tokens}, "
                 f"out={self.num_output_tokens}, computed={self.num_computed_tokens}, "
                 f"blocks={self.block_table})")
+
+
+Request.JOURNALED = journaled_fields(Request)

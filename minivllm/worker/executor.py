@@ -55,6 +55,7 @@ import weakref
 import torch
 import torch.distributed as dist
 
+from minivllm import envs
 from minivllm.config import EngineConfig
 from minivllm.worker.distributed import (destroy_distributed, get_open_port, init_distributed, launched_by_torchrun,
                                          make_groups, tp_device)
@@ -80,7 +81,7 @@ def _multiproc_method() -> str:
     """fork, as vLLM does by default: workers start at once and a script needs no `if __name__ ==
     "__main__":` guard. spawn once CUDA is initialized in this process, since a forked child cannot
     use it (spawn re-imports the main module: guard your script). MINIVLLM_WORKER_MULTIPROC_METHOD overrides."""
-    method = os.environ.get("MINIVLLM_WORKER_MULTIPROC_METHOD")
+    method = envs.MINIVLLM_WORKER_MULTIPROC_METHOD or None
     if method:
         return method
     return "spawn" if torch.cuda.is_initialized() else "fork"

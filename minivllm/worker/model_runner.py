@@ -347,6 +347,8 @@ class ModelRunner(PipelineStageMixin):
         asked = any(r.sampling_params.logprobs is not None for r in requests)
         row_tokens = [t for kept, d in zip(tokens, drafts) for t in kept + [0] * (len(d) + 1 - len(kept))] if asked \
             else []
+        if not asked and not batch.model_input.prompt_logprob_spans:
+            return requests, tokens, None                   # logprobs off: nothing to score
         on_device = torch.tensor(row_tokens).to(logits.device, non_blocking=True) if asked else None
         scored = score_step(logits, on_device, requests, drafts, [len(t) for t in tokens], batch.prompt_logits,
                             batch.model_input.prompt_logprob_spans, sched.scheduled)
@@ -385,4 +387,6 @@ class ModelRunner(PipelineStageMixin):
     def propose_draft_token_ids(self, requests: list[Request], max_model_len: int) -> dict[str, list[int]]:
         """The next step's drafts for these (running, just sampled) requests, by request id; {} when speculation is
         off. Which requests get how many: spec_decode.propose_drafts."""
+        if self.proposer is None:                           # speculation off: nothing to propose
+            return {}
         return propose_drafts(self.proposer, requests, max_model_len)
