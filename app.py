@@ -12,7 +12,7 @@ same in-process for tests.
 from __future__ import annotations
 
 if __name__ == "__main__":              # before torch is imported: re-start with tcmalloc preloaded
-    from minivllm.platforms.cpu import reexec_with_cpu_runtime     # when installed (minivllm/platforms/cpu.py)
+    from minivllm.platforms.cpu import reexec_with_cpu_runtime     # when installed (minivllm/platforms/cpu/runtime.py)
     reexec_with_cpu_runtime()
 
 import argparse

@@ -2,7 +2,7 @@
 
 The names below are imported on first use (as vLLM's own `vllm/__init__.py` does), so `import minivllm.x`
 does not pay for torch until something needs it: the entry points re-start themselves with a faster CPU
-runtime (platforms/cpu.py) before torch is imported.
+runtime (platforms/cpu/runtime.py) before torch is imported.
 """
 
 import importlib

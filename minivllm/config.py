@@ -39,7 +39,7 @@ class EngineConfig:
         "auto", "weight and KV cache dtype; auto: float32 on a CPU, the checkpoint's dtype on a GPU "
         "(bfloat16 if the checkpoint is float32)", ("auto", "float32", "float16", "bfloat16"))
     quantization: str | None = option(
-        None, "CPU: quantization of the linear layers and LM head (model/quantization.py). Weight-only: int8 "
+        None, "CPU: quantization of the linear layers and LM head (platforms/cpu/quantization.py). Weight-only: int8 "
         "(per channel), int4 (groups of 32), gguf (int4 from a Q4_1-derived checkpoint's own blocks, such as the "
         "embedded default model's), faster at small batches; w8a8_int8: int8 weights and int8 activations per "
         "token, w4a8_int8: int4 weights and int8 activations per group of 32 (integer dot products, AVX-512 "

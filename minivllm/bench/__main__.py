@@ -2,7 +2,7 @@
 
 from minivllm.platforms.cpu import reexec_with_cpu_runtime
 
-reexec_with_cpu_runtime()               # tcmalloc preloaded when installed (platforms/cpu.py)
+reexec_with_cpu_runtime()               # tcmalloc preloaded when installed (platforms/cpu/runtime.py)
 
 from minivllm.bench.cli import main  # noqa: E402
 

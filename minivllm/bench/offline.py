@@ -91,7 +91,7 @@ def print_hf_report(mv: ThroughputResult, hf: ThroughputResult) -> None:
 
 def host_info() -> dict:
     """How busy the machine was (on a shared 2-core box a neighbour's job stalls a 2-thread torch run), and
-    which allocator and OpenMP this process runs with (platforms/cpu.py: tcmalloc is worth 11-20% here)."""
+    which allocator and OpenMP this process runs with (platforms/cpu/runtime.py: docs/benchmarks.md has what tcmalloc is worth)."""
     import torch
 
     from minivllm.platforms.cpu import loaded_runtime
