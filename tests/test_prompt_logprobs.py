@@ -54,6 +54,7 @@ def test_prompt_logprobs_are_hfs_log_softmax_over_the_prompt(llm, hf_model, toke
     assert out.outputs[0].logprobs is None                        # prompt logprobs do not imply sample logprobs
 
 
+@pytest.mark.slow
 def test_chunked_prefill_gives_the_same_prompt_logprobs(small_llm, hf_model):
     engine = small_llm.llm_engine
     outs = small_llm.generate(LONG, SamplingParams(temperature=0, max_tokens=2, prompt_logprobs=3), use_tqdm=False)
@@ -61,6 +62,7 @@ def test_chunked_prefill_gives_the_same_prompt_logprobs(small_llm, hf_model):
     assert_matches_hf(hf_model, outs[0].prompt_token_ids, outs[0].prompt_logprobs, 3)
 
 
+@pytest.mark.slow
 def test_a_request_with_prompt_logprobs_does_not_read_the_prefix_cache(llm, hf_model):
     plain = SamplingParams(temperature=0, max_tokens=1)
     llm.generate(LONG, plain, use_tqdm=False)
@@ -81,6 +83,7 @@ def test_a_one_token_prompt_has_only_the_leading_none(llm):
     assert out.prompt_logprobs == [None]
 
 
+@pytest.mark.slow
 def test_n_samples_carry_the_prompt_logprobs_once_on_the_request_output(llm, hf_model):
     params = SamplingParams(temperature=1.0, seed=5, n=3, max_tokens=3, prompt_logprobs=1)
     out = llm.generate(PROMPTS[3], params, use_tqdm=False)[0]
@@ -95,6 +98,7 @@ def test_n_samples_carry_the_prompt_logprobs_once_on_the_request_output(llm, hf_
     assert carried[0] == out.prompt_logprobs and all(p is None for p in carried[1:])
 
 
+@pytest.mark.slow
 def test_delta_outputs_carry_the_complete_prompt_logprobs_once(small_llm, hf_model):
     engine = small_llm.llm_engine
     req = engine.add_request(LONG, SamplingParams(temperature=0, max_tokens=4, prompt_logprobs=2,
@@ -107,6 +111,7 @@ def test_delta_outputs_carry_the_complete_prompt_logprobs_once(small_llm, hf_mod
     assert all(o.prompt_logprobs is None for o in outs[1:]) and outs[-1].request_id == req.request_id
 
 
+@pytest.mark.slow
 def test_recompute_preemption_does_not_score_the_prompt_twice(small_llm, hf_model, tokenizer):
     engine = small_llm.llm_engine
     before = engine.scheduler.num_preemptions

@@ -17,6 +17,7 @@ def test_seeded_sampling_repeats_across_runs(llm):
     assert a == b
 
 
+@pytest.mark.slow
 def test_seeded_sampling_ignores_batch_composition(llm):
     sp = SamplingParams(temperature=1.0, seed=7, max_tokens=16, ignore_eos=True)
     alone = llm.generate("My favourite food is", sp, use_tqdm=False)[0].outputs[0].token_ids
