@@ -30,6 +30,7 @@ def test_seeded_sampling_ignores_batch_composition(llm):
     assert different_seed != alone          # the seed matters
 
 
+@pytest.mark.slow
 def test_top_k_1_and_tiny_top_p_equal_greedy(llm):
     prompt = "The three primary colors are"
     greedy = llm.generate(prompt, SamplingParams(temperature=0, max_tokens=12, ignore_eos=True),
