@@ -31,12 +31,14 @@
 # ```
 # LLM.generate(prompts)                         entrypoints/llm.py
 #   └─ LLMEngine.add_request(...)               engine/llm_engine.py        one Request per prompt
-#      while unfinished: LLMEngine.step()       engine/llm_engine.py        one step, all or nothing:
+#      while unfinished: LLMEngine.step()       engine/llm_engine.py        one step, all or nothing
+#      (LLMEngine.execute_step):
 #        ├─ Scheduler.begin_step()              core/scheduler.py           open the step's journal
 #        ├─ Scheduler.schedule()                core/scheduler.py           who runs, how many tokens each
 #        │    └─ KVCacheManager.allocate_slots  core/kv_cache_manager.py    which KV blocks hold them
 #        │         └─ BlockPool.take_fresh      core/block_pool.py          free blocks, ref counts, hashes
-#        ├─ ModelRunner.execute_model           worker/model_runner.py      flat batch -> model -> sampler
+#        ├─ ModelRunner.execute_model           worker/model_runner.py      flat batch -> model -> logits
+#        ├─ ModelRunner.sample_tokens           worker/model_runner.py      logits -> one token per request
 #        ├─ Scheduler.update_from_output        core/scheduler.py           tokens in; full blocks cached
 #        ├─ OutputProcessor.process_outputs     engine/output_processor.py  detokenize, find stop strings
 #        ├─ Scheduler.commit_step()             core/scheduler.py           keep it all (or rollback_step)
@@ -44,8 +46,9 @@
 # ```
 #
 # If anything in a step raises (the model, the sampler, even a Ctrl-C), the scheduler rolls the step back and
-# the engine is exactly as it was before it (lesson 01, "When a step fails"). Everything here is seeded and
-# greedy, so the outputs you see are the outputs you will get.
+# the engine is exactly as it was before it (lesson 01, "When a step fails"). `docs/architecture.md` follows one
+# request through these files. Everything here is seeded and greedy, so the outputs you see are the outputs you
+# will get.
 
 # %% [markdown]
 # ## 1. Load the model

@@ -726,7 +726,9 @@ engine.check_integrity()
 #
 # Now every change the core makes during a step (the scheduler's queues, `num_computed_tokens`, block tables,
 # ref counts, free queues, pending offers) is recorded in the step's `StepJournal` (`core/journal.py`) along
-# with its undo. `LLMEngine.step` opens the journal before `schedule()` and commits it after the step's tokens
+# with its undo. A write to an attribute stays a plain assignment, `req.num_computed_tokens = n`: the classes of
+# the core (`Request`, `Block`, ...) are `Journaled`, and record the undo themselves while a step is open; a
+# change to a queue or a free list records its undo on the line after it. `LLMEngine.step` opens the journal before `schedule()` and commits it after the step's tokens
 # are in; if anything raises in between, `Scheduler.rollback_step()` replays the undos newest first and the
 # exception goes on to the caller. Blocks are hashed only at commit, so a rolled-back step has hashed nothing.
 #

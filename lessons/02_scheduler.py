@@ -353,13 +353,14 @@ print("step 1, by your function:", schedule_step([], first, BUDGET, engine.sched
 print("step 1, by the scheduler:", plan.num_scheduled_tokens)
 
 # %% [markdown]
-# The real one, `Scheduler.schedule`, has the same two loops, with more in them: it asks the KV cache manager
-# for the blocks of every scheduled token (`allocate_slots`) and preempts someone when there are none (lesson
-# 03), admits nobody in a step that preempted, brings back swapped requests (lesson 03), offers the blocks a
-# step fills to the requests admitted after them (lesson 01), adds the draft tokens of speculative decoding
-# (lesson 09), with pipeline parallelism shares the requests between the batches in flight (`cap`), and with
-# async scheduling lets a request whose batch is still in flight join the next one (`plan_ahead`, lesson 11).
-# `num_cached` is the prefix-cache hit of a waiting request (0 here).
+# The real one, `Scheduler.schedule`, is the same two loops, and the whole of it is printed below. What it adds to
+# yours is memory: it asks for the blocks of every scheduled token (`_allocate`, the KV cache manager's
+# `allocate_slots`) and preempts someone when there are none (`_choose_victim`, lesson 03), admits nobody in a
+# step that preempted, brings back swapped requests (`_swap_in`, lesson 03), looks up a waiting prompt's prefix
+# in the cache (`num_cached`, 0 here) and offers the blocks a step fills to the requests admitted after it
+# (`_offer_blocks`, lesson 01). The other modes plug in at the small methods it calls, and cost nothing when they
+# are off: speculative decoding's drafts (`_drafts_to_verify`, lesson 09), and batches in flight (pipeline
+# parallelism, async scheduling), which are a subclass, `AsyncScheduler`, overriding those methods (lesson 11).
 
 # %%
 import inspect

@@ -298,10 +298,10 @@ for name, traces in [("recompute", rc_traces), ("priority", prio_traces)]:
                   f"the scheduler's {victims[name, t.step][1]}")
 
 # %% [markdown]
-# In the scheduler the choice is one line of `schedule()`: when `allocate_slots` finds no free block, it
+# In the scheduler the choice is a loop of `schedule()`: when `_allocate` finds no free block, `_choose_victim`
 # takes the `max` of the running requests by `self._keys[...]`, which is `(priority, arrival_time, the order
-# of add_request)` (the last breaks ties between equal arrival times), and preempts it until the request
-# that asked has its blocks, or is itself the victim:
+# of add_request)` (the last breaks ties between equal arrival times), and the loop preempts it until the
+# request that asked has its blocks, or is itself the victim:
 
 # %%
 import inspect
@@ -309,13 +309,14 @@ import inspect
 from minivllm.core.scheduler import Scheduler
 
 source = inspect.getsource(Scheduler.schedule).splitlines()
-start = next(i for i, line in enumerate(source) if "while not kv.allocate_slots" in line)
+start = next(i for i, line in enumerate(source) if "while not self._allocate" in line)
 print("\n".join(source[start:start + 9]))
+print(inspect.getsource(Scheduler._choose_victim))
 
 # %% [markdown]
 # `_preempt` does the rest, for both modes: out of `running`, the KV freed (recompute) or copied to the CPU
-# pool (swap), back into `waiting` at its place (`_push_waiting` keeps the queue sorted), every change written
-# to the step's journal.
+# pool (swap, whose block copies it returns for the model runner), back into `waiting` at its place
+# (`_push_waiting` keeps the queue sorted), every change undone by the step's journal if the step fails.
 
 # %%
 print(inspect.getsource(Scheduler._preempt))

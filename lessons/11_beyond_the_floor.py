@@ -753,7 +753,7 @@ if have_cpp:
 # sampled on the device as it is issued, and N + 1's input for that request is read from N's sampled tokens on
 # the device (`ModelInput.prev_token_rows`; the host writes a 0 there). The scheduler plans such a request
 # without knowing its token: it starts after the tokens in flight, and counts the one being sampled as one more
-# token to compute (vLLM calls it a placeholder). That plan is `plan_ahead` in `minivllm/core/scheduler.py`,
+# token to compute (vLLM calls it a placeholder). That plan is `plan_ahead` in `minivllm/core/async_scheduler.py`,
 # and it is your exercise.
 #
 # Not every request may run ahead. One whose sampling reads its own output tokens (penalties, `bad_words`,
@@ -821,6 +821,26 @@ for async_scheduling in (False, True):
         async_counts[async_scheduling] = counts
     print(f"async_scheduling={async_scheduling}: {counts}")
 print("same tokens:", async_tokens[True] == async_tokens[False])
+
+# %% [markdown]
+# How it plugs in. The base `Scheduler.schedule()` (lesson 02) never mentions batches in flight: it calls a few
+# small methods, and `AsyncScheduler` (`minivllm/core/async_scheduler.py`) overrides exactly those. It leaves out
+# of the batch a request whose batch in flight must come back first (`_runnable`), counts the tokens that batch
+# computes and the placeholder (`_num_tokens_left`, with your `plan_ahead`), makes room after them (`_allocate`),
+# never preempts a request in flight (`_choose_victim`), and records where each request runs ahead
+# (`_update_after_schedule`). The engine picks once, when it is built, the scheduler and the step: `execute_step`
+# (schedule, run, apply: one batch) or `step_with_batch_queue` (issue the next batch, then apply the oldest).
+
+# %%
+from minivllm.core.async_scheduler import AsyncScheduler
+from minivllm.core.scheduler import Scheduler
+
+overrides = [n for n, v in vars(AsyncScheduler).items() if callable(v) and not n.startswith("__") and n in vars(Scheduler)]
+print("AsyncScheduler overrides:", ", ".join(overrides))
+for async_scheduling in (False, True):
+    with LLM(num_kv_blocks=64, async_scheduling=async_scheduling) as demo:
+        print(f"async_scheduling={async_scheduling}: {type(demo.llm_engine.scheduler).__name__}, "
+              f"step_fn = {demo.llm_engine.step_fn.__name__}")
 
 # %% [markdown]
 # > **How vLLM v1 does it differently.** vLLM's `AsyncScheduler` moves `num_computed_tokens` forward when it

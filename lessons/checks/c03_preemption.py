@@ -62,9 +62,10 @@ def _real_preemptions(fn, seed):
     def recorded(req):
         before = (seqs(sched.running), seqs(sched.waiting))
         num_freed = len(kv.block_pool.events.freed)
-        real_preempt(req)
+        swap_out = real_preempt(req)
         events.append((before, (seqs(sched.running), seqs(sched.waiting),
                                 list(kv.block_pool.events.freed[num_freed:]))))
+        return swap_out
     sched._preempt = recorded
 
     arrivals = 0
