@@ -78,7 +78,7 @@ class Journaled:
     def __setattr__(self, name: str, value: object) -> None:
         if name in self.JOURNALED:
             journal = self.journal
-            if journal is not None and journal._undo is not None and name in self.__dict__:
+            if journal is not None and journal.is_open and name in self.__dict__:
                 old = self.__dict__[name]
-                journal._undo.append(lambda: object.__setattr__(self, name, old))
+                journal.record(lambda: object.__setattr__(self, name, old))
         object.__setattr__(self, name, value)
