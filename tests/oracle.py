@@ -5,6 +5,8 @@ modules named `conftest` replace each other in sys.modules."""
 
 from __future__ import annotations
 
+import weakref
+
 import torch
 
 # Six prompts of different lengths and styles, shared by the parity and invariance tests.
@@ -20,11 +22,20 @@ PROMPTS = [
 
 
 
+# model -> {prompt ids: the longest greedy continuation computed so far}. Greedy decoding is deterministic, so a
+# shorter continuation of the same prompt is a prefix of a longer one: the suite computes each one once.
+_GREEDY: "weakref.WeakKeyDictionary[torch.nn.Module, dict[tuple[int, ...], list[int]]]" = weakref.WeakKeyDictionary()
+
+
 def hf_greedy(hf_model, prompt_ids: list[int], max_new_tokens: int) -> list[int]:
     """Hugging Face transformers' greedy continuation, EOS included: the independent oracle.
 
     A plain argmax loop over HF's forward with its own KV cache (generate's min_new_tokens would
-    mask EOS, which is not greedy)."""
+    mask EOS, which is not greedy). Memoised per model and prompt for the test session (a copy is returned)."""
+    done = _GREEDY.setdefault(hf_model, {})
+    key = tuple(prompt_ids)
+    if len(done.get(key, ())) >= max_new_tokens:
+        return list(done[key][:max_new_tokens])
     tokens: list[int] = []
     with torch.no_grad():
         out = hf_model(torch.tensor([prompt_ids]), use_cache=True)
@@ -32,4 +43,5 @@ def hf_greedy(hf_model, prompt_ids: list[int], max_new_tokens: int) -> list[int]
             tok = int(out.logits[0, -1].argmax())
             tokens.append(tok)
             out = hf_model(torch.tensor([[tok]]), past_key_values=out.past_key_values, use_cache=True)
-    return tokens
+    done[key] = tokens
+    return list(tokens)

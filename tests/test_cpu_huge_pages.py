@@ -6,6 +6,7 @@ import torch
 
 from minivllm import LLM, SamplingParams
 from minivllm.platforms import cpu
+from minivllm.platforms.cpu import gemm
 
 needs_huge_pages = pytest.mark.skipif(not cpu.huge_pages_available(),
                                       reason="transparent huge pages are off on this machine (or not Linux)")
@@ -77,6 +78,10 @@ def test_the_engine_gives_the_same_tokens_on_2mb_pages(monkeypatch, quantization
     assert runner.kv_cache.data_ptr() % cpu.HUGE_PAGE_BYTES == 0 and cpu.huge_page_bytes(runner.kv_cache) > 0
     name = "qweight" if quantization else "packed_weight"
     streamed = [getattr(m, name) for m in runner.model.modules() if getattr(m, name, None) is not None]
+    if quantization is None and gemm.prepack(torch.zeros(2, 2, dtype=torch.bfloat16)) is None:
+        # a CPU whose oneDNN cannot pack bf16 (AVX2 only) keeps F.linear on the loaded weights: nothing to stream
+        assert streamed == []
+        return
     assert len(streamed) == 30 * 4 + 1                              # 4 linear layers a decoder layer, the LM head
     assert len({t.untyped_storage().data_ptr() for t in streamed}) == 1          # all in the one buffer
     assert cpu.huge_page_bytes(streamed[0]) >= sum(t.nbytes for t in streamed) // 2
