@@ -13,6 +13,14 @@ import torch
 
 os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
+# Under pytest-xdist (the README's `-n 2`) the workers share the machine's cores: each takes its share of torch
+# threads, and so do the processes it starts (notebook kernels, tensor-parallel ranks) through OMP_NUM_THREADS.
+# More OpenMP threads than cores spin against each other at every parallel region.
+_WORKERS = int(os.environ.get("PYTEST_XDIST_WORKER_COUNT", "1"))
+if _WORKERS > 1:
+    _THREADS = max(1, (os.cpu_count() or 1) // _WORKERS)
+    os.environ["OMP_NUM_THREADS"] = str(_THREADS)
+    torch.set_num_threads(_THREADS)
 if not torch.cuda.is_available():
     # Without a GPU the Triton kernels run on Triton's CPU interpreter; @triton.jit reads this when it
     # decorates, so it must be set before anything imports triton (notebook kernels inherit it too).

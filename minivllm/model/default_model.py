@@ -9,6 +9,7 @@ The cache lives in $MINIVLLM_CACHE (default ~/.cache/minivllm).
 
 from __future__ import annotations
 
+import fcntl
 import json
 import os
 import shutil
@@ -33,7 +34,13 @@ def default_model_dir() -> Path:
     target = cache_root() / DEFAULT_MODEL_NAME
     if (target / "DONE").exists():
         return target
-    convert_gguf(find_gguf(), target)
+    target.parent.mkdir(parents=True, exist_ok=True)
+    # One converter at a time (two test workers, or the app and a notebook, may start together): the others
+    # wait on the lock and then find the finished checkpoint.
+    with open(target.parent / f"{DEFAULT_MODEL_NAME}.lock", "w") as lock:
+        fcntl.flock(lock, fcntl.LOCK_EX)
+        if not (target / "DONE").exists():
+            convert_gguf(find_gguf(), target)
     return target
 
 
