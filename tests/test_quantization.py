@@ -195,7 +195,7 @@ def fp32_tokens(llm, tokenizer):
 # Measured on the default model (6 prompts x 16 greedy tokens): how many tokens each keeps before it first
 # parts from fp32, summed (of 96): int8 76, int4 36, gguf 80 (exact Q4_1 groups, int8 head); on the Zen 4
 # machine of 2026-11-27 with minivllm's int8/int4 kernels, int8 74, int4 36, gguf 84 (with PyTorch's: 80, 28,
-# 80; perplexities README, "Measured"). bf16 models (2026-11-27, the activation in the gate/up matmul): int8
+# 80; perplexities docs/benchmarks.md). bf16 models (2026-11-27, the activation in the gate/up matmul): int8
 # 80, int4 28, gguf 86. Floors below those.
 @pytest.mark.slow
 @pytest.mark.parametrize("method,floor,dtype", [("int8", 60, "float32"), ("int4", 24, "float32"),

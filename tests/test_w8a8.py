@@ -125,7 +125,7 @@ def linear_with(weight: torch.Tensor) -> ColumnParallelLinear:
 
 @pytest.mark.parametrize("own", [True, False])
 def test_the_layer_method_on_either_kernel_equals_the_integer_math(own, monkeypatch):
-    """own=False: torch._int_mm on the same integers (no AVX-512 VNNI, or MINIVLLM_CPU_OWN_GEMM=0)."""
+    """own=False: int8_matmul on the same integers (no AVX-512 VNNI, or MINIVLLM_CPU_OWN_GEMM=0)."""
     if own and not quant.own_w8a8_kernel():
         pytest.skip("w8a8_linear needs AVX-512 VNNI and BF16")
     monkeypatch.setattr(quant, "own_w8a8_kernel", lambda: own)
@@ -141,6 +141,19 @@ def test_the_layer_method_on_either_kernel_equals_the_integer_math(own, monkeypa
     assert got.shape == (2, 3, 96) and got.dtype == torch.float32
     torch.testing.assert_close(got.reshape(6, 96).double(), integer_reference(x.reshape(6, 64), q, scale),
                                rtol=1e-6, atol=1e-6)
+
+
+def test_int8_matmul_gives_torch_int_mms_exact_integers_where_one_float32_sum_would_round():
+    """The fallback's blocks of EXACT_K: at the extremes (127 * 127, odd, 2,500 times) the sum passes 2**24, where
+    one float32 accumulator may round; the blocked sums are torch._int_mm's integers exactly."""
+    g = torch.Generator().manual_seed(5)
+    qx = torch.randint(-127, 128, (4, 2500), generator=g, dtype=torch.int8)
+    q = torch.randint(-128, 128, (2500, 24), generator=g, dtype=torch.int8)
+    qx[0], q[:, 0] = 127, 127                                  # row 0 x column 0: 2,500 x 16,129 = 40,322,500
+    qx[1], q[:, 1] = -127, -128
+    exact = torch._int_mm(qx, q)
+    assert exact[0, 0] == 2500 * 127 * 127 > 2 ** 24            # past float32's exact integers (2**24 + 1 is not one)
+    assert torch.equal(quant.int8_matmul(qx, q), exact)
 
 
 def test_a_layer_whose_in_features_the_kernel_cannot_take_is_refused():

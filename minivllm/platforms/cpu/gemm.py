@@ -25,7 +25,7 @@ On a CPU with AVX-512, fp32 and bf16 weights are packed for minivllm's own kerne
 packed_linear: 48-column panels of 32-bit words, one fp32 weight or a bf16 pair each, streamed in storage
 order; bf16 needs AVX-512 BF16 for vdpbf16ps). oneDNN ran a 32-row decode step's matmuls at about 60-70% of
 this CPU's peak with the weights coming from memory; this runs them 10-25% faster, and 1-row steps at the
-memory's bandwidth (README, "Measured"). MINIVLLM_CPU_OWN_GEMM=0 keeps oneDNN.
+memory's bandwidth (docs/benchmarks.md). MINIVLLM_CPU_OWN_GEMM=0 keeps oneDNN.
 
 A gated MLP's gate/up weight is packed for it in gate/up panels (`fuse_silu_and_mul`): the matmul then also
 computes silu(gate) * up from its accumulators, and the (rows, 2 * intermediate) activation is never written
@@ -174,7 +174,9 @@ def use_column_major_linear_weights(model: torch.nn.Module) -> None:
     .t(). Same shape and values; F.linear(x, W) computes x @ W.t(), which is then a plain row-major matmul,
     and on a CPU MKL's kernel for that is 1.4-2x faster at decode's few rows than the transposed one
     (equal at prefill sizes). The tied embedding / LM head keeps row-major rows, which the embedding lookup
-    gathers."""
+    gathers. float32 only: PyTorch's bf16 / fp16 matmul on a CPU without bf16 arithmetic (AVX2) has a fast
+    path for row-major weights alone, and is 15-20x slower column-major (2026-11-28, AMD EPYC, AVX2: a
+    576 x 3072 bf16 layer at 6 rows 2.0 ms row-major, 23.7 ms column-major; at 512 rows 105 ms and 2.1 s)."""
     for module in model.modules():
-        if isinstance(module, (ColumnParallelLinear, RowParallelLinear)):
+        if isinstance(module, (ColumnParallelLinear, RowParallelLinear)) and module.weight.dtype == torch.float32:
             module.weight.data = module.weight.data.t().contiguous().t()

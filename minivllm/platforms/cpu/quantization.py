@@ -32,14 +32,14 @@ activations, so the layer casts its input to bf16 and the result back to the mod
 Measured on the CI machines (2 cores, AVX-512 BF16, Zen 4), one decode step's matmuls of the default model
 (30 layers, weights from memory): int8 at 1 row 4.3-5.0 ms against bf16's 8.1-8.5 and PyTorch's 10.7, at 32
 rows 21.1-21.7 against 22.2-24.0 and 64.5; int4 at 1 row 3.8 (PyTorch's 3.8), at 32 rows 25.4 (PyTorch's
-42.7, which dequantizes per row block instead of feeding AVX-512 BF16 dot products). README, "Measured".
+42.7, which dequantizes per row block instead of feeding AVX-512 BF16 dot products). docs/benchmarks.md.
 
 w8a8_int8 (cpu_gemm.cpp's `w8a8_linear`, AVX-512 VNNI): int8 weights in panels of 4 int8 a word, x rounded
 per row in the call, `vpdpbusd` into int32 sums (exact), then one fp32 scaling; x and y in the model's dtype
 (fp32 or bf16). The default model's matmuls at 32 rows 12.3 ms against bf16's 20.3; the engine's decode step
 at batch 32 25.3 ms against bf16's 34.5, a 4,096-token prefill 1.5 s against 2.5-2.7 s; perplexity 49.04
-against fp32's 45.81 (README, "Measured"). Elsewhere `torch._int_mm` on the same
-integers (quantize_activations, then int32 sums). w4a8_int8 (`w4a8_linear`, VNNI only): int4's nibbles, two
+against fp32's 45.81 (docs/benchmarks.md). Elsewhere `int8_matmul` on the same
+integers (quantize_activations, then exact sums in float32 blocks). w4a8_int8 (`w4a8_linear`, VNNI only): int4's nibbles, two
 word rows a 192-byte chunk, each group's int32 sum scaled by d s and m s sum(qx); matmuls at 32 rows 15.7 ms,
 at 1 row 4.3 (the fewest bytes); a decode step at batch 1 7.6-7.8 ms against bf16's 11.2-15.7, at batch 32
 29-33 ms against 37.5-40 in one run; perplexity 47.87 against int4's 47.89.
@@ -198,7 +198,7 @@ class W8A8Int8Method:
             # (panels, in / 4, 48) int32: 4 int8 along `in`; (panels, 48) int32: -128 sum_k q per column
             layer.qweight, layer.qoffset = kernels.cpu_ops.pack_w8a8_linear(q)
         else:
-            layer.qweight = q.t().contiguous()                            # (in, out) for torch._int_mm
+            layer.qweight = q.t().contiguous()                            # (in, out) for int8_matmul
             layer.packed_silu_and_mul = False
         layer.qscale = scale                                              # fp32, one per (packed) column
 
@@ -212,11 +212,27 @@ class W8A8Int8Method:
             xin = x2 if x2.dtype in (torch.float32, torch.bfloat16) else x2.float()
             y = kernels.cpu_ops.w8a8_linear(xin, layer.qweight, layer.qoffset, layer.qscale, out, None, silu_and_mul)
             y = _in_order(layer, y, silu_and_mul)
-        else:                                                             # PyTorch: the same integers, int32 sums
+        else:                                                             # PyTorch: the same integers, exact sums
             qx, s = quantize_activations(x2)
-            y = torch._int_mm(qx, layer.qweight).float() * s[:, None] * layer.qscale
+            y = int8_matmul(qx, layer.qweight).float() * s[:, None] * layer.qscale
         y = y.to(x.dtype).view(*shape[:-1], y.shape[-1])
         return y if bias is None else y + bias
+
+
+# |qx q| <= 127 * 128, so a float32 sum of up to EXACT_K such products stays below 2**24 in every partial sum:
+# each is an integer float32 holds exactly, whatever order the matmul adds them in.
+EXACT_K = 1024
+
+
+def int8_matmul(qx: torch.Tensor, q: torch.Tensor) -> torch.Tensor:
+    """qx (rows, in) int8 @ q (in, out) int8 -> (rows, out) int32, the exact integer sums (torch._int_mm's). On a
+    CPU without AVX-512 VNNI torch._int_mm is a slow loop (2026-11-28, AMD EPYC, AVX2: 1,000 rows x 576 x 49,152
+    in 86 s); float32 BLAS over blocks of EXACT_K along `in` gives the same integers in 0.85 s."""
+    y = None
+    for k in range(0, qx.shape[1], EXACT_K):
+        block = (qx[:, k:k + EXACT_K].float() @ q[k:k + EXACT_K].float()).to(torch.int32)
+        y = block if y is None else y + block
+    return y
 
 
 def quantize_activation_groups(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
@@ -261,8 +277,8 @@ class W4A8Int8Method(Int4WeightOnlyMethod):
 
 def own_w8a8_kernel() -> bool:
     """w8a8_int8 and w4a8_int8 layers go to minivllm's kernels (cpu_gemm.cpp's w8a8_linear, w4a8_linear) where the
-    CPU has AVX-512 VNNI and BF16 and MINIVLLM_CPU_OWN_GEMM is not 0; elsewhere w8a8_int8 goes to torch._int_mm
-    (int8 x int8 -> int32) after quantize_activations, and w4a8_int8 is refused."""
+    CPU has AVX-512 VNNI and BF16 and MINIVLLM_CPU_OWN_GEMM is not 0; elsewhere w8a8_int8 goes to int8_matmul
+    (int8 x int8 -> int32, exact) after quantize_activations, and w4a8_int8 is refused."""
     return gemm.own_gemm(torch.bfloat16) and kernels.cpu_ops.w8a8_linear_available()
 
 
