@@ -227,10 +227,14 @@ def inspect_compiled(kernel, info: KernelInfo) -> KernelInfo:
     if info.stack_bytes:                  # spills live in the stack frame: none without one
         spills = _spill_cache.get(kernel.hash)        # from this compile's log; a cached binary: ptxas again
         info.spill_store_bytes, info.spill_load_bytes = spills or _ptxas_spills(ptx, info.arch)
-    found = sorted(set(TENSOR_CORE_SASS.findall(_sass(cubin)))) + sorted(set(TENSOR_CORE_PTX.findall(ptx)))
+    info.uses_dot = "tt.dot" in kernel.asm.get("ttir", "")
+    # The SASS (cuobjdump -sass, about 0.6 CPU-s a binary: most of the inspection's time) names the instructions
+    # ptxas kept. Only a tl.dot on 16-bit (or fp8) operands can have tensor-core ones (fp32's dots are "ieee" FMA
+    # loops), so the other binaries are read from their PTX alone, which has no mma either.
+    sass = _sass(cubin) if info.uses_dot and info.dtype != "float32" else ""
+    found = sorted(set(TENSOR_CORE_SASS.findall(sass))) + sorted(set(TENSOR_CORE_PTX.findall(ptx)))
     info.uses_tensor_cores = bool(found)
     info.tensor_core_instrs = " ".join(found)
-    info.uses_dot = "tt.dot" in kernel.asm.get("ttir", "")
     _inspected[kernel.hash] = {k: getattr(info, k) for k in _INSPECTED}
     return info
 

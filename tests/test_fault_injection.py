@@ -88,9 +88,18 @@ ENGINES = {
                   preemption_mode="recompute", async_scheduling=True),
 }
 FAULTS = ["plan", "planned", "layer", "sampler", "forward", "output"]
-# About 40 s on 2 CPU cores. No shrinking: every replay runs the model, and a failure prints its whole example,
-# which replays as it is; add Phase.shrink to `phases` to have hypothesis cut one down.
-FAULT_SETTINGS = settings(max_examples=40, stateful_step_count=25, deadline=None, database=None,
+# How many examples each fuzzer runs, scaled by MINIVLLM_FUZZ_SCALE (default 1): the suite's share keeps it at
+# about a minute a fuzzer on 2 CPU cores; each run draws new examples, and MINIVLLM_FUZZ_SCALE=5 goes deeper.
+FUZZ_SCALE = float(os.environ.get("MINIVLLM_FUZZ_SCALE", "1"))
+
+
+def examples(n: int) -> int:
+    return max(1, round(n * FUZZ_SCALE))
+
+
+# No shrinking: every replay runs the model, and a failure prints its whole example, which replays as it is; add
+# Phase.shrink to `phases` to have hypothesis cut one down.
+FAULT_SETTINGS = settings(max_examples=examples(24), stateful_step_count=25, deadline=None, database=None,
                           phases=[Phase.explicit, Phase.reuse, Phase.generate], suppress_health_check=list(HealthCheck))
 
 
@@ -480,7 +489,8 @@ class SpecFaultInjection(FaultInjection):
 
 def test_fault_injection_fuzzer_with_speculative_decoding(engines, prompts, references):
     """Failing steps with drafts scheduled, verified, partly rejected: the same rollback, integrity and outputs."""
-    stats = run_fuzzer(engines, prompts, references, settings(FAULT_SETTINGS, max_examples=15), SpecFaultInjection)
+    stats = run_fuzzer(engines, prompts, references, settings(FAULT_SETTINGS, max_examples=examples(9)),
+                       SpecFaultInjection)
     print("fault injection with speculation:", dict(sorted(stats.items())))
     # Drafts were verified; whether a random example also failed a step with drafts pending varies from run to run
     # (tests/test_spec_decode.py::test_a_failed_step_with_drafts_rolls_back does that on purpose, every time).
@@ -501,7 +511,8 @@ def test_fault_injection_fuzzer_with_async_scheduling(engines, prompts, referenc
     """Failing steps while a batch is in flight and the next one reads its tokens on the device: the same
     rollback, integrity and outputs (seeded requests included: async scheduling draws what a synchronous step
     draws)."""
-    stats = run_fuzzer(engines, prompts, references, settings(FAULT_SETTINGS, max_examples=15), AsyncFaultInjection)
+    stats = run_fuzzer(engines, prompts, references, settings(FAULT_SETTINGS, max_examples=examples(9)),
+                       AsyncFaultInjection)
     print("fault injection with async scheduling:", dict(sorted(stats.items())))
     assert stats.get("batch in flight between steps"), stats
     assert any(k.startswith("failed at") for k in stats), stats

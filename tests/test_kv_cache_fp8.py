@@ -216,11 +216,15 @@ def _hf_logprobs(model, ids: list[int]) -> torch.Tensor:
 
 
 def _hf_greedy(model, prompt: list[int], n: int) -> list[int]:
-    ids = list(prompt)
+    """HF's greedy tokens, decoding with its own KV cache (in fp32: the oracle's attention rounds the whole cached
+    K and V again at every step, which gives the same values, since the cache keeps them unrounded)."""
+    tokens = []
     with torch.no_grad():
+        out = model(torch.tensor([prompt]), use_cache=True)
         for _ in range(n):
-            ids.append(int(model(torch.tensor([ids])).logits[0, -1].argmax()))
-    return ids[len(prompt):]
+            tokens.append(int(out.logits[0, -1].argmax()))
+            out = model(torch.tensor([[tokens[-1]]]), past_key_values=out.past_key_values, use_cache=True)
+    return tokens
 
 
 def _passages_ids(llm) -> list[int]:
