@@ -75,6 +75,9 @@ ENV_VARS: tuple[EnvVar, ...] = (
     EnvVar("MINIVLLM_UPDATE_LESSON_SCREENSHOT", "",
            "Tests only: 1 makes the dashboard's browser test rewrite the screenshot the serving lesson shows.",
            "bool"),
+    EnvVar("MINIVLLM_FUZZ_SCALE", "1",
+           "Tests only: scales how many examples tests/test_fault_injection.py's fuzzers draw (5 runs five times as "
+           "many, for a deeper search than the suite's share)."),
     EnvVar("MINIVLLM_TEST_TAG", "",
            "Internal to the tests: marks the processes a tensor-parallel test starts, so it can find any left "
            "behind; do not set it yourself."),
