@@ -18,6 +18,7 @@ if __name__ == "__main__":              # before torch is imported: re-start wit
 import argparse
 import contextlib
 import logging
+import os
 import signal
 import sys
 
@@ -38,7 +39,8 @@ def build_parser() -> argparse.ArgumentParser:
                    "checkpoint directory's name)")
     p.add_argument("--host", default="127.0.0.1", help="address to bind (default 127.0.0.1: this machine only)")
     p.add_argument("--port", type=int, default=8000)
-    p.add_argument("--api-key", default=None, help="require 'Authorization: Bearer <key>' on /v1/*")
+    p.add_argument("--api-key", default=os.environ.get("VLLM_API_KEY") or None,
+                   help="require 'Authorization: Bearer <key>' on /v1/* (default: $VLLM_API_KEY, as vLLM)")
     p.add_argument("--no-dashboard", action="store_true", help="serve the API only")
     p.add_argument("--threads", type=int, default=None, help="torch CPU threads (default: torch's choice)")
     p.add_argument("--warmup-tokens", type=int, default=512, help="a dummy prefill of this many tokens before "

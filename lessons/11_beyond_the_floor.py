@@ -275,7 +275,7 @@ for rows in (1, 32):
     if not cpu_gemm.packable(torch.bfloat16):
         results[("F.linear bf16", rows)] = step_time(lambda l, x: F.linear(x, w16[id(l)]), rows, torch.bfloat16)
 kernel = "minivllm's kernel" if quantization.own_quantized_kernels() else "PyTorch's kernel"
-w8a8_kernel = "minivllm's kernel" if quantization.own_w8a8_kernel() else "torch._int_mm"
+w8a8_kernel = "minivllm's kernel" if quantization.own_w8a8_kernel() else "int8_matmul"
 for name, method in ((f"int8 ({kernel})", quantization.Int8WeightOnlyMethod()),
                      (f"int4 ({kernel})", quantization.Int4WeightOnlyMethod()),
                      (f"w8a8_int8 ({w8a8_kernel})", quantization.W8A8Int8Method())) + (
@@ -395,7 +395,7 @@ if cpu_gemm.own_gemm(torch.float32):
 #
 # The check runs hand-made rows (ties, a row of zeros, two rows of different scales), 100 random matrices
 # against minivllm's bytes, and then the engine: with `quantization="w8a8_int8"` on its PyTorch path
-# (`torch._int_mm`), every linear layer rounds x with your function, and the greedy tokens must be minivllm's.
+# (`int8_matmul`), every linear layer rounds x with your function, and the greedy tokens must be minivllm's.
 # The C++ kernel must make the same bytes too, which is why it spells its divisions with a named rounding
 # (`_mm512_div_round_ps`): built with `-ffast-math`, a plain `x / s` became `x * (1 / s)`, which rounds
 # differently now and then.

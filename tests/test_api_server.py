@@ -428,6 +428,11 @@ BAD_REQUESTS = [
     ("presence_penalty_out_of_range", "chat", {"messages": CHAT, "presence_penalty": 2.5}, "presence_penalty"),
     ("logit_bias_key_not_a_token_id", "completions", {"prompt": "hi", "logit_bias": {"abc": 1}}, "logit_bias"),
     ("logit_bias_not_a_number", "completions", {"prompt": "hi", "logit_bias": {"42": "x"}}, "logit_bias"),
+    # Digits str.isdigit() takes but int() does not ("²", "①": once a 500) or reads as another number ("٣", "０").
+    ("logit_bias_key_superscript_two", "completions", {"prompt": "hi", "logit_bias": {"²": 1}}, "logit_bias"),
+    ("logit_bias_key_circled_one", "chat", {"messages": CHAT, "logit_bias": {"①": 1}}, "logit_bias"),
+    ("logit_bias_key_arabic_indic_three", "completions", {"prompt": "hi", "logit_bias": {"٣": 1}}, "logit_bias"),
+    ("logit_bias_key_fullwidth_zero", "chat", {"messages": CHAT, "logit_bias": {"０": 1}}, "logit_bias"),
     ("min_p_wrong_type", "chat", {"messages": CHAT, "min_p": "0.1"}, "min_p"),
     ("missing_messages", "chat", {"model": MODEL}, "messages"),
     ("empty_messages", "chat", {"messages": []}, "messages"),
@@ -447,6 +452,9 @@ BAD_REQUESTS = [
      + b"9" * 400 + b"}", "top_p"),
     ("body_nested_too_deep", "completions", b'{"prompt": ' + b"[" * 100_000 + b"]" * 100_000 + b"}", None),
     ("prompt_with_a_lone_surrogate", "completions", b'{"prompt": "caf\\ud800"}', "prompt"),
+    ("stop_with_a_lone_surrogate", "completions", b'{"prompt": "hi", "stop": ["ok", "\\ud800"]}', "stop"),
+    ("user_not_a_string", "chat", {"messages": CHAT, "user": {"id": 1}}, "user"),
+    ("user_too_long", "completions", {"prompt": "hi", "user": "u" * 10_000}, "user"),
     ("content_with_a_lone_surrogate", "chat", b'{"messages": [{"role": "user", "content": "\\udfff"}]}',
      "messages[0].content"),
 ]
@@ -551,7 +559,8 @@ def test_api_key_is_required_on_v1_when_set(server):
     app = mount_dashboard(build_api_server(server.engine, api_key="sekret"), server.engine, api_key="sekret")
     keyed = run_server_in_thread(app)
     try:
-        for headers in ({}, {"Authorization": "Bearer wrong"}, {"Authorization": "sekret"}):
+        for headers in ({}, {"Authorization": "Bearer wrong"}, {"Authorization": "sekret"},
+                        {"Authorization": "Basic sekret"}):
             r = httpx.get(keyed.url + "/v1/models", headers=headers)
             assert r.status_code == 401
             assert r.json()["error"]["type"] == "authentication_error"
@@ -561,7 +570,10 @@ def test_api_key_is_required_on_v1_when_set(server):
             openai.OpenAI(base_url=keyed.url + "/v1", api_key="wrong", max_retries=0).models.list()
         good = openai.OpenAI(base_url=keyed.url + "/v1", api_key="sekret", max_retries=0)
         assert good.completions.create(model=MODEL, prompt="Hi", max_tokens=2).usage.completion_tokens == 2
+        for scheme in ("bearer", "BEARER"):                                # the scheme's case does not matter
+            assert httpx.get(keyed.url + "/v1/models", headers={"Authorization": f"{scheme} sekret"}).status_code == 200
         assert httpx.get(keyed.url + "/health").status_code == 200          # outside /v1: open, as vLLM
+        assert httpx.head(keyed.url + "/health").status_code == 200
         assert httpx.get(keyed.url + "/metrics").status_code == 200
         # The dashboard asks for a login: any user name, the API key as password.
         with httpx.Client(base_url=keyed.url) as browser:
@@ -571,6 +583,39 @@ def test_api_key_is_required_on_v1_when_set(server):
             assert browser.get("/config").status_code == 200
     finally:
         keyed.stop()
+
+
+@pytest.mark.parametrize("route", ["/v1/completions", "/v1/chat/completions", "/tokenize", "/detokenize"])
+@pytest.mark.parametrize("content_type", [None, "text/plain", "application/x-www-form-urlencoded",
+                                          "multipart/form-data; boundary=x"])
+def test_a_body_that_is_not_declared_json_is_a_415(server, route, content_type):
+    """A web page can POST text/plain or a form to a local server without the browser asking it first (no CORS
+    preflight), so only application/json is read, as vLLM: a JSON body sent as anything else is a 415 naming the
+    header and the fix, and nothing is generated."""
+    body = json.dumps({"/v1/completions": {"model": MODEL, "prompt": "hi", "max_tokens": 1},
+                       "/v1/chat/completions": {"model": MODEL, "messages": CHAT, "max_tokens": 1},
+                       "/tokenize": {"model": MODEL, "prompt": "hi"},
+                       "/detokenize": {"model": MODEL, "tokens": [1]}}[route]).encode()
+    before = server.engine.snapshot()
+    headers = {} if content_type is None else {"content-type": content_type}
+    r = httpx.post(server.url + route, content=body, headers=headers, timeout=60)
+    assert r.status_code == 415, r.text
+    error = r.json()["error"]
+    assert error["type"] == "unsupported_media_type" and "Content-Type: application/json" in error["message"]
+    assert server.engine.snapshot().num_prompt_tokens == before.num_prompt_tokens      # no request accepted
+    # The same bytes declared as JSON (with a charset, in any case) are served.
+    ok = httpx.post(server.url + route, content=body, headers={"content-type": "Application/JSON; charset=utf-8"},
+                    timeout=60)
+    assert ok.status_code == 200, ok.text
+
+
+def test_api_key_defaults_to_vllm_api_key(monkeypatch):
+    import app
+    monkeypatch.setenv("VLLM_API_KEY", "from-env")
+    assert app.build_parser().parse_args([]).api_key == "from-env"
+    assert app.build_parser().parse_args(["--api-key", "flag"]).api_key == "flag"
+    monkeypatch.delenv("VLLM_API_KEY")
+    assert app.build_parser().parse_args([]).api_key is None
 
 
 def test_metrics_are_prometheus_text_that_matches_the_engine(client, server):

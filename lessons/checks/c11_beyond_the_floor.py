@@ -211,7 +211,7 @@ def check_quantize_activations(fn):
     prompts = [{"prompt_token_ids": [100 + i] * (8 + 4 * i)} for i in range(4)]
     params = SamplingParams(temperature=0, max_tokens=8, ignore_eos=True)
     real_fn, real_own = quantization.quantize_activations, quantization.own_w8a8_kernel
-    quantization.own_w8a8_kernel = lambda: False              # the torch._int_mm path, which calls the rounding
+    quantization.own_w8a8_kernel = lambda: False              # the int8_matmul path, which calls the rounding
     try:
         want = _w8a8_tokens(prompts, params)
         quantization.quantize_activations = lambda x: fn(x)
@@ -219,4 +219,4 @@ def check_quantize_activations(fn):
     finally:
         quantization.quantize_activations, quantization.own_w8a8_kernel = real_fn, real_own
     expect_equal(got, want, "greedy tokens of 4 requests with every linear layer rounding x with your function")
-    yield "inside the engine (quantization='w8a8_int8' on torch._int_mm): minivllm's tokens"
+    yield "inside the engine (quantization='w8a8_int8' on int8_matmul): minivllm's tokens"

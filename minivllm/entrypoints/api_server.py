@@ -50,7 +50,8 @@ def build_api_server(async_engine: AsyncLLMEngine, served_model_name: str | None
 
     served_model_name: what /v1/models lists; requests may name it or the model's path. Defaults to the
     checkpoint directory's name ("SmolLM2-135M-Instruct" for the embedded default model).
-    api_key: if set, every /v1/* route requires `Authorization: Bearer <api_key>` (401 otherwise), as vLLM.
+    api_key: if set, every /v1/* route requires `Authorization: Bearer <api_key>` (401 otherwise; the scheme's
+    case does not matter), as vLLM.
     """
     app = app or FastAPI(title="minivllm", docs_url=None, redoc_url=None)
     models = OpenAIServingModels(async_engine, served_model_name)
@@ -60,7 +61,7 @@ def build_api_server(async_engine: AsyncLLMEngine, served_model_name: str | None
     add_exception_handlers(app)
     check_api_key = api_key_check(api_key)
 
-    @app.get("/health")
+    @app.api_route("/health", methods=["GET", "HEAD"])
     async def health():
         if not async_engine.is_running:
             return error_response(APIError("the engine loop is not running.", status_code=503,
@@ -110,8 +111,8 @@ def api_key_check(api_key: str | None) -> Callable[[Request], None]:
     def check_api_key(request: Request) -> None:
         if api_key is None:
             return
-        given = request.headers.get("authorization", "")
-        if not hmac.compare_digest(given.encode(), f"Bearer {api_key}".encode()):
+        scheme, _, given = request.headers.get("authorization", "").partition(" ")
+        if scheme.lower() != "bearer" or not hmac.compare_digest(given.strip().encode(), api_key.encode()):
             raise APIError("missing or wrong API key: send the header 'Authorization: Bearer <api key>' with "
                            "the key the server was started with (--api-key).", status_code=401,
                            type="authentication_error", code="invalid_api_key")

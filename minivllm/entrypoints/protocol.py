@@ -88,6 +88,15 @@ class APIError(Exception):
 
 
 # ---------------------------------------------------------------------- reading a request
+def check_json_content_type(request) -> None:
+    """A POST body must say it is JSON, as vLLM requires (415 otherwise): a web page may send a cross-site
+    text/plain or form POST without asking the browser first, but not an application/json one."""
+    media_type = request.headers.get("content-type", "").split(";", 1)[0].strip().lower()
+    if media_type != "application/json":
+        raise APIError(f"the request body's Content-Type is {media_type or 'missing'!r}; send JSON with "
+                       "'Content-Type: application/json'.", status_code=415, type="unsupported_media_type")
+
+
 def parse_json_body(raw: bytes) -> dict:
     """The request body as a JSON object."""
     try:
@@ -137,7 +146,8 @@ def read_logit_bias(body: dict) -> dict[int, float] | None:
         return None
     out = {}
     for key, value in bias.items():
-        if not (isinstance(key, str) and key.isdigit() and len(key) < 19):
+        # ASCII digits only: str.isdigit() also takes "²", "①" (int() then fails) and "٣", "０" (int() reads them).
+        if not (isinstance(key, str) and key.isascii() and key.isdigit() and len(key) < 19):
             raise APIError(f"'logit_bias' has the key {describe(key)}; keys must be token ids, e.g. \"42\".",
                            param="logit_bias")
         if isinstance(value, bool) or not isinstance(value, (int, float)) or not math.isfinite(value) \
@@ -294,6 +304,9 @@ def structured_outputs_param(body: dict) -> str | None:
                  if body.get(name) is not None), None)
 
 
+MAX_USER_CHARS = 256            # OpenAI's `user` is an opaque id; minivllm accepts it, checks it and ignores it
+
+
 def sampling_params_from_body(body: dict, chat: bool, default_max_tokens: int) -> SamplingParams:
     """The request's SamplingParams; raises APIError naming the field for anything wrong or unsupported."""
     check_fields(body, "/v1/chat/completions" if chat else "/v1/completions")
@@ -306,6 +319,12 @@ def sampling_params_from_body(body: dict, chat: bool, default_max_tokens: int) -
                                                            and all(isinstance(s, str) for s in stop))):
         raise APIError(f"'stop' is {describe(stop)}; it must be a string or a list of strings.",
                        param="stop")
+    for text in [stop] if isinstance(stop, str) else stop or []:
+        read_text(text, "stop")                      # no lone surrogate: a stop string is matched against text
+    user = body.get("user")
+    if user is not None and not (isinstance(user, str) and len(user) <= MAX_USER_CHARS):
+        raise APIError(f"'user' is {describe(user)}; it must be a string of at most {MAX_USER_CHARS} characters "
+                       "(an id for your end user; minivllm does not use it).", param="user")
     stop_token_ids = read_field(body, "stop_token_ids", "list", [])
     if not all(isinstance(t, int) and not isinstance(t, bool) and 0 <= t < 2 ** 63 for t in stop_token_ids):
         raise APIError(f"'stop_token_ids' is {describe(stop_token_ids)}; it must be a list of "

@@ -29,8 +29,9 @@ from starlette.background import BackgroundTask
 from minivllm.core.sampling_params import SamplingParams
 from minivllm.engine.async_llm import AsyncLLMEngine, NewRequest, RequestError
 from minivllm.engine.request_stream import RequestStream
-from minivllm.entrypoints.protocol import (APIError, LogprobsRequest, parse_json_body, read_logprobs_request,
-                                           requested_max_tokens, sampling_params_from_body, structured_outputs_param)
+from minivllm.entrypoints.protocol import (APIError, LogprobsRequest, check_json_content_type, parse_json_body,
+                                           read_logprobs_request, requested_max_tokens, sampling_params_from_body,
+                                           structured_outputs_param)
 from minivllm.entrypoints.serving_models import OpenAIServingModels
 from minivllm.entrypoints.utils import close_all, close_async, merged, until_disconnect
 from minivllm.outputs import Logprob, RequestOutput
@@ -148,7 +149,8 @@ class OpenAIServing:
         self.models = models
 
     async def read_body(self, request: Request) -> dict:
-        """What every POST route checks first (after the API key): a JSON object, a model served here."""
+        """What every POST route checks first (after the API key): a JSON body, a JSON object, a model served here."""
+        check_json_content_type(request)
         body = parse_json_body(await request.body())
         self.models.check_model(body)
         return body
