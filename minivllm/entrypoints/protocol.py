@@ -36,6 +36,7 @@ SAMPLING_FIELDS = {"temperature", "top_p", "top_k", "seed", "n", "max_tokens", "
 STRUCTURED_OUTPUT_FIELDS = {"response_format", "structured_outputs", "guided_json", "guided_regex", "guided_choice",
                             "guided_grammar", "guided_decoding_backend"}
 COMMON_FIELDS = {"model", "stream", "stream_options", "user"} | SAMPLING_FIELDS | STRUCTURED_OUTPUT_FIELDS
+MAX_USER_CHARS = 256            # OpenAI's `user` is an opaque id: minivllm checks it and does not use it
 CHAT_TEMPLATE_FIELDS = {"add_generation_prompt", "continue_final_message", "chat_template"}
 ACCEPTED_FIELDS = {
     "/v1/completions": COMMON_FIELDS | {"prompt", "logprobs", "echo", "prompt_logprobs"},
@@ -304,9 +305,6 @@ def structured_outputs_param(body: dict) -> str | None:
                  if body.get(name) is not None), None)
 
 
-MAX_USER_CHARS = 256            # OpenAI's `user` is an opaque id; minivllm accepts it, checks it and ignores it
-
-
 def sampling_params_from_body(body: dict, chat: bool, default_max_tokens: int) -> SamplingParams:
     """The request's SamplingParams; raises APIError naming the field for anything wrong or unsupported."""
     check_fields(body, "/v1/chat/completions" if chat else "/v1/completions")
@@ -317,8 +315,7 @@ def sampling_params_from_body(body: dict, chat: bool, default_max_tokens: int) -
     stop = body.get("stop")
     if stop is not None and not (isinstance(stop, str) or (isinstance(stop, list)
                                                            and all(isinstance(s, str) for s in stop))):
-        raise APIError(f"'stop' is {describe(stop)}; it must be a string or a list of strings.",
-                       param="stop")
+        raise APIError(f"'stop' is {describe(stop)}; it must be a string or a list of strings.", param="stop")
     for text in [stop] if isinstance(stop, str) else stop or []:
         read_text(text, "stop")                      # no lone surrogate: a stop string is matched against text
     user = body.get("user")
