@@ -38,9 +38,9 @@ w8a8_int8 (cpu_gemm.cpp's `w8a8_linear`, AVX-512 VNNI): int8 weights in panels o
 per row in the call, `vpdpbusd` into int32 sums (exact), then one fp32 scaling; x and y in the model's dtype
 (fp32 or bf16). The default model's matmuls at 32 rows 12.3 ms against bf16's 20.3; the engine's decode step
 at batch 32 25.3 ms against bf16's 34.5, a 4,096-token prefill 1.5 s against 2.5-2.7 s; perplexity 49.04
-against fp32's 45.81 (docs/benchmarks.md). Elsewhere `int8_matmul` on the same
-integers (quantize_activations, then exact sums in float32 blocks). w4a8_int8 (`w4a8_linear`, VNNI only): int4's nibbles, two
-word rows a 192-byte chunk, each group's int32 sum scaled by d s and m s sum(qx); matmuls at 32 rows 15.7 ms,
+against fp32's 45.81 (docs/benchmarks.md). Elsewhere `int8_matmul` on the same integers (quantize_activations,
+then exact sums in float32 blocks). w4a8_int8 (`w4a8_linear`, VNNI only): int4's nibbles, two word rows a
+192-byte chunk, each group's int32 sum scaled by d s and m s sum(qx); matmuls at 32 rows 15.7 ms,
 at 1 row 4.3 (the fewest bytes); a decode step at batch 1 7.6-7.8 ms against bf16's 11.2-15.7, at batch 32
 29-33 ms against 37.5-40 in one run; perplexity 47.87 against int4's 47.89.
 
