@@ -673,7 +673,7 @@ if have_cpp:
 # Those matmuls had one more cost that is about memory, not arithmetic. A 4,096-token prefill's MLP writes a
 # gate/up activation of 4,096 x 3,072 fp32 values, 50 MB, larger than this CPU's 32 MB L3, and the activation
 # and the down projection then read it back from memory. `LlamaMLP` now runs a long prefill in row slices of
-# at most 12 MiB of activation (`cpu_slice_rows` in `platforms/cpu/mlp.py`: 1,024 rows here), the same rows through
+# at most 12 MiB of activation (`cpu_slice_rows` in `platforms/cpu/gemm.py`: 1,024 rows here), the same rows through
 # the same weights, so the same numbers (`tests/test_cpu_mlp_slices.py` checks them equal, and the tokens
 # against Hugging Face). One MLP alone, 4,096 rows: 185 ms whole, 141-153 ms in 1,024-row slices. A prefill
 # step of 32 x 128 tokens: 7.3 s -> 6.8-7.1 s (four alternating rounds each way). A GPU gets the whole batch:
@@ -688,7 +688,6 @@ if have_cpp:
 # %%
 # NBVAL_IGNORE_OUTPUT
 from minivllm.model import layers, llama
-from minivllm.platforms.cpu import mlp as cpu_mlp
 
 model_mlp = runner.model.layers[0].mlp
 mlp = llama.LlamaMLP(cfg, layers.TPGroup())                  # the same weights, SiLU as a separate pass
@@ -696,9 +695,9 @@ mlp.gate_up_proj.weight.data = model_mlp.gate_up_proj.weight.data.clone()
 mlp.down_proj.weight.data = model_mlp.down_proj.weight.data.clone()
 os.environ["MINIVLLM_CPU_FUSED_SILU"] = "0"
 cpu_gemm.prepack_linear_weights(mlp)
-cpu_mlp.bind_mlp_forwards(mlp)
+cpu_gemm.bind_mlp_forwards(mlp)
 del os.environ["MINIVLLM_CPU_FUSED_SILU"]
-rows = cpu_mlp.cpu_slice_rows(torch.empty(0), sum(mlp.gate_up_proj.out_sizes))
+rows = cpu_gemm.cpu_slice_rows(torch.empty(0), sum(mlp.gate_up_proj.out_sizes))
 x = torch.randn(4096, cfg.hidden_size) * 0.5
 with torch.no_grad():
     whole, sliced, fused = llama.LlamaMLP.forward(mlp, x), mlp(x), model_mlp(x)

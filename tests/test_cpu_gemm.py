@@ -6,7 +6,6 @@ import torch
 import torch.nn.functional as F
 
 from minivllm.platforms.cpu import gemm as cpu_gemm
-from minivllm.platforms.cpu import mlp as cpu_mlp
 from minivllm.model.layers import (ColumnParallelLinear, MergedColumnParallelLinear, ParallelLMHead,
                                    RowParallelLinear, SiluAndMul, TPGroup)
 
@@ -135,13 +134,13 @@ def test_the_gate_up_layer_in_panels_computes_what_the_plain_layer_does(monkeypa
     cpu_gemm.prepack_linear_weights(layer)
     assert layer.packed_silu_and_mul
     torch.testing.assert_close(layer(x), F.linear(x, layer.weight), rtol=1e-5, atol=1e-5)
-    assert torch.equal(cpu_mlp.silu_and_mul(layer, x), SiluAndMul()(layer(x)))
+    assert torch.equal(cpu_gemm.silu_and_mul(layer, x), SiluAndMul()(layer(x)))
     monkeypatch.setenv("MINIVLLM_CPU_FUSED_SILU", "0")
     plain = MergedColumnParallelLinear(64, [40, 40], False, TPGroup(), feeds_silu_and_mul=True)
     plain.weight.data = layer.weight.data.clone()
     cpu_gemm.prepack_linear_weights(plain)
     assert not plain.packed_silu_and_mul and plain.packed_weight.shape[0] == 2      # 80 columns: 2 plain panels
-    assert torch.equal(cpu_mlp.silu_and_mul(plain, x), cpu_mlp.silu_and_mul(layer, x))
+    assert torch.equal(cpu_gemm.silu_and_mul(plain, x), cpu_gemm.silu_and_mul(layer, x))
 
 
 def test_own_gemm_switches_off_with_env(monkeypatch):

@@ -11,7 +11,6 @@ from minivllm.model import layers
 from minivllm.model._kernels import kernels
 from minivllm.model.custom_op import CustomOp
 from minivllm.platforms.cpu import gemm as cpu_gemm
-from minivllm.platforms.cpu import mlp as cpu_mlp
 
 cpu_ops = kernels.cpu_ops
 pytestmark = pytest.mark.skipif(not cpu_ops.available(), reason="no C++ compiler: the CPU kernels are not built")
@@ -109,8 +108,8 @@ def test_the_model_runs_the_fused_layers_on_a_cpu(llm, monkeypatch):
     model = llm.llm_engine.model_runner.model
     for op in model.modules():                  # every op on its PyTorch code, each MLP on the modeling file's
         if isinstance(op, CustomOp):
-            monkeypatch.setattr(op, "_forward_method", op.forward_native)
-    for mlp in cpu_mlp.gated_mlps(model):
+            monkeypatch.setattr(op, "forward", op.forward_native)
+    for mlp in cpu_gemm.gated_mlps(model):
         monkeypatch.setattr(mlp, "forward", type(mlp).forward.__get__(mlp))
     native = llm.generate(["The capital of France is"], params)[0].outputs[0].token_ids
     assert list(fused) == list(native)

@@ -1,4 +1,4 @@
-"""A long prefill's MLP runs in row slices on a CPU where SiLU is a separate pass (platforms/cpu/mlp.py,
+"""A long prefill's MLP runs in row slices on a CPU where SiLU is a separate pass (platforms/cpu/gemm.py,
 `cpu_slice_rows`): the same result as the whole batch at once, proven on the default model's weights and end to
 end against Hugging Face."""
 
@@ -10,18 +10,18 @@ import pytest
 import torch
 
 from minivllm.model import llama
-from minivllm.platforms.cpu import mlp as cpu_mlp
+from minivllm.platforms.cpu import gemm as cpu_gemm
 
 from oracle import hf_greedy
 
 
 def test_slice_rows_keep_the_activation_within_the_budget():
     x = torch.empty(5000, 576)
-    assert cpu_mlp.cpu_slice_rows(x, 3072) == 1024                    # 1,024 x 3,072 x 4 bytes = 12 MiB
-    assert cpu_mlp.cpu_slice_rows(x.bfloat16(), 3072) == 2048         # half the bytes a row, twice the rows
-    assert cpu_mlp.cpu_slice_rows(x, 6144) == 512
-    assert cpu_mlp.cpu_slice_rows(x, 10 ** 6) == 256                  # never fewer than 256 rows
-    assert cpu_mlp.cpu_slice_rows(torch.empty(5000, 576, device="meta"), 3072) == 5000   # off the CPU: whole
+    assert cpu_gemm.cpu_slice_rows(x, 3072) == 1024                    # 1,024 x 3,072 x 4 bytes = 12 MiB
+    assert cpu_gemm.cpu_slice_rows(x.bfloat16(), 3072) == 2048         # half the bytes a row, twice the rows
+    assert cpu_gemm.cpu_slice_rows(x, 6144) == 512
+    assert cpu_gemm.cpu_slice_rows(x, 10 ** 6) == 256                  # never fewer than 256 rows
+    assert cpu_gemm.cpu_slice_rows(torch.empty(5000, 576, device="meta"), 3072) == 5000   # off the CPU: whole
 
 
 def _plain_mlp(mlp, monkeypatch):

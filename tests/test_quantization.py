@@ -7,8 +7,7 @@ import torch.nn.functional as F
 
 from minivllm import LLM, SamplingParams
 from minivllm.config import EngineConfig
-from minivllm.platforms.cpu import mlp as cpu_mlp
-from minivllm.platforms.cpu import quantization as quant
+from minivllm.platforms.cpu import gemm as cpu_gemm, quantization as quant
 from minivllm.model.layers import ColumnParallelLinear, ParallelLMHead, RowParallelLinear, TPGroup
 from tests.oracle import PROMPTS
 
@@ -144,7 +143,7 @@ def test_quantized_gate_up_panels_give_the_separate_silu_pass_bit_for_bit(method
         layers.append(layer)
     plain, fused = layers
     assert torch.equal(fused(x), plain(x))
-    assert torch.equal(cpu_mlp.silu_and_mul(fused, x), SiluAndMul()(plain(x)))
+    assert torch.equal(cpu_gemm.silu_and_mul(fused, x), SiluAndMul()(plain(x)))
     if rows == 1:
         assert torch.equal(quant.dequantize(fused), quant.dequantize(plain))
 
@@ -162,7 +161,7 @@ def test_an_int8_gate_up_on_pytorchs_kernel_keeps_silu_separate(monkeypatch):
     assert not layer.packed_silu_and_mul and layer.qweight.dim() == 2
     x = torch.randn(3, 64).bfloat16()
     assert layer(x).shape == (3, 80)
-    assert torch.equal(cpu_mlp.silu_and_mul(layer, x), SiluAndMul()(layer(x)))
+    assert torch.equal(cpu_gemm.silu_and_mul(layer, x), SiluAndMul()(layer(x)))
 
 
 def test_int8_refuses_an_odd_in_features_with_a_clear_error():

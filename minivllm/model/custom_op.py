@@ -3,7 +3,8 @@
 Owns: the dispatch rule. An op (RMSNorm, SiluAndMul, RotaryEmbedding in layers.py) writes `forward_native`, the
 plain PyTorch code every device runs and the test oracle, and may add `forward_cuda` (a Triton kernel) and
 `forward_cpu` (a C++ kernel of `minivllm_kernels.cpu_ops`). `__init__` picks one for the device the op is built
-on (the model is built under `with torch.device(...)`) and `forward` calls it: nothing is decided per call.
+on (the model is built under `with torch.device(...)`) and binds it as the op's `forward`: nothing is decided
+per call, and a call goes straight from `nn.Module.__call__` to the implementation.
 
     CUDA  forward_cuda where the op is in CUSTOM_OPS (MINIVLLM_CUSTOM_OPS), else forward_native
     CPU   forward_cpu where the C++ kernels build (a compiler is there, MINIVLLM_CPU_KERNELS is not 0),
@@ -59,10 +60,8 @@ class CustomOp(nn.Module):
 
     def __init__(self):
         super().__init__()
-        self._forward_method = self.dispatch_forward(torch.get_default_device())
-
-    def forward(self, *args, **kwargs):
-        return self._forward_method(*args, **kwargs)
+        # An instance attribute: `nn.Module.__call__` calls `self.forward`, so this is what every call runs.
+        self.forward = self.dispatch_forward(torch.get_default_device())
 
     def dispatch_forward(self, device: torch.device) -> Callable:
         if device.type == "cuda":

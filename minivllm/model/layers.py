@@ -129,7 +129,7 @@ class MergedColumnParallelLinear(ColumnParallelLinear):
     """Several column-parallel outputs in one matmul (gate_proj and up_proj).
 
     feeds_silu_and_mul: the outputs are a gated MLP's [gate | up], read only by SiluAndMul, so a platform may
-    compute the activation inside the matmul (minivllm/platforms/cpu/mlp.py says how, and marks the model's
+    compute the activation inside the matmul (minivllm/platforms/cpu/gemm.py says how, and marks the model's
     gated MLPs itself). The layer's own forward always answers [gate | up].
     """
 

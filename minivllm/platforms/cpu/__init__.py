@@ -2,9 +2,9 @@
 
     runtime.py       tcmalloc and Intel's OpenMP preloaded by re-starting an entry point; what the CPU can do
     huge_pages.py    2 MB pages under the weights and the KV cache
-    gemm.py          linear layers' weights packed once (oneDNN's layout, or minivllm's own GEMM's panels)
+    gemm.py          linear layers' weights packed once (oneDNN's layout, or minivllm's own GEMM's panels), and a
+                     gated MLP's SiLU inside its gate/up matmul or its rows in cache-sized slices
     quantization.py  int8 / int4 / gguf / w8a8_int8 / w4a8_int8 weights and their CPU kernels
-    mlp.py           a gated MLP's SiLU inside its gate/up matmul, or its rows in cache-sized slices
     loading.py       `process_weights_after_loading`: the one call the model loader makes, in that order
 
 The model (minivllm/model/) knows none of this: its layers call `quant_method.apply` and their ops'

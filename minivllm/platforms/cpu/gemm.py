@@ -3,8 +3,9 @@
 Owns: turning each linear layer's (out, in) weight into a packed layout at load time (`prepack_linear_weights`),
 the linear methods that multiply by it (`PackedLinearMethod`, `GateUpPanelsMethod`: the layer's `quant_method`,
 vLLM's name for the per-layer matmul), the one matmul they call (`gemm`), and the plain weights' layout where
-nothing packs them (`use_column_major_linear_weights`). Must never: change a layer's `weight` (the checkpoint
-loader, TP tests and lessons read it) or decide anything per call that the load could decide.
+nothing packs them (`use_column_major_linear_weights`), and how each gated MLP runs (below). Must never: change a
+layer's `weight` (the checkpoint loader, TP tests and lessons read it), decide anything per call that the load
+could decide, or leave an MLP computing anything but its modeling file's forward (up to rounding).
 
 Why: a decode step on a CPU multiplies a few rows (the batch) by every weight of the model. `F.linear` hands
 the plain weight to MKL on every call, which re-reads it in a layout chosen for no particular shape. oneDNN's
@@ -27,9 +28,19 @@ order; bf16 needs AVX-512 BF16 for vdpbf16ps). oneDNN ran a 32-row decode step's
 this CPU's peak with the weights coming from memory; this runs them 10-25% faster, and 1-row steps at the
 memory's bandwidth (docs/benchmarks.md). MINIVLLM_CPU_OWN_GEMM=0 keeps oneDNN.
 
-A gated MLP's gate/up weight is packed for it in gate/up panels (`fuse_silu_and_mul`): the matmul then also
-computes silu(gate) * up from its accumulators, and the (rows, 2 * intermediate) activation is never written
-nor read again (mlp.py runs the MLP so). MINIVLLM_CPU_FUSED_SILU=0 keeps the separate pass.
+The gated MLP (`mark_gated_mlps` before packing, `bind_mlp_forwards` after): any module with vLLM's names
+`gate_up_proj` (a MergedColumnParallelLinear), `act_fn` (SiluAndMul) and `down_proj`. Its modeling file's forward,
+`down_proj(act_fn(gate_up_proj(x)))`, stays the definition of what it computes; on a CPU it runs one of two ways,
+bound once at load (vLLM does such fusions as graph rewrites under torch.compile, vllm/compilation/):
+
+    SiLU in the matmul   where gate/up was packed in gate/up panels (`fuse_silu_and_mul`; here or in
+                         quantization.py): the matmul's epilogue computes silu(gate) * up from its accumulators,
+                         so the (rows, 2 * intermediate) activation is never written nor read again. Bit for bit
+                         the separate pass's values (tests/test_cpu_gemm.py). MINIVLLM_CPU_FUSED_SILU=0 turns it off.
+    rows in slices       elsewhere: a CPU's last-level cache is tens of MB, and a 4,096-token prefill's gate/up
+                         activation of the default model is 4,096 x 3,072 x 4 bytes = 50 MB, written by one matmul
+                         and read back by the next from memory. In slices of at most CPU_SLICE_BYTES it stays in
+                         the cache. The same rows and weights, so the same result (tests/test_cpu_mlp_slices.py).
 """
 
 from __future__ import annotations
@@ -41,7 +52,10 @@ import torch.nn.functional as F
 
 from minivllm import envs
 from minivllm.model._kernels import kernels
-from minivllm.model.layers import ColumnParallelLinear, ParallelLMHead, RowParallelLinear
+from torch import nn
+
+from minivllm.model.layers import (ColumnParallelLinear, MergedColumnParallelLinear, ParallelLMHead,
+                                  RowParallelLinear, SiluAndMul)
 
 PACKED_DTYPES = (torch.float32, torch.bfloat16)
 BATCH_HINT = 32          # the rows oneDNN tunes the layout for (a full decode batch); any row count works
@@ -134,7 +148,7 @@ class PackedLinearMethod:
 
 class GateUpPanelsMethod:
     """A gated MLP's gate/up matmul from `layer.packed_weight` in gate/up panels (`interleave_gate_up`):
-    with silu_and_mul, silu(gate) * up (rows, n) straight from the matmul (mlp.py calls it so); without,
+    with silu_and_mul, silu(gate) * up (rows, n) straight from the matmul (the gated MLP calls it so); without,
     [gate | up] (rows, 2 * n) as any linear layer answers, the panels' columns put back in order."""
 
     def apply(self, layer: torch.nn.Module, x: torch.Tensor, bias: torch.Tensor | None = None,
@@ -180,3 +194,74 @@ def use_column_major_linear_weights(model: torch.nn.Module) -> None:
     for module in model.modules():
         if isinstance(module, (ColumnParallelLinear, RowParallelLinear)) and module.weight.dtype == torch.float32:
             module.weight.data = module.weight.data.t().contiguous().t()
+
+
+CPU_SLICE_BYTES = 12 << 20
+
+
+def cpu_slice_rows(x: torch.Tensor, width: int) -> int:
+    """How many rows of x to run at a time when the widest activation has `width` columns of x's dtype: all of
+    them off the CPU (a GPU's kernels want the whole batch), else the most rows, a multiple of 256, whose
+    activation fits in CPU_SLICE_BYTES (and never fewer than 256)."""
+    if x.device.type != "cpu":
+        return x.shape[0]
+    rows = CPU_SLICE_BYTES // (width * x.element_size())
+    return max(256, rows // 256 * 256)
+
+
+def gated_mlps(model: nn.Module) -> list[nn.Module]:
+    """The modules of `model` that are gated MLPs (vLLM's names, see the module docstring)."""
+    return [m for m in model.modules()
+            if isinstance(getattr(m, "gate_up_proj", None), MergedColumnParallelLinear)
+            and isinstance(getattr(m, "act_fn", None), SiluAndMul) and hasattr(m, "down_proj")]
+
+
+def mark_gated_mlps(model: nn.Module) -> None:
+    """Mark each gated MLP's gate/up layer as feeding SiluAndMul (where its shape allows), so packing may put its
+    weight in gate/up panels. Before the weights are packed or quantized."""
+    for mlp in gated_mlps(model):
+        mlp.gate_up_proj.feeds_silu_and_mul = mlp.gate_up_proj.can_feed_silu_and_mul
+
+
+class FusedSiluForward:
+    """mlp.forward where gate/up sits in gate/up panels: x (n, hidden) -> down(silu(gate) * up) (n, hidden)."""
+
+    def __init__(self, mlp: nn.Module):
+        self.mlp = mlp
+
+    def __call__(self, x: torch.Tensor) -> torch.Tensor:
+        gate_up = self.mlp.gate_up_proj
+        act = gate_up.quant_method.apply(gate_up, x, None, silu_and_mul=True)      # (n, intermediate / tp)
+        return self.mlp.down_proj(act)
+
+
+class SlicedForward:
+    """mlp.forward where SiLU is a separate pass: the modeling file's forward over row slices of x
+    (`cpu_slice_rows`), concatenated; one call where the batch fits."""
+
+    def __init__(self, mlp: nn.Module):
+        self.mlp = mlp
+        self.width = sum(mlp.gate_up_proj.out_sizes)        # gate_up: (rows, 2 * intermediate / tp)
+
+    def __call__(self, x: torch.Tensor) -> torch.Tensor:
+        mlp = self.mlp
+        rows = cpu_slice_rows(x, self.width)
+        if rows >= x.shape[0]:
+            return type(mlp).forward(mlp, x)
+        return torch.cat([type(mlp).forward(mlp, part) for part in x.split(rows)])
+
+
+def bind_mlp_forwards(model: nn.Module) -> None:
+    """Give each gated MLP of `model` its CPU forward: SiLU in the matmul where its gate/up layer was packed so,
+    else its rows in slices. After the weights are packed or quantized."""
+    for mlp in gated_mlps(model):
+        fused = getattr(mlp.gate_up_proj, "packed_silu_and_mul", False)
+        mlp.forward = FusedSiluForward(mlp) if fused else SlicedForward(mlp)
+
+
+def silu_and_mul(layer: MergedColumnParallelLinear, x: torch.Tensor) -> torch.Tensor:
+    """x (..., in) -> silu(gate) * up (..., n) of a gate/up layer alone: in the matmul where it is packed in
+    gate/up panels, else SiluAndMul after its product. For tests and lessons; the model's MLPs are bound once."""
+    if not getattr(layer, "packed_silu_and_mul", False):
+        return SiluAndMul()(layer(x))
+    return layer.quant_method.apply(layer, x, None, silu_and_mul=True)

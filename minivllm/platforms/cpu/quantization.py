@@ -109,7 +109,7 @@ class Int8WeightOnlyMethod:
 
     def apply(self, layer: torch.nn.Module, x: torch.Tensor, bias: torch.Tensor | None,
               silu_and_mul: bool = False) -> torch.Tensor:
-        """y = x @ w.T + bias; with silu_and_mul (gate/up panels) silu(gate) * up (mlp.py)."""
+        """y = x @ w.T + bias; with silu_and_mul (gate/up panels) silu(gate) * up (gemm.py's gated MLP)."""
         if layer.qweight.dim() == 3:                                      # packed for int8_linear
             out = layer.out_sizes[0] if silu_and_mul else layer.qscale.numel()
             y = kernels.cpu_ops.int8_linear(x.to(ACT_DTYPE), layer.qweight, layer.qscale, out, None, silu_and_mul)
@@ -158,7 +158,7 @@ class Int4WeightOnlyMethod:
 
     def apply(self, layer: torch.nn.Module, x: torch.Tensor, bias: torch.Tensor | None,
               silu_and_mul: bool = False) -> torch.Tensor:
-        """y = x @ w.T + bias; with silu_and_mul (gate/up panels) silu(gate) * up (mlp.py)."""
+        """y = x @ w.T + bias; with silu_and_mul (gate/up panels) silu(gate) * up (gemm.py's gated MLP)."""
         if layer.qweight.dim() == 3:                                      # packed for int4_linear
             out = layer.out_sizes[0] if silu_and_mul else layer.qout
             y = kernels.cpu_ops.int4_linear(x.to(ACT_DTYPE), layer.qweight, layer.qscales_zeros, out, None,
