@@ -42,6 +42,8 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--api-key", default=os.environ.get("VLLM_API_KEY") or None,
                    help="require 'Authorization: Bearer <key>' on /v1/* (default: $VLLM_API_KEY, as vLLM)")
     p.add_argument("--no-dashboard", action="store_true", help="serve the API only")
+    p.add_argument("--trust-request-chat-template", action="store_true", help="run a request's own "
+                   "'chat_template' (a template is a program: by default such requests are refused, as vLLM)")
     p.add_argument("--threads", type=int, default=None, help="torch CPU threads (default: torch's choice)")
     p.add_argument("--warmup-tokens", type=int, default=512, help="a dummy prefill of this many tokens before "
                    "serving, so the first real batch does not pay the first large step's one-time costs (0: off; "
@@ -51,7 +53,7 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def build_app(config: EngineConfig, api_key: str | None = None, served_model_name: str | None = None,
-              dashboard: bool = True, warmup_tokens: int = 0):
+              dashboard: bool = True, warmup_tokens: int = 0, trust_request_chat_template: bool = False):
     """Load the engine (and warm it up with a dummy prefill of `warmup_tokens`, ModelRunner.warm_up) and build
     the app: returns (fastapi_app, async_engine). The app's shutdown shuts the engine down
     (`async_engine.shutdown()` may be called again; the second call does nothing)."""
@@ -75,7 +77,8 @@ def build_app(config: EngineConfig, api_key: str | None = None, served_model_nam
         logger.info("engine shut down")
 
     app = FastAPI(title="minivllm", docs_url=None, redoc_url=None, lifespan=lifespan)
-    app = build_api_server(async_engine, served_model_name=served_model_name, api_key=api_key, app=app)
+    app = build_api_server(async_engine, served_model_name=served_model_name, api_key=api_key, app=app,
+                           trust_request_chat_template=trust_request_chat_template)
     if dashboard:
         from minivllm.entrypoints.dashboard import mount_dashboard
         app = mount_dashboard(app, async_engine, path="/", api_key=api_key)
@@ -94,7 +97,8 @@ def main(argv: list[str] | None = None) -> int:
             raise ValueError(f"--warmup-tokens is {args.warmup_tokens}; it must be 0 (off) or a positive number "
                              f"of tokens")
         app, async_engine = build_app(config, api_key=args.api_key, served_model_name=args.served_model_name,
-                                      dashboard=not args.no_dashboard, warmup_tokens=args.warmup_tokens)
+                                      dashboard=not args.no_dashboard, warmup_tokens=args.warmup_tokens,
+                                      trust_request_chat_template=args.trust_request_chat_template)
     except (ValueError, FileNotFoundError) as e:
         parser.error(str(e))
 

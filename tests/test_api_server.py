@@ -36,7 +36,7 @@ def server():
     torch.set_num_threads(1)        # the engine thread gets one core, the clients and the HTTP loop the other
     app, async_engine = build_app(EngineConfig(num_kv_blocks=NUM_KV_BLOCKS, device="cpu", dtype="float32"))
     srv = run_server_in_thread(app)
-    srv.engine = async_engine
+    srv.engine, srv.app = async_engine, app
     yield srv
     srv.stop()
     async_engine.shutdown()
@@ -840,7 +840,8 @@ def test_tokenizer_routes_refuse_bad_bodies_with_a_400(server, route, body, para
     assert r.status_code == 400 and r.json()["error"]["param"] == param, r.text
 
 
-def test_continue_final_message_and_a_per_request_chat_template(client, server, hf_tokenizer):
+def test_continue_final_message_and_a_per_request_chat_template(client, server, hf_tokenizer, monkeypatch):
+    monkeypatch.setattr(server.app.state.renderer, "trust_request_chat_template", True)   # --trust-request-...
     partial = CHAT + [{"role": "assistant", "content": "The capital of France is"}]
     expected = hf_tokenizer.apply_chat_template(partial, tokenize=False, continue_final_message=True)
     assert expected.endswith("The capital of France is")             # the message is left open

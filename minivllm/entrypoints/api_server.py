@@ -34,6 +34,7 @@ import minivllm
 from minivllm.engine.async_llm import AsyncLLMEngine
 from minivllm.entrypoints.metrics import render_metrics
 from minivllm.entrypoints.protocol import APIError
+from minivllm.entrypoints.renderer import Renderer
 from minivllm.entrypoints.serving_chat import OpenAIServingChat
 from minivllm.entrypoints.serving_completion import OpenAIServingCompletion
 from minivllm.entrypoints.serving_models import OpenAIServingModels
@@ -45,19 +46,24 @@ logger = logging.getLogger(__name__)
 
 # ---------------------------------------------------------------------- the app
 def build_api_server(async_engine: AsyncLLMEngine, served_model_name: str | None = None,
-                     api_key: str | None = None, app: FastAPI | None = None) -> FastAPI:
+                     api_key: str | None = None, app: FastAPI | None = None,
+                     trust_request_chat_template: bool = False) -> FastAPI:
     """Add the OpenAI routes, /health and /metrics to `app` (a new FastAPI app by default) and return it.
 
     served_model_name: what /v1/models lists; requests may name it or the model's path. Defaults to the
     checkpoint directory's name ("SmolLM2-135M-Instruct" for the embedded default model).
     api_key: if set, every /v1/* route requires `Authorization: Bearer <api_key>` (401 otherwise; the scheme's
     case does not matter), as vLLM.
+    trust_request_chat_template: run a request's own `chat_template` (refused otherwise, as vLLM); the front end
+    that renders, tokenizes and bounds requests is `app.state.renderer` (renderer.py).
     """
     app = app or FastAPI(title="minivllm", docs_url=None, redoc_url=None)
     models = OpenAIServingModels(async_engine, served_model_name)
-    completion = OpenAIServingCompletion(async_engine, models)
-    chat = OpenAIServingChat(async_engine, models)
-    tokenization = OpenAIServingTokenization(async_engine, models)
+    renderer = app.state.renderer = Renderer(async_engine.tokenizer, async_engine.max_model_len,
+                                             trust_request_chat_template)
+    completion = OpenAIServingCompletion(async_engine, models, renderer)
+    chat = OpenAIServingChat(async_engine, models, renderer)
+    tokenization = OpenAIServingTokenization(async_engine, models, renderer)
     add_exception_handlers(app)
     check_api_key = api_key_check(api_key)
 

@@ -2,8 +2,8 @@
 entrypoints/chat_utils.py).
 
 Owns: reading `messages` (roles, text content) and the template's options, and rendering the template. It never
-tokenizes: rendering touches no tokenizer state, so the HTTP thread may call it; tokens are made on the engine
-thread. Anything wrong raises protocol.APIError naming the field, as every request body check does.
+tokenizes; the server renders and tokenizes in its front end's worker thread (renderer.py), LLM.chat in the
+caller's. Anything wrong raises protocol.APIError naming the field, as every request body check does.
 """
 
 from __future__ import annotations
@@ -68,8 +68,7 @@ def parse_chat_options(body: dict, default_add_generation_prompt: bool = True) -
 
 
 def apply_chat_template(tokenizer, messages: list[dict], options: dict) -> str:
-    """The chat template (the model's, or the request's `chat_template`) applied to messages, as text.
-    Only renders (no tokenizer state is touched), so the HTTP thread may call it."""
+    """The chat template (the model's, or the request's `chat_template`) applied to messages, as text."""
     try:
         return tokenizer.apply_chat_template(messages, tokenize=False, **options)
     except Exception as e:      # the template's own checks (jinja2 raises on e.g. bad role order)

@@ -1,7 +1,7 @@
 """POST /v1/chat/completions (vLLM's entrypoints/openai/serving_chat.py): a conversation, rendered by the chat
 template into one prompt, answered by n choices.
 
-Owns: reading the messages and template options (chat_utils.py), the route's default length (the rest of the
+Owns: reading the messages and template options (chat_utils.py; rendered by renderer.py), the route's default length (the rest of the
 context), the stream's opening role chunk, and the chat logprobs object ({"content": [...]}). Running the request
 and writing the answer is serving_engine.py's.
 """
@@ -10,7 +10,7 @@ from __future__ import annotations
 
 from fastapi import Request
 
-from minivllm.entrypoints.chat_utils import apply_chat_template, parse_chat_options, parse_messages
+from minivllm.entrypoints.chat_utils import parse_chat_options, parse_messages
 from minivllm.entrypoints.protocol import check_fields, parse_stream
 from minivllm.entrypoints.serving_engine import (ChoiceShape, OpenAIServing, ParsedRequest, ResponseMeta,
                                                  clamp_logprob, make_choice)
@@ -24,7 +24,7 @@ class OpenAIServingChat(OpenAIServing):
     async def create_chat_completion(self, request: Request):
         body = await self.read_body(request)
         check_fields(body, "/v1/chat/completions")
-        prompt = apply_chat_template(self.async_engine.tokenizer, parse_messages(body), parse_chat_options(body))
+        prompt = await self.renderer.render_chat(parse_messages(body), parse_chat_options(body))
         return await self.serve(request, ParsedRequest([prompt], body, *parse_stream(body), "messages"))
 
     def default_max_tokens(self, num_prompt_tokens: int) -> int:

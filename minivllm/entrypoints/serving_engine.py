@@ -1,8 +1,8 @@
 """What /v1/completions and /v1/chat/completions share (vLLM's entrypoints/openai/serving_engine.py): running a
 parsed request on the AsyncLLMEngine and writing its answer.
 
-Owns: turning a ParsedRequest into engine requests (tokenized and sized on the engine thread, all added in one
-command), and the answer: one JSON body with every choice joined, or server-sent events, one chunk per new
+Owns: turning a ParsedRequest into engine requests (tokenized in the front end, renderer.py; sized on the engine
+thread, all added in one command), and the answer: one JSON body with every choice joined, or server-sent events, one chunk per new
 piece; the response bodies' shapes (ResponseMeta, make_choice, usage_of). What differs by route is a hook the
 subclass fills (serving_completion.py, serving_chat.py): the default max_tokens, how logprobs are written, and
 chat's opening role chunk. It never calls the LLMEngine except inside an AsyncLLMEngine command.
@@ -32,6 +32,7 @@ from minivllm.engine.request_stream import RequestStream
 from minivllm.entrypoints.protocol import (APIError, LogprobsRequest, check_json_content_type, parse_json_body,
                                            read_logprobs_request, requested_max_tokens, sampling_params_from_body,
                                            structured_outputs_param)
+from minivllm.entrypoints.renderer import Renderer
 from minivllm.entrypoints.serving_models import OpenAIServingModels
 from minivllm.entrypoints.utils import close_all, close_async, merged, until_disconnect
 from minivllm.outputs import Logprob, RequestOutput
@@ -144,14 +145,15 @@ class OpenAIServing:
     is_chat: bool = False
     request_id_prefix: str = "cmpl"
 
-    def __init__(self, async_engine: AsyncLLMEngine, models: OpenAIServingModels):
+    def __init__(self, async_engine: AsyncLLMEngine, models: OpenAIServingModels, renderer: Renderer):
         self.async_engine = async_engine
         self.models = models
+        self.renderer = renderer
 
     async def read_body(self, request: Request) -> dict:
         """What every POST route checks first (after the API key): a JSON body, a JSON object, a model served here."""
         check_json_content_type(request)
-        body = parse_json_body(await request.body())
+        body = parse_json_body(await self.renderer.read_body(request))
         self.models.check_model(body)
         return body
 
@@ -175,10 +177,11 @@ class OpenAIServing:
         chat = self.is_chat
         checked = sampling_params_from_body(parsed.body, chat, default_max_tokens=1)   # bad fields: no engine work
         request_id = f"{self.request_id_prefix}-{uuid.uuid4().hex[:16]}"
-        echo_texts: list[EchoText] = []       # filled on the engine thread by plan(), read after it answered
+        tokenized = await self.renderer.tokenize(parsed.prompts, parsed.prompt_param)
+        echo_texts = await self.echo_texts(parsed, tokenized)
 
         def build(engine) -> list[NewRequest]:
-            prompts, params = self.plan(engine, parsed, checked, echo_texts)
+            prompts, params = self.plan(engine, parsed, tokenized, checked)
             return [NewRequest(prompt, p, request_id if len(prompts) == 1 else f"{request_id}-{i}")
                     for i, (prompt, p) in enumerate(zip(prompts, params))]
 
@@ -198,26 +201,26 @@ class OpenAIServing:
                                      background=BackgroundTask(close_async, streams))
         return await until_disconnect(request, self.full_response(streams, shape, meta), streams)
 
-    def plan(self, engine, parsed: ParsedRequest, checked: SamplingParams,
-             echo_texts: list[EchoText]) -> tuple[list[dict], list[SamplingParams]]:
+    async def echo_texts(self, parsed: ParsedRequest, tokenized: list[tuple[str | None, list[int]]]) -> list[EchoText]:
+        """For echo, each prompt's text (decoded for a prompt of token ids) and its first token's."""
+        if not read_logprobs_request(parsed.body, self.is_chat).echo:
+            return []
+        decoded = await self.renderer.decode_many([ids for _, ids in tokenized] + [ids[:1] for _, ids in tokenized])
+        k = len(tokenized)
+        return [EchoText(text if text is not None else decoded[i], decoded[k + i])
+                for i, (text, _) in enumerate(tokenized)]
+
+    def plan(self, engine, parsed: ParsedRequest, tokenized: list[tuple[str | None, list[int]]],
+             checked: SamplingParams) -> tuple[list[dict], list[SamplingParams]]:
         """On the engine thread, in the same command that adds the requests (AsyncLLMEngine.add_requests): each
-        prompt, tokenized once and passed on as ids, and its SamplingParams; for echo, each prompt's text goes
-        into `echo_texts`. An explicit max_tokens must fit the context with the prompt (400 otherwise, as vLLM).
-        Without one, default_max_tokens says."""
+        prompt (tokenized by the front end, passed on as ids) and its SamplingParams. An explicit max_tokens must
+        fit the context with the prompt (400 otherwise, as vLLM). Without one, default_max_tokens says."""
         if checked.structured_outputs is not None:     # compile now (cached): a bad grammar is its field's 400
             try:
                 engine.structured_output_manager.grammar_for(checked.structured_outputs)
             except ValueError as e:
                 raise APIError(str(e), param=structured_outputs_param(parsed.body)) from None
         max_tokens_name, max_tokens = requested_max_tokens(parsed.body, self.is_chat)
-        try:
-            tokenized = [engine.tokenize(p) for p in parsed.prompts]
-        except ValueError as e:
-            raise APIError(str(e), param=parsed.prompt_param) from None
-        if read_logprobs_request(parsed.body, self.is_chat).echo:
-            # the prompt's text (decoded for a prompt of token ids) and its first token's, as echo shows them
-            echo_texts.extend(EchoText(text if text is not None else engine.tokenizer.decode(ids),
-                                       engine.tokenizer.decode(ids[:1])) for text, ids in tokenized)
         prompts, params = [], []
         limit = self.async_engine.max_model_len
         for text, ids in tokenized:

@@ -1,0 +1,140 @@
+"""The server's front end: bodies read, chat templates rendered and prompts tokenized off the event loop and off
+the engine thread, within limits that keep one request from stalling the others (vLLM's API server tokenizes in
+its own process, in a one-thread executor: `OpenAIServing._tokenizer_executor`).
+
+Owns: the request-body size limit (413), the character cap on a prompt's text, the trust rule for a request's own
+chat template, and the one worker thread that renders and tokenizes. The engine thread never tokenizes a server
+request: it gets token ids. The event loop only measures lengths; the work runs in the worker thread, which
+holds the GIL a few milliseconds at a time, so /health and other streams go on.
+
+    body        more than `max_body_bytes` (Content-Length, or counted as it arrives)      -> 413
+    prompt      more characters than `max_model_len` tokens can hold (`char_cap`: no token of
+                the tokenizer decodes to more than `max_token_chars` characters), refused
+                before it is tokenized                                                     -> 400 naming the field
+    template    a request's `chat_template` is refused unless the server trusts them (`--trust-request-chat-
+                template`, vLLM's flag: a template is a program); a trusted one must render within
+                `RENDER_TIME_LIMIT_S` seconds (checked between the template's Python lines) and to at most
+                `char_cap` characters                                                      -> 400 naming the field
+
+A trusted template still runs in this process: one Python operation (a string repeated a billion times) is not
+interrupted. Trust only templates from clients you trust, as with vLLM.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import copy
+import sys
+import time
+from concurrent.futures import ThreadPoolExecutor
+
+from minivllm.entrypoints.chat_utils import apply_chat_template
+from minivllm.entrypoints.protocol import APIError
+
+MAX_BODY_BYTES = 8 << 20          # a body of max_model_len-token prompts is far below this
+RENDER_TIME_LIMIT_S = 2.0         # a trusted request template's rendering time
+
+
+class Renderer:
+    """The front end's tokenizer (a copy of the engine's, used by one worker thread) and its limits."""
+
+    def __init__(self, tokenizer, max_model_len: int, trust_request_chat_template: bool = False,
+                 max_body_bytes: int = MAX_BODY_BYTES, render_time_limit_s: float = RENDER_TIME_LIMIT_S):
+        self.tokenizer = copy.deepcopy(tokenizer)        # the engine thread keeps using its own
+        self.max_model_len = max_model_len
+        self.trust_request_chat_template = trust_request_chat_template
+        self.max_body_bytes = max_body_bytes
+        self.render_time_limit_s = render_time_limit_s
+        self.max_token_chars = max(map(len, self.tokenizer.get_vocab()))   # byte-level: >= its decoded length
+        self.char_cap = max_model_len * self.max_token_chars
+        self._executor = ThreadPoolExecutor(max_workers=1, thread_name_prefix="minivllm-renderer")
+
+    def shutdown(self) -> None:
+        self._executor.shutdown(wait=False, cancel_futures=True)
+
+    async def _run(self, fn, *args):
+        return await asyncio.get_running_loop().run_in_executor(self._executor, fn, *args)
+
+    # ------------------------------------------------------------------ the body
+    async def read_body(self, request) -> bytes:
+        """The raw body, at most max_body_bytes (413 beyond, before reading it where Content-Length says so)."""
+        declared = request.headers.get("content-length", "")
+        if declared.isascii() and declared.isdigit() and int(declared) > self.max_body_bytes:
+            raise self._too_large(int(declared))
+        chunks, size = [], 0
+        async for chunk in request.stream():
+            size += len(chunk)
+            if size > self.max_body_bytes:
+                raise self._too_large(size, at_least=True)
+            chunks.append(chunk)
+        return b"".join(chunks)
+
+    def _too_large(self, size: int, at_least: bool = False) -> APIError:
+        return APIError(f"the request body is {'more than ' if at_least else ''}{size} bytes; this server takes at "
+                        f"most {self.max_body_bytes} bytes. Send fewer or shorter prompts.",
+                        status_code=413, type="request_too_large")
+
+    # ------------------------------------------------------------------ chat templates
+    async def render_chat(self, messages: list[dict], options: dict) -> str:
+        """The chat rendered by the model's template, or by the request's own where the server trusts them."""
+        own = "chat_template" in options
+        if own and not self.trust_request_chat_template:
+            raise APIError("'chat_template' was sent with the request, but this server does not run request "
+                           "chat templates (a template is a program). Leave it out to use the model's template, "
+                           "or start the server with --trust-request-chat-template.", param="chat_template")
+        if own:
+            text = await self._run(self._render_within_limit, messages, options)
+        else:
+            text = await self._run(apply_chat_template, self.tokenizer, messages, options)
+        self.check_chars(text, "chat_template" if own else "messages", what="the rendered chat")
+        return text
+
+    def _render_within_limit(self, messages: list[dict], options: dict) -> str:
+        deadline = time.monotonic() + self.render_time_limit_s
+
+        def tracer(frame, event, arg):
+            if time.monotonic() > deadline:
+                raise TimeoutError
+            return tracer
+        sys.settrace(tracer)
+        try:
+            return apply_chat_template(self.tokenizer, messages, options)
+        except APIError as e:
+            if isinstance(e.__context__, TimeoutError):      # chat_utils re-raised the template's error
+                raise self._slow_template() from None
+            raise
+        except TimeoutError:
+            raise self._slow_template() from None
+        finally:
+            sys.settrace(None)
+
+    def _slow_template(self) -> APIError:
+        return APIError(f"the request's chat_template did not finish rendering within {self.render_time_limit_s} "
+                        "s; a chat template should only lay out the messages. Simplify it, or leave it out to use "
+                        "the model's template.", param="chat_template")
+
+    # ------------------------------------------------------------------ tokens
+    def check_chars(self, text: str, param: str, what: str = "the prompt") -> None:
+        if len(text) > self.char_cap:
+            raise APIError(f"{what} is {len(text)} characters; at most {self.char_cap} can fit max_model_len "
+                           f"({self.max_model_len} tokens of at most {self.max_token_chars} characters each). "
+                           "Shorten it.", param=param)
+
+    async def tokenize(self, prompts: list[str | list[int]], param: str,
+                       add_special_tokens: bool = True) -> list[tuple[str | None, list[int]]]:
+        """(text, token ids) per prompt; a prompt of ids passes as it is (the engine checks its ids)."""
+        for p in prompts:
+            if isinstance(p, str):
+                self.check_chars(p, param)
+        texts = [p for p in prompts if isinstance(p, str)]
+        encoded = iter(await self._run(self._encode_all, texts, add_special_tokens) if texts else ())
+        return [(p, next(encoded)) if isinstance(p, str) else (None, list(p)) for p in prompts]
+
+    def _encode_all(self, texts: list[str], add_special_tokens: bool) -> list[list[int]]:
+        return [self.tokenizer.encode(t, add_special_tokens=add_special_tokens) for t in texts]
+
+    async def decode(self, token_ids: list[int]) -> str:
+        return await self._run(self.tokenizer.decode, token_ids)
+
+    async def decode_many(self, token_id_lists: list[list[int]]) -> list[str]:
+        return await self._run(lambda: [self.tokenizer.decode(ids) for ids in token_id_lists])

@@ -1,0 +1,134 @@
+"""The server's front end under hostile input (issue 49, items 2 and 4): a request's own chat template is refused
+unless the server trusts them, and a trusted one that never ends is stopped; a body over the size limit is a
+413; a prompt longer than any context is refused before it is tokenized; and the engine thread never tokenizes a
+server request, so none of these stalls another client's stream or /health."""
+
+from __future__ import annotations
+
+import threading
+import time
+
+import httpx
+import pytest
+
+from tests.test_api_server import CHAT, MODEL, server  # noqa: F401  (the module-scoped server fixture)
+
+LOOPS = "{% for a in range(100000) %}{% for b in range(100000) %}{% for c in range(100000) %}x{% endfor %}" \
+        "{% endfor %}{% endfor %}"
+
+
+def error_of(r: httpx.Response, status: int) -> dict:
+    assert r.status_code == status, r.text
+    return r.json()["error"]
+
+
+@pytest.mark.parametrize("route", ["/v1/chat/completions", "/tokenize"])
+def test_a_request_chat_template_is_refused_unless_the_server_trusts_them(server, route):  # noqa: F811
+    before = server.engine.snapshot().num_prompt_tokens
+    r = httpx.post(server.url + route, json={"model": MODEL, "messages": CHAT, "chat_template": "{{ 7 * 6 }}",
+                                             "max_tokens": 1} if route != "/tokenize" else
+                   {"model": MODEL, "messages": CHAT, "chat_template": "{{ 7 * 6 }}"}, timeout=60)
+    error = error_of(r, 400)
+    assert error["param"] == "chat_template" and "--trust-request-chat-template" in error["message"]
+    assert server.engine.snapshot().num_prompt_tokens == before
+
+
+def test_a_trusted_template_that_never_ends_is_stopped_and_nobody_waits(server, monkeypatch):  # noqa: F811
+    """Three nested loops of 10^5 would render for ever. Trusted, it is stopped at the render time limit with a
+    400 naming the field; meanwhile /health answers at once and another client's stream keeps its pace."""
+    renderer = server.app.state.renderer
+    monkeypatch.setattr(renderer, "trust_request_chat_template", True)
+    monkeypatch.setattr(renderer, "render_time_limit_s", 1.5)
+    gaps, done = [], threading.Event()
+
+    def stream():
+        with httpx.stream("POST", server.url + "/v1/completions", timeout=120, json={
+                "model": MODEL, "prompt": "Count: one, two,", "max_tokens": 40, "temperature": 0,
+                "ignore_eos": True, "stream": True}) as r:
+            last = None
+            for line in r.iter_lines():
+                if line.startswith("data: {"):
+                    now = time.monotonic()
+                    if last is not None:
+                        gaps.append(now - last)
+                    last = now
+        done.set()
+    t = threading.Thread(target=stream)
+    t.start()
+    health = []
+    hostile = {}
+
+    def post_hostile():
+        start = time.monotonic()
+        hostile["response"] = httpx.post(server.url + "/v1/chat/completions", timeout=60, json={
+            "model": MODEL, "messages": CHAT, "chat_template": LOOPS, "max_tokens": 1})
+        hostile["seconds"] = time.monotonic() - start
+    h = threading.Thread(target=post_hostile)
+    h.start()
+    while h.is_alive():
+        start = time.monotonic()
+        assert httpx.get(server.url + "/health", timeout=10).status_code == 200
+        health.append(time.monotonic() - start)
+        time.sleep(0.1)
+    h.join()
+    t.join(120)
+    error = error_of(hostile["response"], 400)
+    assert error["param"] == "chat_template" and "did not finish rendering within 1.5 s" in error["message"]
+    assert hostile["seconds"] < 30                       # stopped, not run to its end
+    assert health and max(health) < 0.5, health          # the event loop was never held
+    assert done.is_set() and len(gaps) >= 30 and max(gaps) < 2.0, gaps
+
+
+def test_a_trusted_template_that_does_not_parse_names_the_field(server, monkeypatch):  # noqa: F811
+    monkeypatch.setattr(server.app.state.renderer, "trust_request_chat_template", True)
+    r = httpx.post(server.url + "/tokenize", json={"model": MODEL, "messages": CHAT, "chat_template": "{% for %}"})
+    assert error_of(r, 400)["param"] == "chat_template"
+
+
+@pytest.mark.parametrize("chunked", [False, True])
+def test_a_body_over_the_size_limit_is_a_413(server, chunked):  # noqa: F811
+    limit = server.app.state.renderer.max_body_bytes
+    body = b'{"model": "x", "prompt": "' + b"a" * limit + b'"}'
+    content = iter([body[i:i + (1 << 20)] for i in range(0, len(body), 1 << 20)]) if chunked else body
+    r = httpx.post(server.url + "/v1/completions", content=content, timeout=60,
+                   headers={"content-type": "application/json"})
+    error = error_of(r, 413)
+    assert error["type"] == "request_too_large" and f"at most {limit} bytes" in error["message"]
+
+
+@pytest.mark.parametrize("route,field", [("/v1/completions", "prompt"), ("/tokenize", "prompt"),
+                                         ("/v1/chat/completions", "messages")])
+def test_a_prompt_longer_than_any_context_is_refused_before_it_is_tokenized(server, route, field,  # noqa: F811
+                                                                            monkeypatch):
+    renderer = server.app.state.renderer
+    encoded = []
+    monkeypatch.setattr(renderer, "_encode_all", lambda texts, special: encoded.append(texts) or [])
+    text = "word " * (renderer.char_cap // 5 + 1)
+    body = {"model": MODEL, "prompt": text, "max_tokens": 1} if field == "prompt" else \
+        {"model": MODEL, "messages": [{"role": "user", "content": text}], "max_tokens": 1}
+    if route == "/tokenize":
+        body.pop("max_tokens")
+    error = error_of(httpx.post(server.url + route, json=body, timeout=60), 400)
+    assert error["param"] == field and f"at most {renderer.char_cap} can fit max_model_len" in error["message"]
+    assert encoded == []
+
+
+def test_the_engine_thread_never_tokenizes_a_server_request(server, monkeypatch):  # noqa: F811
+    """Tokenizing is the front end's (its own copy of the tokenizer, in its worker thread): the engine's tokenizer
+    encodes nothing for a completion, a chat or /tokenize, and the answers are the same as ever."""
+    engine_tokenizer = server.engine.engine.tokenizer
+    calls = []
+    real = engine_tokenizer.encode
+    monkeypatch.setattr(engine_tokenizer, "encode", lambda *a, **k: calls.append(a) or real(*a, **k))
+    front = server.app.state.renderer.tokenizer
+    assert front is not engine_tokenizer
+    prompt = "The capital of France is"
+    r = httpx.post(server.url + "/v1/completions", timeout=60,
+                   json={"model": MODEL, "prompt": prompt, "max_tokens": 2, "temperature": 0})
+    assert r.status_code == 200 and r.json()["usage"]["prompt_tokens"] == len(real(prompt))
+    c = httpx.post(server.url + "/v1/chat/completions", timeout=60,
+                   json={"model": MODEL, "messages": CHAT, "max_tokens": 2, "temperature": 0})
+    assert c.status_code == 200
+    t = httpx.post(server.url + "/tokenize", json={"model": MODEL, "prompt": prompt}, timeout=60)
+    assert t.json()["tokens"] == real(prompt)
+    assert calls == []
