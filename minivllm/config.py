@@ -25,6 +25,10 @@ from collections.abc import Iterable
 from dataclasses import dataclass, field, fields
 
 
+# A CPU computes a 256-token chunk of a long prompt in about a second on 2 cores: other streams wait that long.
+CPU_LONG_PREFILL_TOKEN_THRESHOLD = 256
+
+
 def option(default, help: str, choices: tuple[str, ...] | None = None):
     """A field with its help text (and, for the command line, its allowed values)."""
     return field(default=default, metadata={"help": help, "choices": choices})
@@ -61,6 +65,10 @@ class EngineConfig:
     max_num_batched_tokens: int = option(
         8192, "token budget of one step (longer prompts are split across steps: chunked prefill); "
         "at least max_num_seqs")
+    long_prefill_token_threshold: int | None = option(
+        None, "most tokens one request's prefill computes in a step, so a long prompt is prefilled in chunks "
+        "between other requests' decodes (vLLM's name; 0: no cap); default: 0 on a GPU, "
+        "CPU_LONG_PREFILL_TOKEN_THRESHOLD on a CPU, where a step of a long chunk would stall every stream")
     max_model_len: int | None = option(
         None, "longest prompt + output in tokens; default: the model's max_position_embeddings")
     enable_prefix_caching: bool = option(True, "share the KV blocks of common prompt prefixes across requests")
@@ -130,6 +138,10 @@ class EngineConfig:
                 raise ValueError(f"max_concurrent_batches is {self.max_concurrent_batches} but pipeline_parallel_size "
                                  "is 1: batches overlap only across pipeline stages. Raise pipeline_parallel_size or "
                                  "leave max_concurrent_batches unset.")
+        threshold = self.long_prefill_token_threshold
+        if threshold is not None and (not isinstance(threshold, int) or isinstance(threshold, bool) or threshold < 0):
+            raise ValueError(f"long_prefill_token_threshold is {threshold!r}; it must be an int >= 0 (0: no cap) or "
+                             "None (the platform's default).")
         if self.max_model_len is not None and (not isinstance(self.max_model_len, int) or self.max_model_len < 2):
             raise ValueError(f"max_model_len is {self.max_model_len!r}; it must be an int >= 2 or None.")
         if self.max_num_batched_tokens < self.max_num_seqs:
@@ -169,6 +181,13 @@ class EngineConfig:
             if spec.method == "draft_model" and self.pipeline_parallel_size > 1:
                 raise ValueError("speculative_config method 'draft_model' with pipeline_parallel_size > 1 is not "
                                  "implemented (the draft runs beside the first stage); use 'ngram'.")
+
+    def long_prefill_token_threshold_on(self, device_type: str) -> int:
+        """The option when it is set; unset, CPU_LONG_PREFILL_TOKEN_THRESHOLD on a CPU (docs/benchmarks.md has the
+        inter-token latency it keeps while a long prompt arrives) and 0 (no cap) elsewhere."""
+        if self.long_prefill_token_threshold is not None:
+            return self.long_prefill_token_threshold
+        return CPU_LONG_PREFILL_TOKEN_THRESHOLD if device_type == "cpu" else 0
 
     def async_scheduling_on(self, device_type: str) -> bool:
         """Whether the engine schedules ahead: the option when it is set; unset, vLLM's rule (on unless something

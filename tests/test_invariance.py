@@ -84,6 +84,34 @@ def test_chunked_prefill_budget_changes_nothing(model_dir, baseline, prompt_ids,
 
 
 @pytest.mark.slow
+@pytest.mark.parametrize("threshold", [8, 0])
+def test_long_prefill_token_threshold_caps_each_prefill_chunk_and_changes_nothing(model_dir, baseline, prompt_ids,
+                                                                                 threshold):
+    """vLLM's long_prefill_token_threshold: no request computes more than that many tokens of its prompt in a step,
+    whatever the budget left, so a long prompt shares its steps with the others' decodes. 0 turns it off."""
+    llm = make_llm(model_dir, enable_prefix_caching=False, num_kv_blocks=256, long_prefill_token_threshold=threshold)
+    assert llm.llm_engine.scheduler.long_prefill_token_threshold == threshold
+    out, traces = run(llm, prompt_ids)
+    assert out == baseline
+    chunks = [r.num_scheduled_tokens for t in traces for r in t.requests if r.kind == "prefill"]
+    if threshold:
+        assert max(chunks) == threshold and len(chunks) > len(prompt_ids)       # capped, and some were split
+        assert any(t.num_prefill_tokens and t.num_decode_tokens for t in traces)
+    else:
+        assert max(chunks) == max(map(len, prompt_ids)) and len(chunks) == len(prompt_ids)
+
+
+def test_the_long_prefill_token_threshold_defaults_by_platform():
+    from minivllm.config import CPU_LONG_PREFILL_TOKEN_THRESHOLD, EngineConfig
+    assert EngineConfig().long_prefill_token_threshold_on("cpu") == CPU_LONG_PREFILL_TOKEN_THRESHOLD
+    assert EngineConfig().long_prefill_token_threshold_on("cuda") == 0
+    assert EngineConfig(long_prefill_token_threshold=0).long_prefill_token_threshold_on("cpu") == 0
+    for bad in (-1, 1.5, True, "8"):
+        with pytest.raises(ValueError, match="long_prefill_token_threshold"):
+            EngineConfig.from_kwargs(long_prefill_token_threshold=bad)
+
+
+@pytest.mark.slow
 @pytest.mark.parametrize("mode", ["recompute", "swap"])
 def test_preemption_changes_nothing_and_happens(model_dir, baseline, prompt_ids, mode):
     # 12 blocks of 16 tokens = 192 slots for 6 requests that grow to ~60 tokens each: preemption is forced.

@@ -55,8 +55,9 @@ def plan_ahead(num_tokens: int, num_computed_tokens: int, num_in_flight: int) ->
 class AsyncScheduler(Scheduler):
     def __init__(self, kv_cache_manager: KVCacheManager, max_num_seqs: int, max_num_batched_tokens: int,
                  max_model_len: int, preemption_mode: str = "recompute", max_concurrent_batches: int = 1,
-                 async_scheduling: bool = False):
-        super().__init__(kv_cache_manager, max_num_seqs, max_num_batched_tokens, max_model_len, preemption_mode)
+                 async_scheduling: bool = False, long_prefill_token_threshold: int = 0):
+        super().__init__(kv_cache_manager, max_num_seqs, max_num_batched_tokens, max_model_len, preemption_mode,
+                         long_prefill_token_threshold)
         self.max_concurrent_batches = max_concurrent_batches
         self.async_scheduling = async_scheduling
         self.in_flight: dict[Request, int] = {}

@@ -6,9 +6,9 @@ the model. It also owns the step's transaction: `begin_step()` opens the journal
 step did, `rollback_step()` undoes all of it (see journal.py).
 
 There is no separate "prefill phase": every step, each scheduled request gets
-    num_new_tokens = num_tokens - num_computed_tokens   (capped by the step's token budget)
-which is the whole prompt for a new request, a chunk of it when the budget is short (chunked prefill),
-and 1 for a request that is decoding. So one flat batch mixes prefills and decodes.
+    num_new_tokens = num_tokens - num_computed_tokens   (capped by the budget left and long_prefill_token_threshold)
+which is the whole prompt for a new request, a chunk of it when a cap is lower (chunked prefill), and 1 for a
+request that is decoding. So one flat batch mixes prefills and decodes.
 
 Order within a step:
   1. running requests, decodes first, then unfinished prefill chunks;
@@ -18,8 +18,8 @@ Order within a step:
      allow; skipped in a step that preempted (the pool is full, admitting more would thrash).
      Preempted requests re-enter this queue by their original arrival, so they come back first.
 
-A step's life:  begin_step -> schedule -> (model forward, sampling: not here) -> update_from_output
-                -> finish_request for stop strings -> commit_step        (or rollback_step if anything raised)
+A step's life: begin_step -> schedule -> (model forward, sampling: not here) -> update_from_output
+               -> finish_request for stop strings -> commit_step        (or rollback_step if anything raised)
 
 Other modes plug in at named seams and cost this file nothing when they are off:
     batches in flight (async scheduling, pipeline parallelism)   AsyncScheduler, a subclass (async_scheduler.py)
@@ -54,16 +54,15 @@ class Scheduler(Journaled):
     in_flight: Mapping[Request, int] = MappingProxyType({})
 
     def __init__(self, kv_cache_manager: KVCacheManager, max_num_seqs: int, max_num_batched_tokens: int,
-                 max_model_len: int, preemption_mode: str = "recompute"):
+                 max_model_len: int, preemption_mode: str = "recompute", long_prefill_token_threshold: int = 0):
         if preemption_mode not in ("recompute", "swap"):
             raise ValueError(f"preemption_mode is {preemption_mode!r}; choose 'recompute' or 'swap'.")
         self.kv_cache_manager = kv_cache_manager
         self.journal = kv_cache_manager.journal
         self.block_size = kv_cache_manager.block_size
-        self.max_num_seqs = max_num_seqs
-        self.max_num_batched_tokens = max_num_batched_tokens
-        self.max_model_len = max_model_len
-        self.preemption_mode = preemption_mode
+        self.max_num_seqs, self.max_num_batched_tokens = max_num_seqs, max_num_batched_tokens
+        self.long_prefill_token_threshold = long_prefill_token_threshold     # 0: a prefill takes what the budget has
+        self.max_model_len, self.preemption_mode = max_model_len, preemption_mode
         self.waiting: list[Request] = []     # sorted by (priority, arrival_time, admission order)
         self.running: list[Request] = []
         self.num_preemptions = 0
@@ -130,7 +129,7 @@ class Scheduler(Journaled):
                 break
             if req.status is not RequestStatus.RUNNING:        # preempted earlier in this step
                 continue
-            n = min(self._num_tokens_left(req), budget)        # a whole prompt, a chunk of it, or 1 to decode
+            n = self._chunk(self._num_tokens_left(req), budget)   # a whole prompt, a chunk of it, or 1 to decode
             drafts = self._drafts_to_verify(req, n, budget)    # speculative decoding: checked in the same pass
             while not self._allocate(req, n + len(drafts)):
                 victim = self._choose_victim(req)              # no free block: the lowest priority, latest
@@ -154,7 +153,7 @@ class Scheduler(Journaled):
             else:
                 computed = kv.get_computed_blocks(req)         # prefix-cache hits: whole blocks, from the start
                 num_cached = len(computed) * self.block_size
-                n = min(req.num_tokens - num_cached, budget)
+                n = self._chunk(req.num_tokens - num_cached, budget)
                 if not kv.allocate_slots(req, n, computed):
                     n = 0
                 else:
@@ -185,6 +184,11 @@ class Scheduler(Journaled):
         """Tokens the request still has to run through the model: 1 when it is decoding."""
         return req.num_tokens - req.num_computed_tokens
 
+    def _chunk(self, num_tokens_left: int, budget: int) -> int:
+        """The tokens a request computes this step: what it has left, within the budget and (vLLM's rule) within
+        long_prefill_token_threshold when that is set, so a long prompt shares its steps with others' decodes."""
+        return min(num_tokens_left, budget, self.long_prefill_token_threshold or num_tokens_left)
+
     def _drafts_to_verify(self, req: Request, n: int, budget: int) -> list[int]:
         """Speculative decoding: a decoding request's draft tokens (update_draft_token_ids), verified in the same
         forward as its last token, as far as the budget left after its `n` tokens allows. [] without drafts."""
@@ -209,8 +213,8 @@ class Scheduler(Journaled):
                 req, req.num_computed_tokens + out.num_scheduled_tokens[req.request_id] - num_drafts)
 
     def _update_after_schedule(self, out: SchedulerOutput) -> None:
-        """Label each scheduled request: a decode computes the one token sampled last step (and verifies its drafts,
-        if any); anything else is (a chunk of) a prefill, including a preempted request recomputing its tokens."""
+        """Label each scheduled request: a decode computes the one token sampled last step (and verifies its drafts);
+        anything else is (a chunk of) a prefill, including a preempted request recomputing its tokens."""
         for req in out.scheduled:
             rid = req.request_id
             num_drafts = len(out.scheduled_spec_decode_tokens.get(rid, ()))
@@ -247,7 +251,7 @@ class Scheduler(Journaled):
         """Bring a swapped request's KV back from the CPU pool and make room for its next tokens; how many it may
         compute this step (0: no room, it keeps waiting)."""
         kv = self.kv_cache_manager
-        n = min(req.num_tokens - req.num_computed_tokens, budget)
+        n = self._chunk(req.num_tokens - req.num_computed_tokens, budget)
         if not kv.can_swap_in(req, n):
             return 0
         out.blocks_to_swap_in += kv.swap_in(req)
@@ -261,11 +265,8 @@ class Scheduler(Journaled):
         request in `sampled` (request_id -> tokens: one, or with speculative decoding its accepted drafts and one
         more) gets its new tokens, and its grammar (structured output) accepts them. Stops what must stop: EOS, a
         stop token, max_tokens, max_model_len; the tokens after the stop are dropped (never more than asked).
-        Stop strings are the output processor's to find (it calls finish_request).
-
-        With drafts: the step computed KV for the last token and every draft; only the accepted drafts' KV is kept
-        (num_computed_tokens covers them), the rejected ones' slots are overwritten by the next step, and the
-        prefix cache only ever hashes blocks of accepted tokens."""
+        Stop strings are the output processor's to find (it calls finish_request). With drafts, only the accepted
+        drafts' KV is kept (num_computed_tokens covers them): the rejected ones' slots are overwritten next step."""
         outputs = []
         for req in out.scheduled:
             num_scheduled = out.num_scheduled_tokens[req.request_id]
@@ -312,8 +313,7 @@ class Scheduler(Journaled):
         return None
 
     def _advance_grammar(self, req: Request, token: int) -> bool:
-        """Structured output: the request's grammar accepts `token` (journaled); True once the grammar is complete.
-        False for a request without one."""
+        """Structured output: the grammar accepts `token` (journaled); True once it is complete (False: none)."""
         grammar = req.grammar
         if grammar is None:
             return False
@@ -325,8 +325,7 @@ class Scheduler(Journaled):
         return grammar.is_terminated
 
     def _count_accepted(self, drafts: list[int], tokens: list[int]) -> int:
-        """vLLM's spec-decode counters: the accepted drafts are the leading tokens that equal the drafts (counted
-        as verified, also past a stop that then drops them). Returns how many."""
+        """vLLM's spec-decode counters: accepted are the leading tokens equal to the drafts (also past a stop)."""
         accepted = 0
         while accepted < min(len(drafts), len(tokens) - 1) and tokens[accepted] == drafts[accepted]:
             accepted += 1

@@ -82,15 +82,16 @@ class LLMEngine:
         # Async scheduling: two batches in the queue too, but each may hold every request (the next one runs
         # ahead of the one on the device, async_scheduler.py), so the scheduler plans as for one.
         self.async_scheduling = self.executor.async_scheduling
+        threshold = config.long_prefill_token_threshold_on(self.device.type)
         if self.async_scheduling or self.max_concurrent_batches > 1:
             self.scheduler: Scheduler = AsyncScheduler(
                 self.kv_cache_manager, config.max_num_seqs, config.max_num_batched_tokens, self.max_model_len,
                 config.preemption_mode, 1 if self.async_scheduling else self.max_concurrent_batches,
-                self.async_scheduling)
+                self.async_scheduling, threshold)
             self.step_fn = self.step_with_batch_queue
         else:
             self.scheduler = Scheduler(self.kv_cache_manager, config.max_num_seqs, config.max_num_batched_tokens,
-                                       self.max_model_len, config.preemption_mode)
+                                       self.max_model_len, config.preemption_mode, threshold)
             self.step_fn = self.execute_step
         self.input_processor = InputProcessor(self.tokenizer, self.model_config.vocab_size, self.max_model_len,
                                               self.kv_cache_manager)
