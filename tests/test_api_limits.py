@@ -132,3 +132,59 @@ def test_the_engine_thread_never_tokenizes_a_server_request(server, monkeypatch)
     t = httpx.post(server.url + "/tokenize", json={"model": MODEL, "prompt": prompt}, timeout=60)
     assert t.json()["tokens"] == real(prompt)
     assert calls == []
+
+
+def nested_arrays(depth: int) -> dict:
+    schema: dict = {"type": "integer"}
+    for _ in range(depth):
+        schema = {"type": "array", "items": schema}
+    return schema
+
+
+def schema_body(schema) -> dict:
+    return {"model": MODEL, "prompt": "A list:", "max_tokens": 4, "response_format": {
+        "type": "json_schema", "json_schema": {"name": "x", "schema": schema}}}
+
+
+def test_a_schema_too_deep_or_too_big_is_refused_before_it_is_compiled(server):  # noqa: F811
+    from minivllm.entrypoints import renderer
+    error = error_of(httpx.post(server.url + "/v1/completions", json=schema_body(nested_arrays(600)), timeout=60), 400)
+    assert error["param"] == "response_format" and f"at most {renderer.MAX_SCHEMA_DEPTH}" in error["message"]
+    wide = {"type": "string", "enum": [f"value number {i}" for i in range(5000)]}
+    error = error_of(httpx.post(server.url + "/v1/completions", json=schema_body(wide), timeout=60), 400)
+    assert error["param"] == "response_format" and f"at most {renderer.MAX_CONSTRAINT_CHARS}" in error["message"]
+
+
+def test_a_slow_grammar_compiles_off_the_engine_thread_and_is_cut_off_at_the_time_limit(server,  # noqa: F811
+                                                                                        monkeypatch):
+    """Arrays nested 300 deep take xgrammar seconds to compile. With the depth cap lifted and a 0.5 s limit, the
+    request is refused at the limit, while another client's stream and /health never wait on the compile."""
+    from minivllm.entrypoints import renderer
+    monkeypatch.setattr(renderer, "MAX_SCHEMA_DEPTH", 10_000)
+    monkeypatch.setattr(renderer, "GRAMMAR_TIME_LIMIT_S", 0.5)
+    gaps = []
+
+    def stream():
+        with httpx.stream("POST", server.url + "/v1/completions", timeout=120, json={
+                "model": MODEL, "prompt": "Count: one, two,", "max_tokens": 30, "temperature": 0,
+                "ignore_eos": True, "stream": True}) as r:
+            last = None
+            for line in r.iter_lines():
+                if line.startswith("data: {"):
+                    now = time.monotonic()
+                    gaps.extend([now - last] if last is not None else [])
+                    last = now
+    t = threading.Thread(target=stream)
+    t.start()
+    time.sleep(0.3)
+    start = time.monotonic()
+    r = httpx.post(server.url + "/v1/completions", json=schema_body(nested_arrays(300)), timeout=60)
+    waited = time.monotonic() - start
+    health = time.monotonic()
+    assert httpx.get(server.url + "/health", timeout=10).status_code == 200
+    health = time.monotonic() - health
+    t.join(120)
+    error = error_of(r, 400)
+    assert error["param"] == "response_format" and "did not compile within 0.5 s" in error["message"]
+    assert waited < 5 and health < 0.5
+    assert len(gaps) == 29 and max(gaps) < 2.0, gaps

@@ -15,6 +15,11 @@ holds the GIL a few milliseconds at a time, so /health and other streams go on.
                 template`, vLLM's flag: a template is a program); a trusted one must render within
                 `RENDER_TIME_LIMIT_S` seconds (checked between the template's Python lines) and to at most
                 `char_cap` characters                                                      -> 400 naming the field
+    grammar     a constraint (JSON schema, regex, grammar, choices) of more than MAX_CONSTRAINT_CHARS, or a
+                schema nested deeper than MAX_SCHEMA_DEPTH, is refused before it is compiled; the compile runs in
+                a thread of its own (xgrammar releases the GIL) and must end within GRAMMAR_TIME_LIMIT_S, else
+                the request is refused while the compile finishes on its own (its daemon thread never holds up
+                a shutdown). The engine thread then finds it in the compiled-grammar cache -> 400 naming the field
 
 A trusted template still runs in this process: one Python operation (a string repeated a billion times) is not
 interrupted. Trust only templates from clients you trust, as with vLLM.
@@ -24,7 +29,9 @@ from __future__ import annotations
 
 import asyncio
 import copy
+import json
 import sys
+import threading
 import time
 from concurrent.futures import ThreadPoolExecutor
 
@@ -33,6 +40,9 @@ from minivllm.entrypoints.protocol import APIError
 
 MAX_BODY_BYTES = 8 << 20          # a body of max_model_len-token prompts is far below this
 RENDER_TIME_LIMIT_S = 2.0         # a trusted request template's rendering time
+MAX_CONSTRAINT_CHARS = 64 << 10   # a structured-output constraint, as JSON text
+MAX_SCHEMA_DEPTH = 64             # JSON levels of a schema: xgrammar's compile time grows steeply with nesting
+GRAMMAR_TIME_LIMIT_S = 10.0       # (arrays nested 200 deep: 1 s on 2 cores; 600 deep: over 20 s)
 
 
 class Renderer:
@@ -113,6 +123,26 @@ class Renderer:
                         "s; a chat template should only lay out the messages. Simplify it, or leave it out to use "
                         "the model's template.", param="chat_template")
 
+    # ------------------------------------------------------------------ grammars
+    async def compile_grammar(self, manager, params, param: str) -> None:
+        """Compile a request's constraint with the engine's StructuredOutputManager (its cache), within limits."""
+        text = params.json if isinstance(params.json, str) else json.dumps(
+            [params.json, params.regex, params.choice, params.grammar])
+        if len(text) > MAX_CONSTRAINT_CHARS:
+            raise APIError(f"the {param} constraint is {len(text)} characters as JSON; this server compiles at most "
+                           f"{MAX_CONSTRAINT_CHARS}. Use a smaller schema, regex or grammar.", param=param)
+        depth = json_depth(_parsed(params.json))
+        if depth > MAX_SCHEMA_DEPTH:
+            raise APIError(f"the {param} JSON schema nests {depth} levels deep; this server compiles at most "
+                           f"{MAX_SCHEMA_DEPTH}. Flatten the schema.", param=param)
+        try:
+            await asyncio.wait_for(in_daemon_thread(manager.grammar_for, params), GRAMMAR_TIME_LIMIT_S)
+        except ValueError as e:
+            raise APIError(str(e), param=param) from None
+        except TimeoutError:
+            raise APIError(f"the {param} constraint did not compile within {GRAMMAR_TIME_LIMIT_S} s; use a smaller "
+                           "schema, regex or grammar.", param=param) from None
+
     # ------------------------------------------------------------------ tokens
     def check_chars(self, text: str, param: str, what: str = "the prompt") -> None:
         if len(text) > self.char_cap:
@@ -138,3 +168,40 @@ class Renderer:
 
     async def decode_many(self, token_id_lists: list[list[int]]) -> list[str]:
         return await self._run(lambda: [self.tokenizer.decode(ids) for ids in token_id_lists])
+
+
+def _parsed(schema):
+    if isinstance(schema, str):
+        try:
+            return json.loads(schema)
+        except (ValueError, RecursionError):
+            return None                          # the compile says what is wrong with it
+    return schema
+
+
+def json_depth(value) -> int:
+    """Levels of nesting of a JSON value (a scalar is 1), counted without recursion."""
+    depth, level = 0, [value]
+    while level:
+        depth += 1
+        level = [c for v in level for c in (v.values() if isinstance(v, dict) else v if isinstance(v, list) else ())]
+    return depth
+
+
+def in_daemon_thread(fn, *args) -> asyncio.Future:
+    """fn(*args) in a daemon thread of its own (one that a shutdown does not wait for), as an asyncio future."""
+    loop = asyncio.get_running_loop()
+    future = loop.create_future()
+
+    def settle(outcome, ok):
+        if not future.done():                    # the caller may have stopped waiting
+            (future.set_result if ok else future.set_exception)(outcome)
+
+    def run():
+        try:
+            result, ok = fn(*args), True
+        except BaseException as e:               # handed to the waiting request
+            result, ok = e, False
+        loop.call_soon_threadsafe(settle, result, ok)
+    threading.Thread(target=run, daemon=True, name="minivllm-grammar").start()
+    return future

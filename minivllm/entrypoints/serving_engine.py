@@ -177,6 +177,9 @@ class OpenAIServing:
         chat = self.is_chat
         checked = sampling_params_from_body(parsed.body, chat, default_max_tokens=1)   # bad fields: no engine work
         request_id = f"{self.request_id_prefix}-{uuid.uuid4().hex[:16]}"
+        if checked.structured_outputs is not None:     # compiled off the engine thread (renderer.py), then cached
+            await self.renderer.compile_grammar(self.async_engine.engine.structured_output_manager,
+                                                checked.structured_outputs, structured_outputs_param(parsed.body))
         tokenized = await self.renderer.tokenize(parsed.prompts, parsed.prompt_param)
         echo_texts = await self.echo_texts(parsed, tokenized)
 
@@ -215,7 +218,7 @@ class OpenAIServing:
         """On the engine thread, in the same command that adds the requests (AsyncLLMEngine.add_requests): each
         prompt (tokenized by the front end, passed on as ids) and its SamplingParams. An explicit max_tokens must
         fit the context with the prompt (400 otherwise, as vLLM). Without one, default_max_tokens says."""
-        if checked.structured_outputs is not None:     # compile now (cached): a bad grammar is its field's 400
+        if checked.structured_outputs is not None:     # the front end compiled it: a cache hit
             try:
                 engine.structured_output_manager.grammar_for(checked.structured_outputs)
             except ValueError as e:
