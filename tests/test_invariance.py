@@ -101,6 +101,25 @@ def test_long_prefill_token_threshold_caps_each_prefill_chunk_and_changes_nothin
         assert max(chunks) == max(map(len, prompt_ids)) and len(chunks) == len(prompt_ids)
 
 
+@pytest.mark.slow
+def test_on_a_cpu_a_long_prompt_is_prefilled_between_a_streams_decodes(model_dir):
+    """Issue 49 item 3: with the CPU default, a 1,000-token prompt arriving while another request decodes is
+    prefilled in chunks of CPU_LONG_PREFILL_TOKEN_THRESHOLD tokens, and the decoding request gets a token in every
+    one of those steps (without the cap the whole prompt was one step, as long as that stream's wait)."""
+    from minivllm.config import CPU_LONG_PREFILL_TOKEN_THRESHOLD
+    engine = make_llm(model_dir, num_kv_blocks=256).llm_engine
+    engine.add_request({"prompt_token_ids": [1000, 2000, 3000]}, greedy(200), request_id="stream")
+    engine.step()
+    engine.add_request({"prompt_token_ids": [1000 + (i * 7919) % 40000 for i in range(1000)]}, greedy(1),
+                       request_id="long")
+    with engine.record_traces() as traces:
+        while "long" in engine.requests:
+            engine.step()
+    chunks = [r.num_scheduled_tokens for t in traces for r in t.requests if r.request_id == "long" and r.kind]
+    assert chunks[:-1] == [CPU_LONG_PREFILL_TOKEN_THRESHOLD] * (len(chunks) - 1) and sum(chunks) == 1000
+    assert all(any(r.request_id == "stream" and r.kind == "decode" for r in t.requests) for t in traces)
+
+
 def test_the_long_prefill_token_threshold_defaults_by_platform():
     from minivllm.config import CPU_LONG_PREFILL_TOKEN_THRESHOLD, EngineConfig
     assert EngineConfig().long_prefill_token_threshold_on("cpu") == CPU_LONG_PREFILL_TOKEN_THRESHOLD

@@ -162,3 +162,23 @@ def test_a_slow_streams_merged_deltas_keep_every_tokens_logprobs_and_the_prompt_
     merged = _merge_deltas(outs)
     assert merged.outputs[0].logprobs == lp and merged.outputs[0].token_ids == [0, 1, 2, 3]
     assert merged.prompt_logprobs == prompt and merged.finished
+
+
+def test_a_long_prompts_logprobs_are_scored_a_chunk_at_a_time_and_match_hf(hf_model, tokenizer, monkeypatch):
+    """Issue 49 item 5: prompt_logprobs on a long prompt took several (prompt, vocab) copies of memory at once (an
+    8,000-token prompt: 2.4 -> 9 GB). Scored SCORE_CHUNK_ROWS rows at a time, even when the whole prompt is one
+    step (long_prefill_token_threshold=0), no log_softmax sees more rows, and the values are still HF's."""
+    from minivllm.worker import logprobs
+    llm = LLM(device="cpu", dtype="float32", num_kv_blocks=128, long_prefill_token_threshold=0)
+    text = " ".join(PROMPTS)
+    prompt_ids = tokenizer.encode(text * (3 * logprobs.SCORE_CHUNK_ROWS // len(tokenizer.encode(text)) + 1))
+    rows, real = [], torch.Tensor.log_softmax
+    monkeypatch.setattr(torch.Tensor, "log_softmax", lambda self, *a, **k: rows.append(self.shape[0]) or real(
+        self, *a, **k))
+    with llm.llm_engine.record_traces() as traces:
+        out = llm.generate([{"prompt_token_ids": prompt_ids}], SamplingParams(max_tokens=1, prompt_logprobs=3),
+                           use_tqdm=False)[0]
+    monkeypatch.undo()
+    assert traces[0].num_prefill_tokens == len(prompt_ids)                   # the whole prompt in one step
+    assert max(rows) == logprobs.SCORE_CHUNK_ROWS and len(rows) >= 4          # and it was scored in chunks
+    assert_matches_hf(hf_model, prompt_ids, out.prompt_logprobs, 3)

@@ -70,9 +70,17 @@ class RowScores:
         return [self.chosen, self.ranks, self.top_lp, self.top_ids]
 
 
+SCORE_CHUNK_ROWS = 256      # rows scored at a time: log_softmax and its comparisons are (rows, vocab) temporaries
+
+
 def score_rows(logits: torch.Tensor, tokens: torch.Tensor, k: int) -> RowScores:
     """logits (rows, vocab), tokens (rows,) int64 on the same device, k the most top entries any row wants.
-    Only device work: nothing here waits for the device."""
+    Only device work: nothing here waits for the device. Scored SCORE_CHUNK_ROWS rows at a time, so a long prompt's
+    prompt logprobs add a few (SCORE_CHUNK_ROWS, vocab) temporaries to its logits, not several copies of them."""
+    if logits.shape[0] > SCORE_CHUNK_ROWS:
+        parts = [score_rows(logits[i:i + SCORE_CHUNK_ROWS], tokens[i:i + SCORE_CHUNK_ROWS], k).tensors()
+                 for i in range(0, logits.shape[0], SCORE_CHUNK_ROWS)]
+        return RowScores(*(torch.cat(column) for column in zip(*parts)))
     lp = logits.float().log_softmax(dim=-1)                                         # (rows, vocab)
     chosen = lp.gather(1, tokens[:, None])                                          # (rows, 1)
     ranks = (lp > chosen).sum(dim=-1) + 1
