@@ -25,6 +25,7 @@ import sys
 import uvicorn
 
 from minivllm.entrypoints.api_server import build_api_server
+from minivllm.entrypoints.utils import LOOPBACK_NAMES
 from minivllm.engine.async_llm import AsyncLLMEngine
 from minivllm.config import EngineConfig, add_engine_args
 from minivllm.platforms.cpu import describe_runtime
@@ -42,6 +43,9 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--api-key", default=os.environ.get("VLLM_API_KEY") or None,
                    help="require 'Authorization: Bearer <key>' on /v1/* (default: $VLLM_API_KEY, as vLLM)")
     p.add_argument("--no-dashboard", action="store_true", help="serve the API only")
+    p.add_argument("--allowed-hosts", default=None, help="names a request's Host header may give, comma-separated "
+                   "('*': any). Default: bound to a loopback address, only localhost, 127.0.0.1 and [::1] (a web page "
+                   "cannot reach the server through DNS rebinding); bound elsewhere, any")
     p.add_argument("--trust-request-chat-template", action="store_true", help="run a request's own "
                    "'chat_template' (a template is a program: by default such requests are refused, as vLLM)")
     p.add_argument("--threads", type=int, default=None, help="torch CPU threads (default: torch's choice)")
@@ -53,7 +57,8 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def build_app(config: EngineConfig, api_key: str | None = None, served_model_name: str | None = None,
-              dashboard: bool = True, warmup_tokens: int = 0, trust_request_chat_template: bool = False):
+              dashboard: bool = True, warmup_tokens: int = 0, trust_request_chat_template: bool = False,
+              allowed_hosts: frozenset[str] | None = None):
     """Load the engine (and warm it up with a dummy prefill of `warmup_tokens`, ModelRunner.warm_up) and build
     the app: returns (fastapi_app, async_engine). The app's shutdown shuts the engine down
     (`async_engine.shutdown()` may be called again; the second call does nothing)."""
@@ -78,11 +83,20 @@ def build_app(config: EngineConfig, api_key: str | None = None, served_model_nam
 
     app = FastAPI(title="minivllm", docs_url=None, redoc_url=None, lifespan=lifespan)
     app = build_api_server(async_engine, served_model_name=served_model_name, api_key=api_key, app=app,
-                           trust_request_chat_template=trust_request_chat_template)
+                           trust_request_chat_template=trust_request_chat_template, allowed_hosts=allowed_hosts)
     if dashboard:
         from minivllm.entrypoints.dashboard import mount_dashboard
         app = mount_dashboard(app, async_engine, path="/", api_key=api_key)
     return app, async_engine
+
+
+def allowed_hosts_for(bind_host: str, flag: str | None) -> frozenset[str] | None:
+    """--allowed-hosts as a set of names (None: any); unset, the loopback names for a loopback address."""
+    if flag is not None:
+        names = frozenset(n.strip().lower() for n in flag.split(",") if n.strip())
+        return None if "*" in names else names | LOOPBACK_NAMES
+    loopback = bind_host in ("localhost", "::1") or bind_host.startswith("127.")
+    return LOOPBACK_NAMES | {bind_host} if loopback else None
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -98,7 +112,8 @@ def main(argv: list[str] | None = None) -> int:
                              f"of tokens")
         app, async_engine = build_app(config, api_key=args.api_key, served_model_name=args.served_model_name,
                                       dashboard=not args.no_dashboard, warmup_tokens=args.warmup_tokens,
-                                      trust_request_chat_template=args.trust_request_chat_template)
+                                      trust_request_chat_template=args.trust_request_chat_template,
+                                      allowed_hosts=allowed_hosts_for(args.host, args.allowed_hosts))
     except (ValueError, FileNotFoundError) as e:
         parser.error(str(e))
 

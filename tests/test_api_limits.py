@@ -188,3 +188,51 @@ def test_a_slow_grammar_compiles_off_the_engine_thread_and_is_cut_off_at_the_tim
     assert error["param"] == "response_format" and "did not compile within 0.5 s" in error["message"]
     assert waited < 5 and health < 0.5
     assert len(gaps) == 29 and max(gaps) < 2.0, gaps
+
+
+def test_health_is_503_while_the_engine_is_stuck_in_a_step(server, monkeypatch):  # noqa: F811
+    """/health says 503, naming how long, while the engine thread has been in one step longer than the limit
+    (here 0.5 s, and each step made to take 1.5 s), and 200 again once it is out."""
+    monkeypatch.setattr(server.app.state, "health_step_timeout_s", 0.5)
+    engine = server.engine.engine
+    real_step = engine.step
+    monkeypatch.setattr(engine, "step", lambda *a, **k: time.sleep(1.5) or real_step(*a, **k))
+    answers = []
+    request = threading.Thread(target=lambda: httpx.post(server.url + "/v1/completions", timeout=60, json={
+        "model": MODEL, "prompt": "Hello", "max_tokens": 2}))
+    request.start()
+    while request.is_alive():
+        r = httpx.get(server.url + "/health", timeout=10)
+        answers.append((r.status_code, r.text))
+        time.sleep(0.1)
+    stuck = [text for code, text in answers if code == 503]
+    assert stuck and "in one step for" in stuck[0] and "more than 0.5 s" in stuck[0], answers
+    assert any(code == 200 for code, _ in answers)                 # the first 0.5 s of each step
+    assert httpx.get(server.url + "/health", timeout=10).status_code == 200
+
+
+def test_a_server_bound_to_loopback_answers_only_to_loopback_names(server):  # noqa: F811
+    """DNS rebinding: a web page at evil.example whose name is re-pointed at 127.0.0.1 sends Host: evil.example.
+    app.py binds 127.0.0.1 by default and then answers only to loopback names (HostCheck), on every route."""
+    from app import allowed_hosts_for
+    from minivllm.entrypoints.api_server import build_api_server, run_server_in_thread
+    from minivllm.entrypoints.utils import LOOPBACK_NAMES, host_name
+    assert allowed_hosts_for("127.0.0.1", None) == LOOPBACK_NAMES | {"127.0.0.1"}
+    assert allowed_hosts_for("0.0.0.0", None) is None and allowed_hosts_for("127.0.0.1", "*") is None
+    assert allowed_hosts_for("0.0.0.0", "Api.Example") == LOOPBACK_NAMES | {"api.example"}
+    assert [host_name(h) for h in ("LocalHost:8000", "[::1]:80", "127.0.0.1", "a.example:x")] == [
+        "localhost", "[::1]", "127.0.0.1", "a.example:x"]
+    srv = run_server_in_thread(build_api_server(server.engine, allowed_hosts=allowed_hosts_for("127.0.0.1", None)))
+    try:
+        port = srv.url.rsplit(":", 1)[1]
+        before = server.engine.snapshot().num_prompt_tokens
+        for path, method in (("/health", "GET"), ("/v1/models", "GET"), ("/v1/completions", "POST")):
+            r = httpx.request(method, srv.url + path, headers={"host": f"evil.example:{port}"}, timeout=30,
+                              json={"model": MODEL, "prompt": "hi", "max_tokens": 1} if method == "POST" else None)
+            error = error_of(r, 400)
+            assert error["param"] == "Host" and "evil.example" in error["message"], error
+        assert server.engine.snapshot().num_prompt_tokens == before
+        for name in ("localhost", "127.0.0.1", "[::1]"):
+            assert httpx.get(srv.url + "/health", headers={"host": f"{name}:{port}"}, timeout=30).status_code == 200
+    finally:
+        srv.stop()

@@ -24,6 +24,7 @@ from __future__ import annotations
 import asyncio
 import collections
 import concurrent.futures
+import contextlib
 import logging
 import threading
 import time
@@ -82,8 +83,8 @@ class AsyncLLMEngine:
         self._tracked: dict[str, _Tracked] = {}
         self._paused = False
         self._steps_allowed = 0                       # single steps granted while paused
-        self._stopping = False
-        self._shutdown_engine = True
+        self._stopping, self._shutdown_engine = False, True
+        self._step_started: float | None = None       # time.monotonic() when the step under way began
         # What snapshot() copies, written only by the engine thread (and the trace listener it runs).
         self._recorder = StatsRecorder(engine.get_stats(), engine.get_queues(), trace_history, event_history)
         engine.add_trace_listener(self._recorder.on_trace)
@@ -111,8 +112,7 @@ class AsyncLLMEngine:
         return min(self.max_model_len, pool_tokens + 1)   # the last token's KV is never stored
 
     def chat_prompt(self, messages: list[dict], add_generation_prompt: bool = True) -> str:
-        """The chat template applied to messages, as text (as LLM.chat does). Only renders the template
-        (no tokenizer state is touched), so any thread may call it; tokenizing happens on the engine thread."""
+        """The chat template applied to messages, as text (as LLM.chat does): any thread may call it."""
         return self.tokenizer.apply_chat_template(messages, tokenize=False,
                                                   add_generation_prompt=add_generation_prompt)
 
@@ -133,10 +133,6 @@ class AsyncLLMEngine:
             self._commands.append(_Command(fn, future))
             self._wakeup.notify()
         return future
-
-    async def tokenize(self, prompt: PromptType) -> tuple[str | None, list[int]]:
-        """engine.tokenize on the engine thread: (text, token ids). ValueError for a malformed prompt."""
-        return await self.call_async(lambda engine: engine.tokenize(prompt))
 
     async def add_request(self, prompt: PromptType, sampling_params: SamplingParams | None = None,
                           request_id: str | None = None, priority: int = 0) -> RequestStream:
@@ -245,6 +241,11 @@ class AsyncLLMEngine:
     def is_running(self) -> bool:
         return self._thread.is_alive()
 
+    def seconds_in_step(self) -> float:
+        """How long the engine thread has been in the step under way; 0 between steps (/health's stall check)."""
+        started = self._step_started
+        return 0.0 if started is None else time.monotonic() - started
+
     def shutdown(self, timeout: float = 30.0, shutdown_engine: bool = True) -> None:
         """Finish every open request with a RequestError, stop the loop, and (unless shutdown_engine=False,
         to wrap the engine again later) shut the engine down."""
@@ -315,6 +316,7 @@ class AsyncLLMEngine:
     def _step(self) -> None:
         if self._steps_allowed:
             self._steps_allowed -= 1
+        self._step_started = time.monotonic()
         try:
             outputs = self.engine.step(ahead=False) if self._paused else self.engine.step()
         except Exception as e:
@@ -332,6 +334,8 @@ class AsyncLLMEngine:
                 logger.exception("KV cache integrity check failed after a failed step")
             self._publish_stats()
             return
+        finally:
+            self._step_started = None
         self._publish_stats()                        # before any reader hears of the step
         now = time.time()
         ended = False
@@ -370,10 +374,8 @@ class AsyncLLMEngine:
         self._recorder.record_finish(request_id, "abort")
         self._recorder.log(f"abort {request_id} ({reason})")
         if tracked is not None:
-            try:
+            with contextlib.suppress(RuntimeError):
                 tracked.stream.put(out)              # a consumer still reading sees finish_reason "abort"
-            except RuntimeError:
-                pass
 
     def _fail(self, request_id: str, message: str) -> None:
         """End one request with a RequestError: abort it in the engine (freeing its blocks), tell its reader."""
@@ -383,11 +385,9 @@ class AsyncLLMEngine:
         except Exception:
             logger.exception("abort_request(%r) failed", request_id)
         self._recorder.record_finish(request_id, "error")
-        if tracked is not None:
-            try:
+        if tracked is not None:                  # (its event loop may be closed, or its stream broken)
+            with contextlib.suppress(Exception):
                 tracked.stream.put(RequestError(f"request {request_id}: {message}"))
-            except Exception:                    # its event loop is closed, or its stream is broken
-                pass
 
     def _close_all(self, message: str) -> None:
         """End every open request with a RequestError (after a failed step, at shutdown)."""

@@ -39,15 +39,18 @@ from minivllm.entrypoints.serving_chat import OpenAIServingChat
 from minivllm.entrypoints.serving_completion import OpenAIServingCompletion
 from minivllm.entrypoints.serving_models import OpenAIServingModels
 from minivllm.entrypoints.serving_tokenization import OpenAIServingTokenization
-from minivllm.entrypoints.utils import error_response
+from minivllm.entrypoints.utils import HostCheck, error_response
 
 logger = logging.getLogger(__name__)
+HEALTH_STEP_TIMEOUT_S = 60.0      # a CPU's longest steps take seconds (a 128-token chunk at 8,000 tokens: 1.5 s)
 
 
 # ---------------------------------------------------------------------- the app
 def build_api_server(async_engine: AsyncLLMEngine, served_model_name: str | None = None,
                      api_key: str | None = None, app: FastAPI | None = None,
-                     trust_request_chat_template: bool = False) -> FastAPI:
+                     trust_request_chat_template: bool = False,
+                     health_step_timeout_s: float = HEALTH_STEP_TIMEOUT_S,
+                     allowed_hosts: frozenset[str] | None = None) -> FastAPI:
     """Add the OpenAI routes, /health and /metrics to `app` (a new FastAPI app by default) and return it.
 
     served_model_name: what /v1/models lists; requests may name it or the model's path. Defaults to the
@@ -56,6 +59,9 @@ def build_api_server(async_engine: AsyncLLMEngine, served_model_name: str | None
     case does not matter), as vLLM.
     trust_request_chat_template: run a request's own `chat_template` (refused otherwise, as vLLM); the front end
     that renders, tokenizes and bounds requests is `app.state.renderer` (renderer.py).
+    health_step_timeout_s: /health answers 503 while the engine has been in one step longer than this
+    (`app.state.health_step_timeout_s`); a slow step is not a dead one, so the default is generous.
+    allowed_hosts: the names a request's Host header may give (utils.HostCheck, for every route); None: any.
     """
     app = app or FastAPI(title="minivllm", docs_url=None, redoc_url=None)
     models = OpenAIServingModels(async_engine, served_model_name)
@@ -65,13 +71,20 @@ def build_api_server(async_engine: AsyncLLMEngine, served_model_name: str | None
     chat = OpenAIServingChat(async_engine, models, renderer)
     tokenization = OpenAIServingTokenization(async_engine, models, renderer)
     add_exception_handlers(app)
+    if allowed_hosts is not None:
+        app.add_middleware(HostCheck, allowed=frozenset(allowed_hosts))
     check_api_key = api_key_check(api_key)
+
+    app.state.health_step_timeout_s = health_step_timeout_s
 
     @app.api_route("/health", methods=["GET", "HEAD"])
     async def health():
-        if not async_engine.is_running:
-            return error_response(APIError("the engine loop is not running.", status_code=503,
-                                           type="service_unavailable"))
+        stuck, limit = async_engine.seconds_in_step(), app.state.health_step_timeout_s
+        problem = ("the engine loop is not running." if not async_engine.is_running else
+                   f"the engine has been in one step for {stuck:.1f} s, more than {limit} s." if stuck > limit else
+                   None)
+        if problem:
+            return error_response(APIError(problem, status_code=503, type="service_unavailable"))
         return Response(status_code=200)
 
     @app.get("/metrics")

@@ -93,3 +93,39 @@ async def until_disconnect(request: Request, work: Awaitable[dict], streams: lis
         return JSONResponse(answer.result())
     except RequestError as e:
         return error_response(APIError(str(e), status_code=500, type="internal_server_error"))
+
+
+LOOPBACK_NAMES = frozenset({"localhost", "127.0.0.1", "[::1]"})
+
+
+def host_name(host_header: str) -> str:
+    """The name in a Host header, without its port, lowercased: "LocalHost:8000" -> "localhost", "[::1]:80" -> "[::1]"."""
+    host = host_header.strip().lower()
+    if host.startswith("["):
+        return host[:host.find("]") + 1] if "]" in host else host
+    name, colon, port = host.rpartition(":")
+    return name if colon and port.isdigit() else host
+
+
+class HostCheck:
+    """ASGI middleware: a request (HTTP or WebSocket, the API and the dashboard alike) whose Host header names none
+    of `allowed` is refused with a 400. A server bound to loopback answers only to loopback names this way, so a
+    web page whose own name was re-pointed at 127.0.0.1 (DNS rebinding) cannot read from it."""
+
+    def __init__(self, app, allowed: frozenset[str]):
+        self.app, self.allowed = app, allowed
+
+    async def __call__(self, scope, receive, send):
+        if scope["type"] in ("http", "websocket"):
+            headers = dict(scope.get("headers") or [])
+            host = headers.get(b"host", b"").decode("latin-1")
+            if host_name(host) not in self.allowed:
+                if scope["type"] == "websocket":
+                    await send({"type": "websocket.close", "code": 1008})
+                    return
+                err = APIError(f"the request's Host header is {host!r}; this server answers only to "
+                               f"{', '.join(sorted(self.allowed))}. Connect by one of those names, or start it with "
+                               "--allowed-hosts NAME,... (or '*' for any).", param="Host")
+                await error_response(err)(scope, receive, send)
+                return
+        await self.app(scope, receive, send)
