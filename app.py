@@ -124,7 +124,7 @@ def main(argv: list[str] | None = None) -> int:
           file=sys.stderr, flush=True)
     config = uvicorn.Config(app, host=args.host, port=args.port, log_level="warning", timeout_graceful_shutdown=3)
     try:
-        QuietServer(config).run()
+        QuietServer(config, before_exit=async_engine.shutdown).run()
     finally:
         async_engine.shutdown()
     return 0
@@ -132,7 +132,18 @@ def main(argv: list[str] | None = None) -> int:
 
 class QuietServer(uvicorn.Server):
     """uvicorn's Server, but Ctrl-C / SIGTERM is an ordinary shutdown: uvicorn re-raises the signal after its
-    graceful shutdown, and that KeyboardInterrupt cancels the app's lifespan with a logged traceback."""
+    graceful shutdown, and that KeyboardInterrupt cancels the app's lifespan with a logged traceback. And the
+    engine stops first (`before_exit`): every open request ends with a 503 (a stream with an error event and
+    [DONE]), so the handlers are done before uvicorn closes their connections, and none is cancelled."""
+
+    def __init__(self, config: uvicorn.Config, before_exit=None):
+        super().__init__(config)
+        self.before_exit = before_exit
+
+    def handle_exit(self, sig, frame) -> None:
+        if self.before_exit is not None and not self.should_exit:
+            self.before_exit()
+        super().handle_exit(sig, frame)
 
     @contextlib.contextmanager
     def capture_signals(self):

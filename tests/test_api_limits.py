@@ -236,3 +236,46 @@ def test_a_server_bound_to_loopback_answers_only_to_loopback_names(server):  # n
             assert httpx.get(srv.url + "/health", headers={"host": f"{name}:{port}"}, timeout=30).status_code == 200
     finally:
         srv.stop()
+
+
+@pytest.mark.slow
+def test_sigterm_ends_open_requests_with_a_503_and_exits_without_a_traceback(tmp_path):
+    """Issue 49 item 7: on SIGTERM the engine ends every open request first: a stream gets an error event naming
+    the shutdown and then [DONE], a waiting non-streamed call a 503 JSON body; then the server exits, logging no
+    traceback (start_app's teardown checks the log)."""
+    import json
+    import signal
+
+    from tests.test_app_ui import start_app
+    app = start_app(tmp_path, "--no-dashboard", "--num-kv-blocks", "128", "--warmup-tokens", "0")
+    url, proc = next(app)
+    body = {"model": MODEL, "prompt": "Once upon a time", "max_tokens": 2000, "ignore_eos": True}
+    streamed: dict[int, list[str]] = {0: [], 1: []}
+    started = [threading.Event(), threading.Event()]
+    answer = {}
+
+    def stream(k):
+        with httpx.stream("POST", url + "/v1/completions", json={**body, "stream": True}, timeout=120) as r:
+            for line in r.iter_lines():
+                if line.startswith("data: "):
+                    streamed[k].append(line[6:])
+                    started[k].set()
+
+    def plain():
+        answer["r"] = httpx.post(url + "/v1/completions", json=body, timeout=120)
+    threads = [threading.Thread(target=stream, args=(k,)) for k in (0, 1)] + [threading.Thread(target=plain)]
+    for t in threads:
+        t.start()
+    assert all(e.wait(60) for e in started)
+    proc.send_signal(signal.SIGTERM)
+    for t in threads:
+        t.join(60)
+    for lines in streamed.values():
+        assert lines[-1] == "[DONE]", lines[-3:]
+        error = json.loads(lines[-2])["error"]
+        assert error["type"] == "service_unavailable" and "shutting down" in error["message"], error
+    error = error_of(answer["r"], 503)
+    assert error["type"] == "service_unavailable" and "shutting down" in error["message"]
+    assert proc.wait(30) in (0, -signal.SIGTERM)
+    with pytest.raises(StopIteration):
+        next(app)                       # start_app's checks: "engine shut down" logged, no traceback

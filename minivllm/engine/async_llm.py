@@ -14,9 +14,9 @@ LLMEngine is not thread-safe, so nothing but the engine thread ever calls it:
     client gone: stream closed ── command ─────────────> engine.abort_request(id)
     dashboard timer <── snapshot() <── lock ──────────── a StepTrace per step, stats after every change
 
-A command is a function of the engine, run between two steps; its result (or exception) comes back
-through a concurrent.futures.Future. The loop runs commands, then one step, and sleeps in the queue when
-there is nothing to step (no requests, or paused).
+A command is a function of the engine, run between two steps; its result (or exception) comes back through a
+concurrent.futures.Future. The loop runs commands, then one step, and sleeps when there is nothing to step.
+At shutdown every open request ends with an EngineShutdownError (the API answers 503) before the loop stops.
 """
 
 from __future__ import annotations
@@ -44,6 +44,10 @@ logger = logging.getLogger(__name__)
 
 class RequestError(RuntimeError):
     """The engine could not finish a request (a failed step, a shutdown). Bad input raises ValueError."""
+
+
+class EngineShutdownError(RequestError):
+    """The engine is shutting down (or has): the request was ended, not failed."""
 
 
 @dataclass
@@ -128,7 +132,7 @@ class AsyncLLMEngine:
         future: concurrent.futures.Future = concurrent.futures.Future()
         with self._wakeup:
             if self._stopping or not self._thread.is_alive():
-                future.set_exception(RequestError("the engine is shut down."))
+                future.set_exception(EngineShutdownError("the engine is shut down."))
                 return future
             self._commands.append(_Command(fn, future))
             self._wakeup.notify()
@@ -266,7 +270,8 @@ class AsyncLLMEngine:
                     self._step()
             except Exception:                    # a bug of ours: log it, keep serving
                 logger.exception("unexpected error in the engine loop")
-        self._close_all("the engine is shutting down.")
+        for request_id in list(self._tracked):      # each open request ends: the API answers it a 503
+            self._fail(request_id, "the server is shutting down.", EngineShutdownError)
         self._cancel_commands()
         self.engine.remove_trace_listener(self._recorder.on_trace)
         shutdown = getattr(self.engine, "shutdown", None)   # tensor-parallel workers, where there are any
@@ -282,7 +287,7 @@ class AsyncLLMEngine:
             commands, self._commands = list(self._commands), collections.deque()
         for cmd in commands:
             if cmd.future.set_running_or_notify_cancel():
-                cmd.future.set_exception(RequestError("the engine is shut down."))
+                cmd.future.set_exception(EngineShutdownError("the engine is shut down."))
 
     def _can_step(self) -> bool:
         if self._paused and self._steps_allowed == 0:
@@ -377,7 +382,7 @@ class AsyncLLMEngine:
             with contextlib.suppress(RuntimeError):
                 tracked.stream.put(out)              # a consumer still reading sees finish_reason "abort"
 
-    def _fail(self, request_id: str, message: str) -> None:
+    def _fail(self, request_id: str, message: str, error: type[RequestError] = RequestError) -> None:
         """End one request with a RequestError: abort it in the engine (freeing its blocks), tell its reader."""
         tracked = self._tracked.pop(request_id, None)
         try:
@@ -387,13 +392,7 @@ class AsyncLLMEngine:
         self._recorder.record_finish(request_id, "error")
         if tracked is not None:                  # (its event loop may be closed, or its stream broken)
             with contextlib.suppress(Exception):
-                tracked.stream.put(RequestError(f"request {request_id}: {message}"))
-
-    def _close_all(self, message: str) -> None:
-        """End every open request with a RequestError (after a failed step, at shutdown)."""
-        for request_id in list(self._tracked):
-            self._fail(request_id, message)
-        self._recorder.log(message)
+                tracked.stream.put(error(f"request {request_id}: {message}"))
 
     def _publish_stats(self) -> None:
         """After every step and every batch of commands: the counts and the queues, taken together."""

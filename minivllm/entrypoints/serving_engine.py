@@ -34,7 +34,7 @@ from minivllm.entrypoints.protocol import (APIError, LogprobsRequest, check_json
                                            structured_outputs_param)
 from minivllm.entrypoints.renderer import Renderer
 from minivllm.entrypoints.serving_models import OpenAIServingModels
-from minivllm.entrypoints.utils import close_all, close_async, merged, until_disconnect
+from minivllm.entrypoints.utils import close_all, close_async, merged, request_error, until_disconnect
 from minivllm.outputs import Logprob, RequestOutput
 
 
@@ -317,8 +317,8 @@ class OpenAIServing:
             if include_usage:
                 yield _sse({**meta.envelope([], stream=True),
                             "usage": usage_of([finals[i] for i in range(len(streams))], num_tokens)})
-        except RequestError as e:
-            yield _sse(APIError(str(e), status_code=500, type="internal_server_error").body())
+        except RequestError as e:                   # a failed step (500) or a shutdown (503), then [DONE]
+            yield _sse(request_error(e).body())
         finally:
             close_all(streams)
         yield "data: [DONE]\n\n"

@@ -16,10 +16,17 @@ from collections.abc import AsyncIterator, Awaitable
 from fastapi import Request
 from fastapi.responses import JSONResponse, Response
 
-from minivllm.engine.async_llm import RequestError
+from minivllm.engine.async_llm import EngineShutdownError, RequestError
 from minivllm.engine.request_stream import RequestStream
 from minivllm.entrypoints.protocol import APIError
 from minivllm.outputs import RequestOutput
+
+
+def request_error(e: RequestError) -> APIError:
+    """The API's answer to a request the engine ended: 503 when the server is shutting down, else 500."""
+    if isinstance(e, EngineShutdownError):
+        return APIError(str(e), status_code=503, type="service_unavailable")
+    return APIError(str(e), status_code=500, type="internal_server_error")
 
 
 def error_response(err: APIError) -> Response:
@@ -92,7 +99,7 @@ async def until_disconnect(request: Request, work: Awaitable[dict], streams: lis
     try:
         return JSONResponse(answer.result())
     except RequestError as e:
-        return error_response(APIError(str(e), status_code=500, type="internal_server_error"))
+        return error_response(request_error(e))
 
 
 LOOPBACK_NAMES = frozenset({"localhost", "127.0.0.1", "[::1]"})
