@@ -359,7 +359,7 @@ print("step 1, by the scheduler:", plan.num_scheduled_tokens)
 # step that preempted, brings back swapped requests (`_swap_in`, lesson 03), looks up a waiting prompt's prefix
 # in the cache (`num_cached`, 0 here) and offers the blocks a step fills to the requests admitted after it
 # (`_offer_blocks`, lesson 01), and caps one request's prefill chunk at `long_prefill_token_threshold` (`_chunk`:
-# 128 tokens on a CPU, so a long prompt shares its steps with the others' decodes). The other modes plug in at the
+# 96 tokens on a CPU, so a long prompt shares its steps with the others' decodes). The other modes plug in at the
 # small methods it calls, and cost nothing when they are off: speculative decoding's drafts (`_drafts_to_verify`,
 # lesson 09), and batches in flight (pipeline parallelism, async scheduling), which are a subclass,
 # `AsyncScheduler`, overriding those methods (lesson 11).
@@ -424,7 +424,7 @@ assert "Paris" in priority_outputs["urgent"].outputs[0].text
 # attends to the KV of all earlier chunks in the cache, exactly as if the prompt had run in one piece. So
 # greedy outputs must be the same token for token, whatever the budget. We run the four prompts of section 1
 # together with budgets of 16, 64 and 8192 tokens (8192 is the default budget; `long_prefill_token_threshold=0`
-# lifts a CPU's 128-token cap on one prompt's chunk, so that at 8192 every prompt runs in one piece).
+# lifts a CPU's 96-token cap on one prompt's chunk, so that at 8192 every prompt runs in one piece).
 
 # %%
 results, budget_traces = {}, {}

@@ -25,8 +25,9 @@ from collections.abc import Iterable
 from dataclasses import dataclass, field, fields
 
 
-# On 2 cores a 128-token chunk at 8,000 tokens of context takes 1.5 s (fp32): the longest wait it gives other streams.
-CPU_LONG_PREFILL_TOKEN_THRESHOLD = 128
+# On 2 cores a 96-token chunk at 8,000 tokens of context takes 1.4 s (fp32): the longest wait it gives other streams
+# (`python -m minivllm.bench long-prompt`; docs/benchmarks.md).
+CPU_LONG_PREFILL_TOKEN_THRESHOLD = 96
 
 
 def option(default, help: str, choices: tuple[str, ...] | None = None):

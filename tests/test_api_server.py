@@ -419,6 +419,7 @@ BAD_REQUESTS = [
     ("chat_template_that_does_not_parse", "chat", {"messages": CHAT, "chat_template": "{% for %}"},
      "chat_template"),
     ("stop_wrong_type", "completions", {"prompt": "hi", "stop": 5}, "stop"),
+    ("bad_words_lone_surrogate", "chat", {"messages": CHAT, "bad_words": ["\ud800"]}, "bad_words"),
     ("stop_list_with_a_number", "completions", {"prompt": "hi", "stop": ["x", 1]}, "stop"),
     ("stop_empty_string", "completions", {"prompt": "hi", "stop": [""]}, "stop"),
     ("stream_wrong_type", "chat", {"messages": CHAT, "stream": "yes"}, "stream"),

@@ -14,6 +14,8 @@ usage errors (exit code 2), and handing each mode to its module:
                            alternating rounds: tokens/s, each rank's busy fraction, the stages' overlap
     kernels   kernels.py   the Triton paged-decode kernel against the GPU's copy bandwidth (CUDA only)
     serve     serve.py     Poisson-timed streaming requests to a running OpenAI-compatible server
+    long-prompt long_prompt.py a decoding stream's gaps between tokens while a long prompt is prefilled,
+                           long_prefill_token_threshold 0 vs the engine's, alternating rounds
 
 The workload and its measures are in workload.py, the ceilings in roofline.py.
 """
@@ -23,6 +25,7 @@ from __future__ import annotations
 import argparse
 
 from minivllm.bench.kernels import KERNEL_DTYPES, main_kernels
+from minivllm.bench.long_prompt import main_long_prompt
 from minivllm.bench.offline import main_offline
 from minivllm.bench.pipeline import main_pipeline
 from minivllm.bench.prefix import main_prefix
@@ -43,14 +46,16 @@ def build_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog="python -m minivllm.bench",
                                 description="Benchmark minivllm (optionally against Hugging Face transformers).")
     p.add_argument("mode", nargs="?", default="offline",
-                   choices=["offline", "prefix", "spec", "pipeline", "kernels", "serve"],
+                   choices=["offline", "prefix", "spec", "pipeline", "kernels", "serve", "long-prompt"],
                    help="offline: throughput and latency of one batch of synthetic requests (default); "
                         "prefix: prefill tokens computed for requests behind one shared system prompt, "
                         "prefix caching off vs on; spec: speculative decoding off vs on (--speculative-config, "
                         "default n-gram k=4) on the same workload in alternating rounds; pipeline: PP 1 vs PP n "
                         "(--pipeline-parallel-size, default 2) with 1 batch in flight vs n, alternating rounds, with "
                         "each rank's busy fraction; kernels (CUDA GPU only): the Triton paged-decode kernel's time and bandwidth vs the device's copy bandwidth and the PyTorch reference; serve: "
-                        "Poisson-timed streaming requests to a running OpenAI-compatible server (python app.py)")
+                        "Poisson-timed streaming requests to a running OpenAI-compatible server (python app.py); "
+                        "long-prompt: a stream's gaps between tokens while a --long-prompt-len prompt is prefilled, "
+                        "long_prefill_token_threshold 0 vs the engine's, alternating rounds")
     w = p.add_argument_group("workload")
     w.add_argument("--workload", choices=["random", "repeat"], default="random",
                    help="random: random token ids, lengths from the flags below (default); repeat (spec mode): "
@@ -63,9 +68,10 @@ def build_parser() -> argparse.ArgumentParser:
     w.add_argument("--output-len-max", type=positive_int, default=256)
     w.add_argument("--seed", type=int, default=0, help="seeds the workload and the engine (default 0)")
     w.add_argument("--shared-prefix-len", type=positive_int, default=200, help="prefix mode: shared tokens")
+    w.add_argument("--long-prompt-len", type=positive_int, default=4000, help="long-prompt mode: its tokens")
     w.add_argument("--rounds", type=positive_int, default=3,
-                   help="spec and pipeline modes, and offline with --compare vllm: rounds of the workload through "
-                        "each engine, alternating (default 3)")
+                   help="spec, pipeline and long-prompt modes, and offline with --compare vllm: rounds of the "
+                        "workload through each engine or setting, alternating (default 3)")
     sv = p.add_argument_group("serve mode")
     sv.add_argument("--base-url", default="http://127.0.0.1:8000", help="the running server")
     sv.add_argument("--request-rate", type=float, default=float("inf"),
@@ -133,6 +139,8 @@ def main(argv=None) -> int:
         return main_spec(args, config)
     if args.mode == "pipeline":
         return main_pipeline(args, config)
+    if args.mode == "long-prompt":
+        return main_long_prompt(args, config)
     if args.compare == "vllm":
         return main_vs_vllm(args, config)
     return main_offline(args, config)

@@ -217,8 +217,9 @@ class SamplingParams:
                 raise ValueError(f"bad_words is {self.bad_words!r}; it must be a list of strings.")
             self.bad_words = list(self.bad_words)
             for w in self.bad_words:
-                if not isinstance(w, str) or not w.strip():
-                    raise ValueError(f"bad_words contains {w!r}; each bad word must be a non-empty string.")
+                if not isinstance(w, str) or not w.strip() or not w.encode("utf-8", "replace").decode() == w:
+                    raise ValueError(f"bad_words contains {w!r}; each bad word must be a non-empty string of "
+                                     "characters (a lone surrogate such as '\\ud800' is none).")
         if self.allowed_token_ids is not None:
             if not isinstance(self.allowed_token_ids, (list, tuple)) or not self.allowed_token_ids:
                 raise ValueError(f"allowed_token_ids is {self.allowed_token_ids!r}; it must be a non-empty list "
