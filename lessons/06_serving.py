@@ -342,6 +342,15 @@ print("last event:", snap.events[-1].split(": ", 1)[1])
 # `POST /v1/chat/completions` (streamed or not), `GET /health` and `GET /metrics`. `python app.py` serves it
 # with uvicorn on port 8000; here we run uvicorn on a thread, on a free port, against the engine we already
 # have.
+#
+# Between the HTTP handlers and the engine sits a front end (`entrypoints/renderer.py`, vLLM's API server does the
+# same in its own process): chat templates are rendered and prompts tokenized in a worker thread of its own, so
+# neither the event loop (every client's handler) nor the engine thread (every client's next token) ever waits
+# for one request's text. It also refuses what no request should cost: a body over 8 MiB (413), a prompt with
+# more characters than `max_model_len` tokens can hold (400, before tokenizing), a request's own chat template
+# unless the server trusts them, a structured-output schema nested too deep. And a long prompt is prefilled in
+# chunks of `long_prefill_token_threshold` tokens (96 on a CPU), so the streams already running keep getting a
+# token every step.
 
 # %%
 # NBVAL_IGNORE_OUTPUT
