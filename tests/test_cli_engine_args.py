@@ -18,14 +18,15 @@ from minivllm.config import EngineConfig, add_engine_args
 # A value other than the default for every field, and the flags a user types for it.
 VALUES = dict(model="/tmp/some-checkpoint", dtype="float16", quantization="int8", kv_cache_dtype="fp8", device="cpu", block_size=32, num_kv_blocks=7,
               kv_cache_memory_gb=0.5, gpu_memory_utilization=0.5, max_num_seqs=8, max_num_batched_tokens=512,
-              max_model_len=128, enable_prefix_caching=False, preemption_mode="swap", swap_space=0.25,
+              long_prefill_token_threshold=64, max_model_len=128, enable_prefix_caching=False, preemption_mode="swap", swap_space=0.25,
               tensor_parallel_size=2, pipeline_parallel_size=2, max_concurrent_batches=1, distributed_executor_backend="mp",
               attention_backend="torch",
               enforce_eager=True, seed=7,
               speculative_config={"method": "ngram", "num_speculative_tokens": 3})
 ARGV = ["--model", "/tmp/some-checkpoint", "--dtype", "float16", "--quantization", "int8", "--kv-cache-dtype", "fp8", "--device", "cpu", "--block-size", "32",
         "--num-kv-blocks", "7", "--kv-cache-memory-gb", "0.5", "--gpu-memory-utilization", "0.5",
-        "--max-num-seqs", "8", "--max-num-batched-tokens", "512", "--max-model-len", "128",
+        "--max-num-seqs", "8", "--max-num-batched-tokens", "512", "--long-prefill-token-threshold", "64",
+        "--max-model-len", "128",
         "--no-prefix-caching", "--preemption-mode", "swap", "--swap-space", "0.25",
         "--tensor-parallel-size", "2", "--pipeline-parallel-size", "2", "--max-concurrent-batches", "1",
         "--distributed-executor-backend", "mp",
