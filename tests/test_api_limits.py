@@ -22,6 +22,19 @@ def error_of(r: httpx.Response, status: int) -> dict:
     return r.json()["error"]
 
 
+def stream_gaps(url: str, max_tokens: int, gaps: list[float]) -> None:
+    """Stream a greedy completion of max_tokens tokens, appending each gap between two token chunks to `gaps`."""
+    with httpx.stream("POST", url + "/v1/completions", timeout=120, json={
+            "model": MODEL, "prompt": "Count: one, two,", "max_tokens": max_tokens, "temperature": 0,
+            "ignore_eos": True, "stream": True}) as r:
+        last = None
+        for line in r.iter_lines():
+            if line.startswith("data: {"):
+                now = time.monotonic()
+                gaps.extend([now - last] if last is not None else [])
+                last = now
+
+
 @pytest.mark.parametrize("route", ["/v1/chat/completions", "/tokenize"])
 def test_a_request_chat_template_is_refused_unless_the_server_trusts_them(server, route):  # noqa: F811
     before = server.engine.snapshot().num_prompt_tokens
@@ -42,16 +55,7 @@ def test_a_trusted_template_that_never_ends_is_stopped_and_nobody_waits(server, 
     gaps, done = [], threading.Event()
 
     def stream():
-        with httpx.stream("POST", server.url + "/v1/completions", timeout=120, json={
-                "model": MODEL, "prompt": "Count: one, two,", "max_tokens": 40, "temperature": 0,
-                "ignore_eos": True, "stream": True}) as r:
-            last = None
-            for line in r.iter_lines():
-                if line.startswith("data: {"):
-                    now = time.monotonic()
-                    if last is not None:
-                        gaps.append(now - last)
-                    last = now
+        stream_gaps(server.url, 40, gaps)
         done.set()
     t = threading.Thread(target=stream)
     t.start()
@@ -164,17 +168,7 @@ def test_a_slow_grammar_compiles_off_the_engine_thread_and_is_cut_off_at_the_tim
     monkeypatch.setattr(renderer, "GRAMMAR_TIME_LIMIT_S", 0.5)
     gaps = []
 
-    def stream():
-        with httpx.stream("POST", server.url + "/v1/completions", timeout=120, json={
-                "model": MODEL, "prompt": "Count: one, two,", "max_tokens": 30, "temperature": 0,
-                "ignore_eos": True, "stream": True}) as r:
-            last = None
-            for line in r.iter_lines():
-                if line.startswith("data: {"):
-                    now = time.monotonic()
-                    gaps.extend([now - last] if last is not None else [])
-                    last = now
-    t = threading.Thread(target=stream)
+    t = threading.Thread(target=stream_gaps, args=(server.url, 30, gaps))
     t.start()
     time.sleep(0.3)
     start = time.monotonic()

@@ -218,11 +218,6 @@ class OpenAIServing:
         """On the engine thread, in the same command that adds the requests (AsyncLLMEngine.add_requests): each
         prompt (tokenized by the front end, passed on as ids) and its SamplingParams. An explicit max_tokens must
         fit the context with the prompt (400 otherwise, as vLLM). Without one, default_max_tokens says."""
-        if checked.structured_outputs is not None:     # the front end compiled it: a cache hit
-            try:
-                engine.structured_output_manager.grammar_for(checked.structured_outputs)
-            except ValueError as e:
-                raise APIError(str(e), param=structured_outputs_param(parsed.body)) from None
         max_tokens_name, max_tokens = requested_max_tokens(parsed.body, self.is_chat)
         prompts, params = [], []
         limit = self.async_engine.max_model_len
