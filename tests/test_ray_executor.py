@@ -24,7 +24,7 @@ from tests.test_tensor_parallel import alive, wait_gone  # noqa: E402
 FEATURES = dict(device="cpu", dtype="float32", max_num_batched_tokens=32, max_num_seqs=32, num_kv_blocks=14)
 
 
-def greedy(n=24):
+def greedy(n=12):
     return SamplingParams(temperature=0, max_tokens=n, ignore_eos=True)
 
 

@@ -28,7 +28,7 @@ from tests.test_model_loading import write_tiny_checkpoint
 REPO = Path(__file__).resolve().parents[1]
 
 
-def greedy(n=32):
+def greedy(n=16):
     return SamplingParams(temperature=0, max_tokens=n, ignore_eos=True)
 
 
@@ -108,11 +108,11 @@ def test_features_fire_and_leave_outputs_unchanged_under_tp(model_dir, prompt_id
     prompts = [{"prompt_token_ids": p} for p in prompt_ids_with_shared_prefix]
     kw = dict(device="cpu", dtype="float32", max_num_batched_tokens=32, max_num_seqs=32, num_kv_blocks=14)
     tp1 = LLM(str(model_dir), **kw)
-    expected = token_ids(tp1.generate(prompts, greedy(32), use_tqdm=False))
+    expected = token_ids(tp1.generate(prompts, greedy(16), use_tqdm=False))
     with LLM(str(model_dir), tensor_parallel_size=3, **kw) as tp3:
         engine = tp3.llm_engine
         with engine.record_traces() as traces:
-            got = token_ids(tp3.generate(prompts, greedy(32), use_tqdm=False))
+            got = token_ids(tp3.generate(prompts, greedy(16), use_tqdm=False))
         stats = engine.get_stats()
         assert got == expected
         assert stats.prefix_cache_hits > 0
