@@ -26,10 +26,10 @@ if "PYTEST_XDIST_WORKER" not in os.environ and not torch.cuda.is_available():
     # preloaded, as minivllm's own command-line entry points do on a CPU (minivllm/platforms/cpu/runtime.py):
     # glibc maps and unmaps every large tensor, so each step page-faults its activations in again. This module
     # is imported in the controlling process before it starts the workers, and LD_PRELOAD is read when a process
-    # starts. It cut the suite's CPU time by about a third on the 2-core AVX2 machine (2026-11-28); tests that
-    # need a process without it (tests/test_cpu_runtime.py) clear LD_PRELOAD themselves.
+    # starts. MINIVLLM_CPU_PRELOAD=0 leaves the workers as they are; tests that need a process without it
+    # (tests/test_cpu_runtime.py) clear LD_PRELOAD themselves.
     from minivllm.platforms.cpu.runtime import OPT_OUT, preload_plan
-    _LIBS = preload_plan({**os.environ, OPT_OUT: "tcmalloc"})
+    _LIBS = [] if os.environ.get(OPT_OUT) == "0" else preload_plan({**os.environ, OPT_OUT: "tcmalloc"})
     if _LIBS:
         os.environ["LD_PRELOAD"] = ":".join(_LIBS + ([os.environ["LD_PRELOAD"]] if os.environ.get("LD_PRELOAD") else []))
 if not torch.cuda.is_available():

@@ -3,8 +3,9 @@
 On a CPU the kernels only run under Triton's interpreter, which accepts tiles no GPU compiler would, and says
 nothing about registers or shared memory. Here every kernel is compiled through the project's own wrappers
 (kernels/aot.py: a stub driver, launches turned into warmup=True compiles), so the tiles compiled are the
-ones the wrappers choose, over head dims (64, 128) x GQA ratios (1, 4) x dtypes (fp16, bf16, fp32, and an fp8
-e4m3 cache under bf16 / fp16 queries, on sm_90 only: Triton has no e4m3 before sm_89) x the
+ones the wrappers choose, over head dims (64, 128) x GQA ratios (1, 4) x dtypes (fp16, bf16, fp32 (at GQA 4
+only: the oracle, see kernels/aot.py), and an fp8 e4m3 cache under bf16 / fp16 queries, on sm_90 only: Triton
+has no e4m3 before sm_89) x the
 shapes they see (decode of a large batch / of one long context with split-KV + merge, prefill of a short
 chunk (BLOCK_M 16) and of a prompt (BLOCK_M 64), the KV store for decode and prefill), at cache block size
 16, and at block size 32 in fp16 (the block size only changes index arithmetic; the whole grid at both sizes
@@ -19,8 +20,8 @@ except the known spills of ALLOWED_SPILLS below, each with the bytes measured wh
 spill, or a listed one that grows, fails. One subprocess per architecture (both run at once) compiles with
 TRITON_INTERPRET unset, so this process keeps its interpreter and its Triton driver. Binaries are cached in
 TRITON_CACHE_DIR if set, else in pytest's cache (.pytest_cache/d/triton-aot), with each binary's inspection
-beside them: a rerun takes about 13 s; an empty cache 4.6 minutes on 2 busy cores (220 CPU-seconds; 4.8 minutes
-of the full suite's 27 under `-n 2` on 2026-11-28).
+beside them: a rerun takes about 13 s; an empty cache 3.8 minutes alone on the 2-core AVX2 machine (about 365
+CPU-seconds for both architectures, 2026-11-28).
 """
 
 from __future__ import annotations
