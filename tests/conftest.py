@@ -21,17 +21,6 @@ if _WORKERS > 1:
     _THREADS = max(1, (os.cpu_count() or 1) // _WORKERS)
     os.environ["OMP_NUM_THREADS"] = str(_THREADS)
     torch.set_num_threads(_THREADS)
-if "PYTEST_XDIST_WORKER" not in os.environ and not torch.cuda.is_available():
-    # The xdist workers (and the notebook kernels, servers and command lines they start) run with tcmalloc
-    # preloaded, as minivllm's own command-line entry points do on a CPU (minivllm/platforms/cpu/runtime.py):
-    # glibc maps and unmaps every large tensor, so each step page-faults its activations in again. This module
-    # is imported in the controlling process before it starts the workers, and LD_PRELOAD is read when a process
-    # starts. MINIVLLM_CPU_PRELOAD=0 leaves the workers as they are; tests that need a process without it
-    # (tests/test_cpu_runtime.py) clear LD_PRELOAD themselves.
-    from minivllm.platforms.cpu.runtime import OPT_OUT, preload_plan
-    _LIBS = [] if os.environ.get(OPT_OUT) == "0" else preload_plan({**os.environ, OPT_OUT: "tcmalloc"})
-    if _LIBS:
-        os.environ["LD_PRELOAD"] = ":".join(_LIBS + ([os.environ["LD_PRELOAD"]] if os.environ.get("LD_PRELOAD") else []))
 if not torch.cuda.is_available():
     # Without a GPU the Triton kernels run on Triton's CPU interpreter; @triton.jit reads this when it
     # decorates, so it must be set before anything imports triton (notebook kernels inherit it too).
