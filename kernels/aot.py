@@ -382,7 +382,7 @@ NUM_HEADS = 16
 # fp32 at one GQA ratio: fp32's dots are FMA loops (no tensor cores) and its 64-row prompt tiles spill by
 # design; fp32 is the oracle a GPU check compares against, not the fast path. At GQA 1 (group_size specialized
 # to the constant 1) its kernels are the same loops with one index fixed, and the head_dim 128 prompt tile
-# alone took 44 s of ptxas on one core (an 82 KB spill), a quarter of the grid. So fp32 is compiled at the
+# alone took 44 s of ptxas on one core (an 82 KB spill), a fifth of sm_80's grid. So fp32 is compiled at the
 # grid's last GQA ratio only; the 16-bit and fp8 dtypes, the fast paths, at every ratio.
 
 

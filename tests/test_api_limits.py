@@ -22,6 +22,12 @@ def error_of(r: httpx.Response, status: int) -> dict:
     return r.json()["error"]
 
 
+# /health's answer while a hostile render or compile runs: a loop held by the 1.5 s render or a seconds-long compile
+# would make one answer take about that long; a free loop answers in milliseconds, and in up to about 0.6 s when the
+# other xdist worker and the compile's own thread share the 2 cores (0.57 s seen in a full-suite run, 2026-11-28).
+HEALTH_ANSWERS_WITHIN_S = 1.0
+
+
 def stream_gaps(url: str, max_tokens: int, gaps: list[float]) -> None:
     """Stream a greedy completion of max_tokens tokens, appending each gap between two token chunks to `gaps`."""
     with httpx.stream("POST", url + "/v1/completions", timeout=120, json={
@@ -79,7 +85,7 @@ def test_a_trusted_template_that_never_ends_is_stopped_and_nobody_waits(server, 
     error = error_of(hostile["response"], 400)
     assert error["param"] == "chat_template" and "did not finish rendering within 1.5 s" in error["message"]
     assert hostile["seconds"] < 30                       # stopped, not run to its end
-    assert health and max(health) < 0.5, health          # the event loop was never held
+    assert health and max(health) < HEALTH_ANSWERS_WITHIN_S, health      # the event loop was never held
     assert done.is_set() and len(gaps) >= 30 and max(gaps) < 2.0, gaps
 
 
@@ -180,7 +186,7 @@ def test_a_slow_grammar_compiles_off_the_engine_thread_and_is_cut_off_at_the_tim
     t.join(120)
     error = error_of(r, 400)
     assert error["param"] == "response_format" and "did not compile within 0.5 s" in error["message"]
-    assert waited < 5 and health < 0.5
+    assert waited < 5 and health < HEALTH_ANSWERS_WITHIN_S
     assert len(gaps) == 29 and max(gaps) < 2.0, gaps
 
 

@@ -1,8 +1,8 @@
 """Streaming n tokens costs O(n): DELTA outputs carry only what is new, so the bytes handed to a reader grow
 linearly with the output, where cumulative outputs (what every stream carried before) grow quadratically.
 
-A tiny random model (2 layers, hidden 64) makes 3,072 decode steps (7 ms each, most of it the engine's own step) affordable on a CPU; the cost measured here is
-the engine's and the stream's, not the model's.
+A tiny random model (2 layers, hidden 64) makes 3,072 decode steps affordable on a CPU (about 7 ms each, most of
+it the engine's own step); the cost measured here is the engine's and the stream's, not the model's.
 """
 
 from __future__ import annotations
