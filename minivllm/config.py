@@ -103,6 +103,11 @@ class EngineConfig:
         None, "speculative decoding, as vLLM's JSON: {\"method\": \"ngram\", \"num_speculative_tokens\": 4, "
         "\"prompt_lookup_min\": 2, \"prompt_lookup_max\": 4} or {\"model\": PATH, \"num_speculative_tokens\": 4} "
         "(a draft model; \"draft_num_layers\": N keeps its first N layers)")
+    kv_transfer_config: dict | None = option(
+        None, "prefill/decode disaggregation, as vLLM's JSON (kv_transfer/): {\"kv_connector\": "
+        "\"SharedStorageConnector\", \"kv_role\": \"kv_both\", \"kv_connector_extra_config\": "
+        "{\"shared_storage_path\": DIR}} or {\"kv_connector\": \"TCPConnector\", \"kv_role\": \"kv_consumer\", "
+        "\"kv_port\": 14579} (the producer: \"kv_producer\" and the consumer's kv_ip and kv_port); one rank")
 
     @classmethod
     def from_kwargs(cls, **kwargs) -> "EngineConfig":
@@ -183,6 +188,12 @@ class EngineConfig:
                 raise ValueError("speculative_config method 'draft_model' with pipeline_parallel_size > 1 is not "
                                  "implemented (the draft runs beside the first stage); use 'ngram'.")
 
+        if self.kv_transfer_config is not None:
+            KVTransferConfig.from_dict(self.kv_transfer_config)           # raises, naming the key, if it is wrong
+            if self.tensor_parallel_size > 1 or self.pipeline_parallel_size > 1:
+                raise ValueError("kv_transfer_config with tensor_parallel_size or pipeline_parallel_size > 1 is not "
+                                 "implemented (blocks move between single-rank instances); use one rank per instance.")
+
     def long_prefill_token_threshold_on(self, device_type: str) -> int:
         """The option when it is set; unset, CPU_LONG_PREFILL_TOKEN_THRESHOLD on a CPU (docs/benchmarks.md has the
         inter-token latency it keeps while a long prompt arrives) and 0 (no cap) elsewhere."""
@@ -199,6 +210,10 @@ class EngineConfig:
         one_process = (self.tensor_parallel_size == self.pipeline_parallel_size == 1
                        and self.distributed_executor_backend in ("auto", "uni"))
         return device_type == "cuda" and one_process and self.speculative_config is None
+
+    @property
+    def kv_transfer(self) -> "KVTransferConfig | None":
+        return None if self.kv_transfer_config is None else KVTransferConfig.from_dict(self.kv_transfer_config)
 
     @property
     def speculative(self) -> "SpeculativeConfig | None":
@@ -253,6 +268,48 @@ class SpeculativeConfig:
         n = cfg.draft_num_layers
         if n is not None and (isinstance(n, bool) or not isinstance(n, int) or n < 1):
             raise ValueError(f"speculative_config draft_num_layers is {n!r}; it must be a positive int.")
+        return cfg
+
+
+@dataclass(frozen=True)
+class KVTransferConfig:
+    """Which connector moves KV between instances, and this instance's part (vLLM's `KVTransferConfig` keys)."""
+    kv_connector: str
+    kv_role: str                          # kv_producer: saves prompts' KV; kv_consumer: loads it; kv_both: both
+    kv_ip: str = "127.0.0.1"              # TCPConnector: the consumer's address (it listens there)
+    kv_port: int = 14579                  # TCPConnector: the consumer's port (0: any free one)
+    kv_buffer_size: int = 10 ** 9         # TCPConnector: bytes of received blocks a consumer keeps
+    kv_connector_extra_config: dict = field(default_factory=dict)   # SharedStorageConnector: shared_storage_path
+
+    @classmethod
+    def from_dict(cls, d: dict) -> "KVTransferConfig":
+        if not isinstance(d, dict):
+            raise ValueError(f"kv_transfer_config is {d!r}; it must be a dict (vLLM's JSON), e.g. "
+                             '{"kv_connector": "SharedStorageConnector", "kv_role": "kv_both", '
+                             '"kv_connector_extra_config": {"shared_storage_path": "/tmp/kv"}}.')
+        known = {f.name for f in fields(cls)}
+        unknown = sorted(set(d) - known)
+        if unknown:
+            raise ValueError(f"kv_transfer_config has unknown key(s) {unknown}; known ones are {sorted(known)}.")
+        connectors = ("SharedStorageConnector", "TCPConnector")
+        if d.get("kv_connector") not in connectors:
+            raise ValueError(f"kv_transfer_config kv_connector is {d.get('kv_connector')!r}; choose one of "
+                             f"{', '.join(connectors)}.")
+        roles = ("kv_producer", "kv_consumer", "kv_both") if d["kv_connector"] == "SharedStorageConnector" \
+            else ("kv_producer", "kv_consumer")
+        if d.get("kv_role") not in roles:
+            raise ValueError(f"kv_transfer_config kv_role is {d.get('kv_role')!r}; {d['kv_connector']} takes "
+                             f"{', '.join(roles)}.")
+        cfg = cls(**d)
+        if cfg.kv_connector == "SharedStorageConnector" and not cfg.kv_connector_extra_config.get(
+                "shared_storage_path"):
+            raise ValueError("kv_transfer_config for SharedStorageConnector needs kv_connector_extra_config "
+                             '{"shared_storage_path": DIR}, a directory every instance can read and write.')
+        if not isinstance(cfg.kv_port, int) or not 0 <= cfg.kv_port < 65536:
+            raise ValueError(f"kv_transfer_config kv_port is {cfg.kv_port!r}; it must be an int in [0, 65535].")
+        if not isinstance(cfg.kv_buffer_size, int) or cfg.kv_buffer_size < 1:
+            raise ValueError(f"kv_transfer_config kv_buffer_size is {cfg.kv_buffer_size!r}; it must be a positive "
+                             "int (bytes).")
         return cfg
 
 

@@ -27,6 +27,7 @@ Other modes plug in at named seams and cost this file nothing when they are off:
     structured output                                            _advance_grammar
     swap preemption (vLLM's modes: recompute drops the KV and     _preempt, _swap_in
       re-runs the tokens as one prefill; swap copies the blocks to a CPU pool and back, or falls back to recompute)
+    KV transfer between instances (prefill/decode disaggregation) `connector` (kv_transfer/)       
 """
 
 from __future__ import annotations
@@ -44,14 +45,14 @@ from minivllm.core.scheduler_output import EngineCoreOutput, SchedulerOutput
 __all__ = ["EngineCoreOutput", "Scheduler", "SchedulerOutput"]
 
 class Scheduler(Journaled):
-    # Counters a failed step must not move (journal.py): preemptions and vLLM's spec-decode counters (steps with
-    # drafts, draft tokens verified, accepted, accepted per draft position).
+    # Counters a failed step must not move (journal.py): preemptions and vLLM's spec-decode counters.
     JOURNALED = frozenset({"num_preemptions", "num_drafts", "num_draft_tokens", "num_accepted_tokens",
                            "num_accepted_tokens_per_pos"})
     async_scheduling = False
     # Requests in a batch whose output has not come back -> their tokens in such batches: none here, every batch
     # comes back within its step (AsyncScheduler keeps batches in flight).
     in_flight: Mapping[Request, int] = MappingProxyType({})
+    connector = None         # KV transfer's scheduler side (kv_transfer/base.py), set by the engine; None: no transfer
 
     def __init__(self, kv_cache_manager: KVCacheManager, max_num_seqs: int, max_num_batched_tokens: int,
                  max_model_len: int, preemption_mode: str = "recompute", long_prefill_token_threshold: int = 0):
@@ -74,7 +75,7 @@ class Scheduler(Journaled):
 
     # ------------------------------------------------------------------ queues
     def add_request(self, request: Request) -> None:
-        """Queue a new request. Called between steps only: it is final at once."""
+        """Queue a new request (between steps only: final at once)."""
         assert not self.journal.is_open, "requests are added between steps"
         request.journal = self.journal
         self._keys[request.request_id] = (request.priority, request.arrival_time, next(self._order))
@@ -106,8 +107,7 @@ class Scheduler(Journaled):
         self.kv_cache_manager.clear_pending()       # same-step offers end with their step
 
     def rollback_step(self) -> None:
-        """Undo everything since `begin_step()`. Then, because the failed forward may have written the KV of
-        every block the step handed out, no cache entry and no request keeps trusting those blocks."""
+        """Undo everything since `begin_step()`; the blocks the step handed out may hold its KV: distrust them."""
         events = self.kv_cache_manager.block_pool.events
         written = set(events.allocated[self._events_at_begin[0]:])
         self.journal.rollback()
@@ -153,13 +153,17 @@ class Scheduler(Journaled):
             else:
                 computed = kv.get_computed_blocks(req)         # prefix-cache hits: whole blocks, from the start
                 num_cached = len(computed) * self.block_size
-                n = self._chunk(req.num_tokens - num_cached, budget)
-                if not kv.allocate_slots(req, n, computed):
+                # KV transfer: prompt tokens past the hits that another instance computed, loaded instead
+                num_external = self.connector.get_num_new_matched_tokens(req, num_cached) if self.connector else 0
+                n = self._chunk(req.num_tokens - num_cached - num_external, budget)
+                if not kv.allocate_slots(req, num_external + n, computed):
                     n = 0
                 else:
-                    req.num_computed_tokens = num_cached
+                    req.num_computed_tokens = num_cached + num_external
                     if req.status is RequestStatus.WAITING:    # first admission: record its prefix hits
-                        req.num_cached_tokens = num_cached
+                        req.num_cached_tokens = num_cached + num_external
+                    if num_external:
+                        self.connector.update_state_after_alloc(req, num_external)
             if n == 0:
                 break                                          # no room: it waits, and everyone behind it
             self._remove(self.waiting, req)
@@ -170,6 +174,8 @@ class Scheduler(Journaled):
             budget -= n
             self._offer_blocks(out, [req])
         self._update_after_schedule(out)
+        if self.connector is not None:                         # KV transfer: this step's loads and saves
+            out.kv_connector_metadata = self.connector.build_connector_meta(out)
         return out
 
     # The seams of schedule(): AsyncScheduler (async_scheduler.py) overrides them for batches in flight.
@@ -185,8 +191,7 @@ class Scheduler(Journaled):
         return req.num_tokens - req.num_computed_tokens
 
     def _chunk(self, num_tokens_left: int, budget: int) -> int:
-        """The tokens a request computes this step: what it has left, within the budget and (vLLM's rule) within
-        long_prefill_token_threshold when that is set, so a long prompt shares its steps with others' decodes."""
+        """What it has left, within the budget and (vLLM's rule) long_prefill_token_threshold when that is set."""
         return min(num_tokens_left, budget, self.long_prefill_token_threshold or num_tokens_left)
 
     def _drafts_to_verify(self, req: Request, n: int, budget: int) -> list[int]:
@@ -200,21 +205,18 @@ class Scheduler(Journaled):
         return self.kv_cache_manager.allocate_slots(req, num_tokens)
 
     def _choose_victim(self, req: Request) -> Request | None:
-        """Who is preempted when `req` finds no free block: the lowest priority, and among equals the latest to
-        arrive (possibly `req` itself), as vLLM does."""
+        """Who is preempted when `req` finds no free block: the lowest priority, latest (possibly `req`)."""
         return max(self.running, key=lambda r: self._keys[r.request_id])
 
     def _offer_blocks(self, out: SchedulerOutput, requests: list[Request]) -> None:
-        """Offer the full blocks these requests compute this step to requests admitted after them in the same step
-        (kv_cache_manager.py). A draft is not a token of the request yet, so its block is not offered."""
+        """Offer the full blocks these requests compute this step to later admissions (not a draft's block)."""
         for req in requests:
             num_drafts = len(out.scheduled_spec_decode_tokens.get(req.request_id, ()))
             self.kv_cache_manager.register_pending(
                 req, req.num_computed_tokens + out.num_scheduled_tokens[req.request_id] - num_drafts)
 
     def _update_after_schedule(self, out: SchedulerOutput) -> None:
-        """Label each scheduled request: a decode computes the one token sampled last step (and verifies its drafts);
-        anything else is (a chunk of) a prefill, including a preempted request recomputing its tokens."""
+        """Label each scheduled request: a decode computes the token sampled last step; anything else is a prefill."""
         for req in out.scheduled:
             rid = req.request_id
             num_drafts = len(out.scheduled_spec_decode_tokens.get(rid, ()))
@@ -248,8 +250,7 @@ class Scheduler(Journaled):
         return swap_out
 
     def _swap_in(self, req: Request, budget: int, out: SchedulerOutput) -> int:
-        """Bring a swapped request's KV back from the CPU pool and make room for its next tokens; how many it may
-        compute this step (0: no room, it keeps waiting)."""
+        """Bring a swapped request's KV back and make room for its next tokens; how many it computes (0: no room)."""
         kv = self.kv_cache_manager
         n = self._chunk(req.num_tokens - req.num_computed_tokens, budget)
         if not kv.can_swap_in(req, n):
@@ -338,8 +339,7 @@ class Scheduler(Journaled):
         return accepted
 
     def update_draft_token_ids(self, drafts: dict[str, list[int]]) -> None:
-        """The proposer's drafts for the next step (request_id -> tokens), journaled. A request with a grammar keeps
-        only the drafts its grammar accepts; a finished or non-running request gets none."""
+        """The proposer's drafts for the next step (request_id -> tokens), journaled; grammars filter them."""
         for req in self.running:
             tokens = drafts.get(req.request_id)
             if not tokens:
@@ -350,8 +350,7 @@ class Scheduler(Journaled):
                 req.spec_token_ids = list(tokens)
 
     def drop_output_tokens(self, req: Request, num_tokens: int) -> None:
-        """Take back the last `num_tokens` output tokens of a request that is about to finish on a stop string
-        (speculative decoding can add tokens past it in the same step). Journaled."""
+        """Take back tokens past a stop string (speculative decoding adds several per step). Journaled."""
         for _ in range(num_tokens):
             token = req.output_token_ids[-1]
             req.pop_output_token()
@@ -372,6 +371,8 @@ class Scheduler(Journaled):
         req.status = status
         if stop_reason is not None:
             req.stop_reason = stop_reason
+        if self.connector is not None:
+            self.connector.request_finished(req)
         key = self._keys.pop(req.request_id, None)
         if key is not None:
             self.journal.record(lambda: self._keys.__setitem__(req.request_id, key))

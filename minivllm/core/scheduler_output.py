@@ -32,6 +32,7 @@ class SchedulerOutput:
     # is that token, read on the device). Empty without async scheduling.
     num_computed_ahead: dict[str, int] = field(default_factory=dict)
     num_output_placeholders: dict[str, int] = field(default_factory=dict)
+    kv_connector_metadata: object = None     # KV transfer: the blocks this step loads and saves (kv_transfer/)
 
     @property
     def is_empty(self) -> bool:

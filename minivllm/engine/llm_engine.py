@@ -33,6 +33,7 @@ from minivllm.engine.input_processor import InputProcessor, ProcessedRequest, Pr
 from minivllm.engine.output_processor import OutputProcessor
 from minivllm.engine.parallel_sampling import ParentRequest
 from minivllm.engine.sigint import SigintGuard
+from minivllm.kv_transfer import make_kv_connectors
 from minivllm.model.llama import ModelConfig
 from minivllm.model.loader import check_checkpoint_files, load_tokenizer, resolve_device, resolve_model_path
 from minivllm.outputs import RequestOutput
@@ -42,7 +43,6 @@ from minivllm.worker.executor import InFlightBatch, make_executor
 logger = logging.getLogger(__name__)
 
 __all__ = ["EngineQueues", "EngineStats", "LLMEngine", "PromptType", "QueuedRequest"]
-
 
 
 @dataclass
@@ -93,6 +93,9 @@ class LLMEngine:
             self.scheduler = Scheduler(self.kv_cache_manager, config.max_num_seqs, config.max_num_batched_tokens,
                                        self.max_model_len, config.preemption_mode, threshold)
             self.step_fn = self.execute_step
+        if config.kv_transfer is not None:          # prefill/decode disaggregation: KV from or to other instances
+            self.scheduler.connector, self.model_runner.kv_connector = make_kv_connectors(
+                config.kv_transfer, self.model_path, self.model_runner, self.journal)
         self.input_processor = InputProcessor(self.tokenizer, self.model_config.vocab_size, self.max_model_len,
                                               self.kv_cache_manager)
         self.output_processor = OutputProcessor(self.tokenizer)
@@ -355,10 +358,9 @@ class LLMEngine:
             num_kv_blocks=kv.num_blocks, num_free_blocks=kv.num_free_blocks, kv_usage=kv.usage,
             prefix_cache_hit_rate=kv.prefix_cache_hit_rate, prefix_cache_hits=kv.prefix_cache_hits,
             prefix_cache_queries=kv.prefix_cache_queries, num_preemptions=self.scheduler.num_preemptions,
-            num_swapped=self.scheduler.num_swapped,
-            num_steps=self.num_steps, num_prompt_tokens_computed=self.num_prompt_tokens_computed,
-            num_generated_tokens=self.num_generated_tokens, num_failed_steps=self.num_failed_steps,
-            num_batches_in_flight=len(self.batch_queue),
+            num_swapped=self.scheduler.num_swapped, num_steps=self.num_steps,
+            num_prompt_tokens_computed=self.num_prompt_tokens_computed, num_generated_tokens=self.num_generated_tokens,
+            num_failed_steps=self.num_failed_steps, num_batches_in_flight=len(self.batch_queue),
             num_spec_drafts=self.scheduler.num_drafts, num_spec_draft_tokens=self.scheduler.num_draft_tokens,
             num_spec_accepted_tokens=self.scheduler.num_accepted_tokens,
             num_spec_accepted_tokens_per_pos=tuple(self.scheduler.num_accepted_tokens_per_pos))
@@ -376,13 +378,13 @@ class LLMEngine:
         self.kv_cache_manager.reset_prefix_cache()
 
     def shutdown(self) -> None:
-        """Stop the tensor-parallel workers (if any) and leave the process group. Also happens on garbage
-        collection and at exit; safe to call twice. The engine cannot run steps afterwards."""
+        """Stop the workers and connectors; safe to call twice (also at exit). No steps afterwards."""
         self.executor.shutdown()
+        if self.scheduler.connector is not None:
+            self.scheduler.connector.close()
 
     def check_integrity(self) -> None:
-        """Assert every invariant of the core (scheduler.py, kv_cache_manager.py, block_pool.py) and that the
-        request table, the queues and the output processor agree."""
+        """Assert the core's invariants, and that the request table, queues and output processor agree."""
         self.scheduler.check_integrity()
         ahead: dict = collections.Counter()       # request -> its tokens in the batches of the queue
         for b in self.batch_queue:

@@ -42,6 +42,7 @@ class ModelInput:
     # Async scheduling: (row of input_ids, row of the previous batch's sampled tokens). Those input ids are the
     # tokens the previous batch samples, still on the device: the host writes 0 there and the device fills them in.
     prev_token_rows: list[tuple[int, int]] = field(default_factory=list)
+    kv_connector_metadata: object = None       # KV transfer: blocks loaded before / saved after the forward
 
 
 def model_input_tensors(mi: ModelInput, device: torch.device):

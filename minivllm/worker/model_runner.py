@@ -91,6 +91,7 @@ class ModelRunner(PipelineStageMixin):
         self.stage_times: list[tuple[int, float, float]] = []
         self.record_stage_times = False
         self.graphs: DecodeGraphs | None = None                          # set by allocate_kv_cache on CUDA
+        self.kv_connector = None         # KV transfer's worker side (kv_transfer/base.py), set by the engine
 
     def allocate_kv_cache(self, num_kv_blocks: int) -> None:
         c = self.model_cfg
@@ -247,7 +248,7 @@ class ModelRunner(PipelineStageMixin):
         block_tables = [r.block_table + [0] * (max_blocks - len(r.block_table)) for r in out.scheduled]
         model_input = ModelInput(input_ids, positions, slot_mapping, q_lens, seq_lens, block_tables, sample_rows,
                                  list(out.blocks_to_swap_out), list(out.blocks_to_swap_in), spans,
-                                 prev_token_rows=prev_token_rows)
+                                 prev_token_rows=prev_token_rows, kv_connector_metadata=out.kv_connector_metadata)
         return model_input, sampling_requests
 
     # ------------------------------------------------------------------ the step (every rank)
@@ -272,6 +273,8 @@ class ModelRunner(PipelineStageMixin):
         the logits' all-gather pair up across ranks. `prev_sampled`: async scheduling's previous batch's tokens
         (see ModelInput.prev_token_rows)."""
         self.swap_blocks(mi)
+        if self.kv_connector is not None:          # KV transfer: copy in the blocks another instance computed
+            self.kv_connector.start_load_kv(mi.kv_connector_metadata, self.kv_cache)
         if not mi.q_lens:
             return None, None
         if self.pp.size > 1:
@@ -286,6 +289,10 @@ class ModelRunner(PipelineStageMixin):
             if prev is not None:
                 input_ids.index_copy_(0, *prev)
             hidden = self.forward(input_ids, positions, meta)                  # (num_tokens, hidden)
+        if self.kv_connector is not None:          # KV transfer: save this step's blocks, layer by layer
+            for layer, (key_cache, value_cache) in enumerate(self.kv_caches):
+                self.kv_connector.save_kv_layer(layer, key_cache, value_cache)
+            self.kv_connector.wait_for_save()
         prompt_rows = [r for s in mi.prompt_logprob_spans for r in range(s.first_row, s.first_row + s.num_rows)]
         if not mi.sample_rows and not prompt_rows:
             return None, None
