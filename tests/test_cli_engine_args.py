@@ -9,6 +9,7 @@ stand-in that records its config and stops the command).
 from __future__ import annotations
 
 import argparse
+import json
 from dataclasses import asdict, fields
 
 import pytest
@@ -80,9 +81,11 @@ def config_built_by(command, argv, monkeypatch) -> EngineConfig:
     return built.value.config
 
 
-# Fields that cannot join the table's values (async scheduling refuses tp 2, pp 2 and speculation): each has its
-# own flag test below.
-ALONE = {"async_scheduling": [(True, ["--async-scheduling"]), (False, ["--no-async-scheduling"])]}
+# Fields that cannot join the table's values (async scheduling refuses tp 2, pp 2 and speculation; KV transfer
+# refuses tp 2 and pp 2): each has its own flag test below.
+KV_TRANSFER = {"kv_connector": "TCPConnector", "kv_role": "kv_consumer", "kv_port": 14580}
+ALONE = {"async_scheduling": [(True, ["--async-scheduling"]), (False, ["--no-async-scheduling"])],
+         "kv_transfer_config": [(KV_TRANSFER, ["--kv-transfer-config", json.dumps(KV_TRANSFER)])]}
 
 
 def test_the_table_covers_every_field_with_a_value_other_than_its_default():

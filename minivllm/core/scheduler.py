@@ -174,8 +174,6 @@ class Scheduler(Journaled):
             budget -= n
             self._offer_blocks(out, [req])
         self._update_after_schedule(out)
-        if self.connector is not None:                         # KV transfer: this step's loads and saves
-            out.kv_connector_metadata = self.connector.build_connector_meta(out)
         return out
 
     # The seams of schedule(): AsyncScheduler (async_scheduler.py) overrides them for batches in flight.
@@ -229,6 +227,8 @@ class Scheduler(Journaled):
                 out.num_decode_tokens += n + num_drafts
             else:
                 out.num_prefill_tokens += n
+        if self.connector is not None:                         # KV transfer: this step's loads and saves
+            out.kv_connector_metadata = self.connector.build_connector_meta(out)
 
     # ------------------------------------------------------------------ preemption
     def _preempt(self, req: Request) -> list[tuple[int, int]]:

@@ -198,7 +198,7 @@ class KVConnectorBase_V1(Journaled):
         saves = []
         if self.is_producer:
             for req in sched.scheduled:
-                start = req.num_computed_tokens
+                start = req.num_computed_tokens + sched.num_computed_ahead.get(req.request_id, 0)
                 end = start + sched.num_scheduled_tokens[req.request_id]
                 first_step = req.request_id in sched.newly_admitted
                 picked = [(i, key, n) for i, (key, n) in enumerate(self._prompt_keys(req))
