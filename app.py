@@ -52,6 +52,9 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--warmup-tokens", type=int, default=512, help="a dummy prefill of this many tokens before "
                    "serving, so the first real batch does not pay the first large step's one-time costs (0: off; "
                    "single process only)")
+    p.add_argument("--dp-routing", choices=("load", "prefix"), default="load", help="with --data-parallel-size N: "
+                   "send each request to the least-loaded replica (load), or first to the replica that served the same "
+                   "leading prompt blocks, whose prefix cache holds them (prefix)")
     add_engine_args(p)
     return p
 
@@ -107,6 +110,8 @@ def main(argv: list[str] | None = None) -> int:
         torch.set_num_threads(args.threads)
     try:
         config = EngineConfig.from_cli_args(args)
+        if config.data_parallel_size > 1:
+            return serve_data_parallel(config, args)
         if args.warmup_tokens < 0:
             raise ValueError(f"--warmup-tokens is {args.warmup_tokens}; it must be 0 (off) or a positive number "
                              f"of tokens")
@@ -127,6 +132,21 @@ def main(argv: list[str] | None = None) -> int:
         QuietServer(config, before_exit=async_engine.shutdown).run()
     finally:
         async_engine.shutdown()
+    return 0
+
+
+def serve_data_parallel(config: EngineConfig, args) -> int:
+    """--data-parallel-size N: N replica processes, each an API server on a port of its own, behind the router."""
+    from minivllm.entrypoints.dp_router import build_dp_router, start_replicas
+    from minivllm.model.loader import load_tokenizer, resolve_model_path
+
+    tokenizer = load_tokenizer(resolve_model_path(config.model)) if args.dp_routing == "prefix" else None
+    logging.basicConfig(level=logging.INFO, format="%(levelname)s %(name)s: %(message)s", force=True)
+    replicas = start_replicas(config)
+    app = build_dp_router(replicas, args.dp_routing, tokenizer, config.block_size)
+    print(f"minivllm: {len(replicas)} data-parallel replicas ({', '.join(r.url for r in replicas)}) behind "
+          f"http://{args.host}:{args.port}/v1 ({args.dp_routing} routing)", file=sys.stderr, flush=True)
+    uvicorn.run(app, host=args.host, port=args.port, log_level="warning")
     return 0
 
 

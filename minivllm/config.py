@@ -81,6 +81,9 @@ class EngineConfig:
     pipeline_parallel_size: int = option(
         1, "pipeline stages; each holds a contiguous slice of the layers (and its TP ranks); "
         "VLLM_PP_LAYER_PARTITION=\"a,b,...\" sets the layers per stage")
+    data_parallel_size: int = option(
+        1, "engine replicas, each in its own process with the whole model (and its own TP/PP ranks); app.py serves "
+        "them behind one OpenAI server that routes each request to the least-loaded one (entrypoints/dp_router.py)")
     max_concurrent_batches: int | None = option(
         None, "pipeline parallelism: batches in flight at once (the engine schedules the next batch while earlier "
         "ones are in later stages, as vLLM v1's batch queue); default pipeline_parallel_size; 1 sends one batch "
@@ -130,7 +133,7 @@ class EngineConfig:
 
     def validate(self) -> None:
         for name in ("block_size", "max_num_seqs", "max_num_batched_tokens", "tensor_parallel_size",
-                     "pipeline_parallel_size"):
+                     "pipeline_parallel_size", "data_parallel_size"):
             value = getattr(self, name)
             if not isinstance(value, int) or value < 1:
                 raise ValueError(f"{name} is {value!r}; it must be a positive int.")

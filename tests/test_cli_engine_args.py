@@ -20,7 +20,8 @@ from minivllm.config import EngineConfig, add_engine_args
 VALUES = dict(model="/tmp/some-checkpoint", dtype="float16", quantization="int8", kv_cache_dtype="fp8", device="cpu", block_size=32, num_kv_blocks=7,
               kv_cache_memory_gb=0.5, gpu_memory_utilization=0.5, max_num_seqs=8, max_num_batched_tokens=512,
               long_prefill_token_threshold=64, max_model_len=128, enable_prefix_caching=False, preemption_mode="swap", swap_space=0.25,
-              tensor_parallel_size=2, pipeline_parallel_size=2, max_concurrent_batches=1, distributed_executor_backend="mp",
+              tensor_parallel_size=2, pipeline_parallel_size=2, data_parallel_size=2, max_concurrent_batches=1,
+              distributed_executor_backend="mp",
               attention_backend="torch",
               enforce_eager=True, seed=7,
               speculative_config={"method": "ngram", "num_speculative_tokens": 3})
@@ -29,7 +30,8 @@ ARGV = ["--model", "/tmp/some-checkpoint", "--dtype", "float16", "--quantization
         "--max-num-seqs", "8", "--max-num-batched-tokens", "512", "--long-prefill-token-threshold", "64",
         "--max-model-len", "128",
         "--no-prefix-caching", "--preemption-mode", "swap", "--swap-space", "0.25",
-        "--tensor-parallel-size", "2", "--pipeline-parallel-size", "2", "--max-concurrent-batches", "1",
+        "--tensor-parallel-size", "2", "--pipeline-parallel-size", "2", "--data-parallel-size", "2",
+        "--max-concurrent-batches", "1",
         "--distributed-executor-backend", "mp",
         "--attention-backend", "torch",
         "--enforce-eager", "--seed", "7",
@@ -59,6 +61,7 @@ def run_app(argv, monkeypatch):
     def fake_build_app(config, **kwargs):
         raise Built(config)
     monkeypatch.setattr(app, "build_app", fake_build_app)
+    monkeypatch.setattr(app, "serve_data_parallel", lambda config, args: fake_build_app(config))
     return app.main(argv)
 
 
@@ -161,6 +164,7 @@ def test_the_server_warms_up_512_tokens_unless_told_otherwise(monkeypatch, capsy
         seen.append(kwargs["warmup_tokens"])
         raise Built(config)
     monkeypatch.setattr(app, "build_app", fake_build_app)
+    monkeypatch.setattr(app, "serve_data_parallel", lambda config, args: fake_build_app(config))
     for argv in ([], ["--warmup-tokens", "0"], ["--warmup-tokens", "64"]):
         with pytest.raises(Built):
             app.main(argv)

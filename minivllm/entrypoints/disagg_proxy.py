@@ -28,15 +28,12 @@ import logging
 
 import httpx
 from fastapi import FastAPI, Request
-from fastapi.responses import JSONResponse, Response, StreamingResponse
+from fastapi.responses import Response
+
+from minivllm.entrypoints.http_relay import (RelayError, error_response, passed_headers, read_json_object, relay,
+                                             relay_error_response)
 
 logger = logging.getLogger(__name__)
-
-PASSED_HEADERS = ("authorization", "content-type", "x-request-id")
-
-
-def _error(status: int, message: str, kind: str) -> JSONResponse:
-    return JSONResponse({"error": {"message": message, "type": kind, "code": status}}, status_code=status)
 
 
 def prefill_body(body: dict) -> dict:
@@ -78,40 +75,17 @@ def build_proxy(prefill_urls: list[str], decode_urls: list[str], timeout_s: floa
         return None
 
     async def forward(request: Request, path: str) -> Response:
-        try:
-            body = await request.json()
-        except ValueError:
-            return _error(400, "the request body is not valid JSON", "invalid_request_error")
+        body = await read_json_object(request)
         if not isinstance(body, dict):
-            return _error(400, "the request body must be a JSON object", "invalid_request_error")
-        headers = {k: v for k, v in request.headers.items() if k.lower() in PASSED_HEADERS}
+            return body
+        headers = passed_headers(request)
         refused = await prefill(path, body, headers)
         if refused is not None:
             return refused
-        url = next(decodes) + path
-        client = httpx.AsyncClient(timeout=timeout)
         try:
-            r = await client.send(client.build_request("POST", url, json=body, headers=headers), stream=True)
-        except httpx.TimeoutException as e:
-            await client.aclose()
-            return _error(504, f"the decode instance at {url} did not answer within {timeout_s} s ({e})",
-                          "gateway_timeout")
-        except httpx.HTTPError as e:
-            await client.aclose()
-            return _error(502, f"the decode instance at {url} could not be reached ({type(e).__name__}: {e})",
-                          "bad_gateway")
-
-        async def passthrough():
-            try:
-                async for chunk in r.aiter_raw():
-                    yield chunk
-            except httpx.HTTPError as e:      # the decode instance went away mid-answer: end the stream
-                logger.warning("decode at %s broke off: %s", url, e)
-            finally:
-                await r.aclose()
-                await client.aclose()
-        return StreamingResponse(passthrough(), status_code=r.status_code,
-                                 media_type=r.headers.get("content-type", "application/json"))
+            return await relay(next(decodes) + path, body, headers, timeout_s)
+        except RelayError as e:
+            return relay_error_response(e)
 
     @app.post("/v1/completions")
     async def completions(request: Request):
@@ -124,12 +98,12 @@ def build_proxy(prefill_urls: list[str], decode_urls: list[str], timeout_s: floa
     @app.get("/v1/models")
     async def models(request: Request):
         url = decode_urls[0] + "/v1/models"
-        headers = {k: v for k, v in request.headers.items() if k.lower() in PASSED_HEADERS}
+        headers = passed_headers(request)
         try:
             async with httpx.AsyncClient(timeout=timeout) as client:
                 r = await client.get(url, headers=headers)
         except httpx.HTTPError as e:
-            return _error(502, f"the decode instance at {url} could not be reached ({e})", "bad_gateway")
+            return error_response(502, f"the decode instance at {url} could not be reached ({e})", "bad_gateway")
         return Response(r.content, status_code=r.status_code, media_type="application/json")
 
     @app.get("/health")
@@ -138,7 +112,7 @@ def build_proxy(prefill_urls: list[str], decode_urls: list[str], timeout_s: floa
             async with httpx.AsyncClient(timeout=timeout) as client:
                 codes = [(await client.get(u + "/health")).status_code for u in prefill_urls + decode_urls]
         except httpx.HTTPError as e:
-            return _error(503, f"an instance is not reachable: {e}", "service_unavailable")
+            return error_response(503, f"an instance is not reachable: {e}", "service_unavailable")
         return Response(status_code=200 if all(c == 200 for c in codes) else 503)
 
     return app

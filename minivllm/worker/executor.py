@@ -311,6 +311,10 @@ class ExternalLauncherExecutor(Executor):
 
 
 def make_executor(config: EngineConfig, model_path, model_cfg: ModelConfig, device: torch.device) -> Executor:
+    if config.data_parallel_size > 1:
+        raise ValueError(f"data_parallel_size is {config.data_parallel_size}, but one engine is one replica: serve "
+                         "replicas with `python app.py --data-parallel-size N` (entrypoints/dp_router.py), or run one "
+                         "LLM per process with data_parallel_size 1.")
     config = dataclasses.replace(config, async_scheduling=config.async_scheduling_on(device.type))   # None decided
     backend = config.distributed_executor_backend
     world = config.tensor_parallel_size * config.pipeline_parallel_size
