@@ -48,6 +48,15 @@ def test_prefix_mode_computes_the_shared_prefix_once(tmp_path):
     assert r["shared_tokens_computed_on"] == 64 and r["shared_reduction"] == 0.75
 
 
+def test_disagg_mode_moves_the_prompts_and_the_consumer_computes_one_token_each(tmp_path):
+    out = tmp_path / "disagg.json"
+    assert main(["disagg", "--num-requests", "2", "--input-len-min", "40", "--input-len-max", "40", "--rounds", "1",
+                 "--num-kv-blocks", "32", "--json", str(out)]) == 0
+    for r in json.loads(out.read_text())["results"]:
+        assert r["first_tokens_equal"] and r["consumer_tokens_computed"] == 2 and r["prompt_tokens"] == 80
+        assert r["bytes_moved"] > 0 and len(r["prefill_s"]) == len(r["load_s"]) == 1
+
+
 def test_same_seed_gives_the_same_workload_and_ids_avoid_special_tokens():
     a = Workload.random(5, (8, 16), (4, 8), vocab_size=49152, seed=7)
     b = Workload.random(5, (8, 16), (4, 8), vocab_size=49152, seed=7)

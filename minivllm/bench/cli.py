@@ -1,4 +1,4 @@
-"""`python -m minivllm.bench [offline|prefix|spec|pipeline|kernels|serve]`: the benchmark's command line.
+"""`python -m minivllm.bench [MODE]`: the benchmark's command line (modes below).
 
 Owns: the flags (workload, serve, kernels, engine options from EngineConfig, comparison and output), their
 usage errors (exit code 2), and handing each mode to its module:
@@ -16,6 +16,7 @@ usage errors (exit code 2), and handing each mode to its module:
     serve     serve.py     Poisson-timed streaming requests to a running OpenAI-compatible server
     long-prompt long_prompt.py a decoding stream's gaps between tokens while a long prompt is prefilled,
                            long_prefill_token_threshold 0 vs the engine's, alternating rounds
+    disagg    disagg.py    prefill/decode disaggregation: a prompt's KV moved by each connector against its prefill
 
 The workload and its measures are in workload.py, the ceilings in roofline.py.
 """
@@ -24,6 +25,7 @@ from __future__ import annotations
 
 import argparse
 
+from minivllm.bench.disagg import main_disagg
 from minivllm.bench.kernels import KERNEL_DTYPES, main_kernels
 from minivllm.bench.long_prompt import main_long_prompt
 from minivllm.bench.offline import main_offline
@@ -46,7 +48,7 @@ def build_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog="python -m minivllm.bench",
                                 description="Benchmark minivllm (optionally against Hugging Face transformers).")
     p.add_argument("mode", nargs="?", default="offline",
-                   choices=["offline", "prefix", "spec", "pipeline", "kernels", "serve", "long-prompt"],
+                   choices=["offline", "prefix", "spec", "pipeline", "kernels", "serve", "long-prompt", "disagg"],
                    help="offline: throughput and latency of one batch of synthetic requests (default); "
                         "prefix: prefill tokens computed for requests behind one shared system prompt, "
                         "prefix caching off vs on; spec: speculative decoding off vs on (--speculative-config, "
@@ -55,7 +57,8 @@ def build_parser() -> argparse.ArgumentParser:
                         "each rank's busy fraction; kernels (CUDA GPU only): the Triton paged-decode kernel's time and bandwidth vs the device's copy bandwidth and the PyTorch reference; serve: "
                         "Poisson-timed streaming requests to a running OpenAI-compatible server (python app.py); "
                         "long-prompt: a stream's gaps between tokens while a --long-prompt-len prompt is prefilled, "
-                        "long_prefill_token_threshold 0 vs the engine's, alternating rounds")
+                        "long_prefill_token_threshold 0 vs the engine's, alternating rounds; disagg: a prompt's KV "
+                        "moved by each KV connector (producer to consumer) against the prefill it saves")
     w = p.add_argument_group("workload")
     w.add_argument("--workload", choices=["random", "repeat"], default="random",
                    help="random: random token ids, lengths from the flags below (default); repeat (spec mode): "
@@ -135,6 +138,8 @@ def main(argv=None) -> int:
         args.parser.error(str(e))
     if args.mode == "prefix":
         return main_prefix(args, config)
+    if args.mode == "disagg":
+        return main_disagg(args, config)
     if args.mode == "spec":
         return main_spec(args, config)
     if args.mode == "pipeline":

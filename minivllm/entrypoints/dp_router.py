@@ -296,3 +296,33 @@ def build_dp_router(replicas: list[Replica], routing: str = "load", tokenizer=No
         return PlainTextResponse(merge_metrics(texts), media_type="text/plain; version=0.0.4; charset=utf-8")
 
     return app
+
+
+def main(argv: list[str] | None = None) -> int:
+    """The router alone, over replicas started elsewhere (`python app.py --host 0.0.0.0 --port P` on each machine)."""
+    import argparse
+
+    import uvicorn
+
+    p = argparse.ArgumentParser(prog="python -m minivllm.entrypoints.dp_router",
+                                description="One OpenAI endpoint over minivllm replicas, by load.")
+    p.add_argument("--replica", nargs="+", required=True, help="the replicas' base URLs")
+    p.add_argument("--dp-routing", choices=("load", "prefix"), default="load")
+    p.add_argument("--model", default=None, help="the checkpoint (its tokenizer, for --dp-routing prefix)")
+    p.add_argument("--block-size", type=int, default=16, help="the replicas' block size (--dp-routing prefix)")
+    p.add_argument("--host", default="127.0.0.1")
+    p.add_argument("--port", type=int, default=8000)
+    args = p.parse_args(argv)
+    tokenizer = None
+    if args.dp_routing == "prefix":
+        from minivllm.model.loader import load_tokenizer, resolve_model_path
+        tokenizer = load_tokenizer(resolve_model_path(args.model))
+    replicas = [Replica(i, u.rstrip("/")) for i, u in enumerate(args.replica)]
+    logging.basicConfig(level=logging.INFO, format="%(levelname)s %(name)s: %(message)s")
+    uvicorn.run(build_dp_router(replicas, args.dp_routing, tokenizer, args.block_size), host=args.host,
+                port=args.port, log_level="warning")
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
