@@ -84,6 +84,9 @@ class EngineConfig:
     data_parallel_size: int = option(
         1, "engine replicas, each in its own process with the whole model (and its own TP/PP ranks); app.py serves "
         "them behind one OpenAI server that routes each request to the least-loaded one (entrypoints/dp_router.py)")
+    data_parallel_backend: str = option(
+        "mp", "how data-parallel replicas start: mp (processes on this machine) or ray (Ray actors on a local cluster "
+        "or the one RAY_ADDRESS names)", ("mp", "ray"))
     max_concurrent_batches: int | None = option(
         None, "pipeline parallelism: batches in flight at once (the engine schedules the next batch while earlier "
         "ones are in later stages, as vLLM v1's batch queue); default pipeline_parallel_size; 1 sends one batch "
@@ -165,6 +168,8 @@ class EngineConfig:
         if self.kv_cache_dtype not in choices_of("kv_cache_dtype"):
             raise ValueError(f"kv_cache_dtype is {self.kv_cache_dtype!r}; choose one of "
                              f"{', '.join(choices_of('kv_cache_dtype'))} (auto: the model's dtype).")
+        if self.data_parallel_backend not in choices_of("data_parallel_backend"):
+            raise ValueError(f"data_parallel_backend is {self.data_parallel_backend!r}; choose mp or ray.")
         backends = choices_of("distributed_executor_backend")
         if self.distributed_executor_backend not in backends:
             raise ValueError(f"distributed_executor_backend is {self.distributed_executor_backend!r}; "
