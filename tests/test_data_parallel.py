@@ -142,28 +142,3 @@ def test_one_engine_with_data_parallel_size_2_says_how_to_serve_replicas(model_d
                                          r"with `python app.py --data-parallel-size N`"):
         LLM(str(model_dir), device="cpu", data_parallel_size=2)
 
-
-@pytest.mark.slow
-def test_two_replicas_as_ray_actors_give_the_hf_tokens(hf_model, tokenizer):
-    import ray
-
-    started = not ray.is_initialized()
-    if started:
-        ray.init(num_cpus=4, include_dashboard=False, log_to_driver=False)
-    try:
-        replicas = start_replicas(EngineConfig(num_kv_blocks=96, device="cpu", dtype="float32", data_parallel_size=2,
-                                               data_parallel_backend="ray"))
-        assert all(isinstance(r.actor, ray.actor.ActorHandle) and r.process is None for r in replicas)
-        srv = run_server_in_thread(build_dp_router(replicas))
-        try:
-            with concurrent.futures.ThreadPoolExecutor(len(PROMPTS)) as pool:
-                texts = list(pool.map(lambda p: _complete(srv.url, p), PROMPTS))
-            for prompt, text in zip(PROMPTS, texts):
-                ids = tokenizer.encode(prompt, add_special_tokens=False)
-                assert text == tokenizer.decode(hf_greedy(hf_model, ids, NUM_TOKENS))
-            assert all(r.num_routed >= 2 for r in replicas)
-        finally:
-            srv.stop()
-    finally:
-        if started:
-            ray.shutdown()

@@ -174,3 +174,29 @@ def test_without_ray_the_error_names_the_fix(model_dir, monkeypatch):
     with pytest.raises(ValueError, match="needs Ray: pip install ray"):
         LLM(str(model_dir), device="cpu", num_kv_blocks=16, pipeline_parallel_size=2,
             distributed_executor_backend="ray")
+
+
+@pytest.mark.slow
+def test_data_parallel_replicas_as_ray_actors_give_the_hf_tokens(ray_cluster, hf_model, tokenizer):
+    """data_parallel_backend "ray" (entrypoints/dp_router.py): two replicas in actors behind the router."""
+    import concurrent.futures
+
+    from minivllm.config import EngineConfig
+    from minivllm.entrypoints.api_server import run_server_in_thread
+    from minivllm.entrypoints.dp_router import build_dp_router, start_replicas
+    from tests.oracle import hf_greedy
+    from tests.test_data_parallel import NUM_TOKENS, _complete
+
+    replicas = start_replicas(EngineConfig(num_kv_blocks=96, device="cpu", dtype="float32", data_parallel_size=2,
+                                           data_parallel_backend="ray"))
+    assert all(isinstance(r.actor, ray.actor.ActorHandle) and r.process is None for r in replicas)
+    srv = run_server_in_thread(build_dp_router(replicas))      # its shutdown stops the actors
+    try:
+        with concurrent.futures.ThreadPoolExecutor(len(PROMPTS)) as pool:
+            texts = list(pool.map(lambda p: _complete(srv.url, p), PROMPTS))
+        for prompt, text in zip(PROMPTS, texts):
+            ids = tokenizer.encode(prompt, add_special_tokens=False)
+            assert text == tokenizer.decode(hf_greedy(hf_model, ids, NUM_TOKENS))
+        assert all(r.num_routed >= 2 for r in replicas)
+    finally:
+        srv.stop()

@@ -195,15 +195,16 @@ class KVConnectorBase_V1(Journaled):
         """This step's loads (planned above) and saves: a producer saves each prompt block in the step that
         computes its last token (and, in a request's first step, the blocks it got from the prefix cache that the
         store lacks). Ends the step's scheduler-side state."""
-        saves = []
+        saves, picked_keys = [], set()
         if self.is_producer:
             for req in sched.scheduled:
                 start = req.num_computed_tokens + sched.num_computed_ahead.get(req.request_id, 0)
                 end = start + sched.num_scheduled_tokens[req.request_id]
                 first_step = req.request_id in sched.newly_admitted
-                picked = [(i, key, n) for i, (key, n) in enumerate(self._prompt_keys(req))
-                          if start < i * self.block_size + n <= end
-                          or (first_step and i * self.block_size + n <= start and not self.store.contains(key))]
+                picked = [(i, key, n) for i, (key, n) in enumerate(self._prompt_keys(req)) if key not in picked_keys
+                          and (start < i * self.block_size + n <= end
+                               or (first_step and i * self.block_size + n <= start and not self.store.contains(key)))]
+                picked_keys.update(key for _, key, _ in picked)     # a block shared in this step is saved once
                 if picked:
                     saves.append(BlockSave(req.request_id, [req.block_table[i] for i, _, _ in picked],
                                            [k for _, k, _ in picked], [n for _, _, n in picked]))

@@ -5,7 +5,7 @@ One file per block, named by its key (base.py): `DIR/ab/abcdef....kv`. A file ap
 frame is written to a temporary name in the same directory and renamed over the final one (`os.replace` is atomic
 on POSIX), so a consumer never reads a block a producer is still writing, and a producer killed mid-write leaves at
 most a temporary file that no key names. Files are never deleted by minivllm: the directory is a cache the operator
-clears (a block is about 9 KiB per token for the default model in fp32).
+clears (45 KiB per token for the default model in fp32: 2 x 30 layers x 3 KV heads x 64 x 4 bytes).
 """
 
 from __future__ import annotations
