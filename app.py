@@ -137,12 +137,13 @@ def main(argv: list[str] | None = None) -> int:
 
 def serve_data_parallel(config: EngineConfig, args) -> int:
     """--data-parallel-size N: N replica processes, each an API server on a port of its own, behind the router."""
-    from minivllm.entrypoints.dp_router import build_dp_router, start_replicas
+    from minivllm.entrypoints.dp_replicas import start_replicas
+    from minivllm.entrypoints.dp_router import build_dp_router
     from minivllm.model.loader import load_tokenizer, resolve_model_path
 
     tokenizer = load_tokenizer(resolve_model_path(config.model)) if args.dp_routing == "prefix" else None
     logging.basicConfig(level=logging.INFO, format="%(levelname)s %(name)s: %(message)s", force=True)
-    replicas = start_replicas(config)
+    replicas = start_replicas(config, warmup_tokens=args.warmup_tokens, dashboard=not args.no_dashboard)
     app = build_dp_router(replicas, args.dp_routing, tokenizer, config.block_size)
     print(f"minivllm: {len(replicas)} data-parallel replicas ({', '.join(r.url for r in replicas)}) behind "
           f"http://{args.host}:{args.port}/v1 ({args.dp_routing} routing)", file=sys.stderr, flush=True)

@@ -16,7 +16,8 @@ from openai import OpenAI
 from minivllm import LLM
 from minivllm.config import EngineConfig
 from minivllm.entrypoints.api_server import run_server_in_thread
-from minivllm.entrypoints.dp_router import Replica, Router, build_dp_router, merge_metrics, start_replicas
+from minivllm.entrypoints.dp_replicas import Replica, start_replicas
+from minivllm.entrypoints.dp_router import Router, build_dp_router, merge_metrics
 from tests.oracle import PROMPTS, hf_greedy
 
 NUM_TOKENS = 8
@@ -142,3 +143,16 @@ def test_one_engine_with_data_parallel_size_2_says_how_to_serve_replicas(model_d
                                          r"with `python app.py --data-parallel-size N`"):
         LLM(str(model_dir), device="cpu", data_parallel_size=2)
 
+
+
+def test_the_router_page_lists_each_replica_and_frames_its_live_view():
+    from fastapi.testclient import TestClient
+
+    reps = _replicas((1, 0.25), (0, 0.0))
+    with TestClient(build_dp_router(reps, poll_s=60)) as client:
+        page = client.get("/").text
+        assert '<option value="http://r0/">engine 0: http://r0</option>' in page and "engine 1: http://r1" in page
+        assert "<iframe" in page and 'fetch("replicas")' in page
+        states = client.get("/replicas").json()
+    assert [(s["engine"], s["in_flight"], s["kv_usage"]) for s in states] == [(0, 1, 0.25), (1, 0, 0.0)]
+    assert not any(s["up"] for s in states)                  # nothing answers at r0 and r1: both marked down

@@ -214,3 +214,23 @@ def test_kv_transfer_with_more_than_one_rank_is_refused():
     with pytest.raises(ValueError, match="tensor_parallel_size or pipeline_parallel_size > 1 is not implemented"):
         EngineConfig.from_kwargs(tensor_parallel_size=2, kv_transfer_config={
             "kv_connector": "TCPConnector", "kv_role": "kv_consumer"})
+
+
+def test_async_scheduling_and_chunked_prefill_save_and_load_the_same_blocks(model_dir, tmp_path, expected):
+    """The connector's hooks under the batch queue (AsyncScheduler): a producer that prefills in chunks of 8 saves
+    each block in the step that completes it; an async consumer loads them all."""
+    ids, want = expected
+    engines = []
+    try:
+        for role, extra in (("kv_producer", {"long_prefill_token_threshold": 8}), ("kv_consumer", {})):
+            engines.append(LLM(str(model_dir), async_scheduling=True, kv_transfer_config=_storage(tmp_path, role),
+                               **ENGINE, **extra))
+        producer, consumer = engines
+        assert producer.llm_engine.async_scheduling and consumer.llm_engine.async_scheduling
+        out = producer.generate([{"prompt_token_ids": p} for p in ids], _greedy(), use_tqdm=False)
+        assert [list(o.outputs[0].token_ids) for o in out] == want
+        got, computed, loaded = _decode(consumer, ids)
+        assert got == want and computed == len(ids) and loaded == sum(len(p) - 1 for p in ids)
+    finally:
+        for engine in engines:
+            engine.llm_engine.shutdown()

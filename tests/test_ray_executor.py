@@ -183,7 +183,8 @@ def test_data_parallel_replicas_as_ray_actors_give_the_hf_tokens(ray_cluster, hf
 
     from minivllm.config import EngineConfig
     from minivllm.entrypoints.api_server import run_server_in_thread
-    from minivllm.entrypoints.dp_router import build_dp_router, start_replicas
+    from minivllm.entrypoints.dp_replicas import start_replicas
+    from minivllm.entrypoints.dp_router import build_dp_router
     from tests.oracle import hf_greedy
     from tests.test_data_parallel import NUM_TOKENS, _complete
 

@@ -14,24 +14,25 @@ requests over its engine cores by their queue lengths).
 A replica that cannot be reached is marked down and the request goes to another one (nothing was sent to the client
 yet); the poller marks it up again when its /metrics answers. /metrics is every replica's, each series labelled
 `engine="i"` as vLLM labels its engines, plus the sum over replicas without that label (the mean for ratios).
-Replicas on one machine are processes (`start_replicas`); replicas elsewhere are URLs (`build_dp_router` takes any).
+Replicas on one machine are processes, or Ray actors anywhere (dp_replicas.py `start_replicas`); replicas started
+by hand are URLs (`python -m minivllm.entrypoints.dp_router --replica URL ...`). `/` shows each replica's state and
+its live view (its own dashboard) in a frame, picked from a list.
 """
 
 from __future__ import annotations
 
 import asyncio
 import contextlib
-import dataclasses
+import html
 import logging
-import multiprocessing
-import os
 import re
 from collections import OrderedDict
 
 import httpx
 from fastapi import FastAPI, Request
-from fastapi.responses import PlainTextResponse, Response
+from fastapi.responses import HTMLResponse, PlainTextResponse, Response
 
+from minivllm.entrypoints.dp_replicas import Replica, stop_replicas
 from minivllm.entrypoints.http_relay import (RelayError, error_response, passed_headers, read_json_object, relay,
                                              relay_error_response)
 
@@ -39,154 +40,6 @@ logger = logging.getLogger(__name__)
 
 PREFIX_BLOCKS = 4              # leading blocks of a prompt that name it for prefix-aware routing
 PREFIX_SLACK = 4               # a prefix owner is picked unless it has this many more requests than the least loaded
-
-
-@dataclasses.dataclass
-class Replica:
-    index: int
-    url: str
-    process: multiprocessing.process.BaseProcess | None = None
-    actor: object = None           # data_parallel_backend "ray": the replica's actor
-    owns_ray: bool = False         # ... and Ray was started for the replicas: stopping them stops it
-    in_flight: int = 0             # requests routed here whose answer has not ended
-    num_routed: int = 0
-    kv_usage: float = 0.0          # vllm:kv_cache_usage_perc at the last poll
-    up: bool = True
-
-
-def _serve_replica(config, index: int, host: str, threads: int, ports) -> None:
-    """A replica process: one engine and its OpenAI server on a free port, reported through `ports`."""
-    import socket
-
-    import torch
-    import uvicorn
-
-    from minivllm.engine.async_llm import AsyncLLMEngine
-    from minivllm.engine.llm_engine import LLMEngine
-    from minivllm.entrypoints.api_server import build_api_server
-
-    torch.set_num_threads(threads)
-    engine = AsyncLLMEngine(LLMEngine(config))
-    app = build_api_server(engine)
-    sock = socket.socket()
-    sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
-    sock.bind((host, 0))
-    ports.put((index, sock.getsockname()[1]))
-    try:
-        uvicorn.Server(uvicorn.Config(app, log_level="warning", log_config=None)).run(sockets=[sock])
-    finally:
-        engine.shutdown()
-
-
-class RayReplica:
-    """A replica as a Ray actor (data_parallel_backend "ray"): its engine and OpenAI server in the actor's process,
-    on whichever node Ray placed it, listening on that node's address."""
-
-    def start(self, config, threads: int) -> str:
-        import ray
-        import torch
-
-        from minivllm.engine.async_llm import AsyncLLMEngine
-        from minivllm.engine.llm_engine import LLMEngine
-        from minivllm.entrypoints.api_server import build_api_server, run_server_in_thread
-
-        torch.set_num_threads(threads)
-        self.engine = AsyncLLMEngine(LLMEngine(config))
-        self.server = run_server_in_thread(build_api_server(self.engine), host=ray.util.get_node_ip_address())
-        return self.server.url
-
-    def stop(self) -> None:
-        self.server.stop()
-        self.engine.shutdown()
-
-
-def start_ray_replicas(config, timeout_s: float = 600.0) -> list[Replica]:
-    """config.data_parallel_size replicas as Ray actors (a local cluster, or the one RAY_ADDRESS names)."""
-    import ray
-
-    started = not ray.is_initialized()
-    if started:
-        ray.init(include_dashboard=False)
-    n = config.data_parallel_size
-    one = dataclasses.replace(config, data_parallel_size=1, data_parallel_backend="mp")
-    threads = max(1, int(ray.available_resources().get("CPU", 1)) // n)
-    actors = [ray.remote(num_cpus=1)(RayReplica).remote() for _ in range(n)]
-    try:
-        urls = ray.get([a.start.remote(one, threads) for a in actors], timeout=timeout_s)
-    except BaseException:
-        for a in actors:
-            ray.kill(a)
-        if started:
-            ray.shutdown()
-        raise
-    return [Replica(i, url, actor=a, owns_ray=started and i == 0) for i, (url, a) in enumerate(zip(urls, actors))]
-
-
-def start_replicas(config, host: str = "127.0.0.1", timeout_s: float = 600.0) -> list[Replica]:
-    """config.data_parallel_size replica processes on this machine, each with the CPU's cores shared out, or with
-    data_parallel_backend "ray" Ray actors; returns once every one is listening (its model loaded)."""
-    if config.data_parallel_backend == "ray":
-        return start_ray_replicas(config, timeout_s)
-    n = config.data_parallel_size
-    one = dataclasses.replace(config, data_parallel_size=1)
-    ctx = multiprocessing.get_context("spawn")
-    ports = ctx.Queue()
-    threads = max(1, (os.cpu_count() or 1) // n)
-    # Not daemonic: a replica with tensor or pipeline parallelism starts worker processes of its own.
-    procs = [ctx.Process(target=_serve_replica, args=(one, i, host, threads, ports), name=f"minivllm-dp{i}")
-             for i in range(n)]
-    for p in procs:
-        p.start()
-    urls: dict[int, str] = {}
-    try:
-        while len(urls) < n:
-            dead = [p.name for p in procs if not p.is_alive()]
-            if dead:
-                raise RuntimeError(f"data-parallel replica(s) {dead} exited while starting; see their log above.")
-            with contextlib.suppress(Exception):
-                i, port = ports.get(timeout=1.0)
-                urls[i] = f"http://{host}:{port}"
-        replicas = [Replica(i, urls[i], procs[i]) for i in range(n)]
-        asyncio.run(_wait_until_serving(replicas, timeout_s))
-    except BaseException:
-        stop_replicas([Replica(i, "", p) for i, p in enumerate(procs)])
-        raise
-    return replicas
-
-
-async def _wait_until_serving(replicas: list[Replica], timeout_s: float) -> None:
-    async with httpx.AsyncClient(timeout=5) as client:
-        for r in replicas:
-            for _ in range(int(timeout_s * 10)):
-                with contextlib.suppress(httpx.HTTPError):
-                    if (await client.get(r.url + "/health")).status_code == 200:
-                        break
-                if r.process is not None and not r.process.is_alive():
-                    raise RuntimeError(f"data-parallel replica {r.index} exited while starting")
-                await asyncio.sleep(0.1)
-            else:
-                raise RuntimeError(f"data-parallel replica {r.index} did not answer /health in {timeout_s} s")
-
-
-def stop_replicas(replicas: list[Replica], timeout_s: float = 10.0) -> None:
-    actors = [r.actor for r in replicas if r.actor is not None]
-    if actors:
-        import ray
-        with contextlib.suppress(Exception):
-            ray.get([a.stop.remote() for a in actors], timeout=timeout_s)
-        for a in actors:
-            ray.kill(a)
-        if any(r.owns_ray for r in replicas):
-            ray.shutdown()
-    for r in replicas:
-        if r.process is not None and r.process.is_alive():
-            r.process.terminate()                 # SIGTERM: uvicorn shuts down, the engine with it
-    for r in replicas:
-        if r.process is not None:
-            r.process.join(timeout_s)
-            if r.process.is_alive():
-                r.process.kill()
-                r.process.join()
 
 
 class Router:
@@ -263,6 +116,32 @@ def merge_metrics(texts: list[str | None]) -> str:
         total = sum(values) / len(values) if ratio else sum(values)
         summed.append(f"{key} {total:g}")
     return "\n".join(head + per_engine + summed) + "\n"
+
+
+def selector_page(replicas: list[Replica]) -> str:
+    """The router's page: each replica's state, and its live view (its own dashboard) in a frame below."""
+    options = "".join(f'<option value="{html.escape(r.url)}/">engine {r.index}: {html.escape(r.url)}</option>'
+                      for r in replicas)
+    return f"""<!doctype html><html><head><meta charset="utf-8"><title>minivllm: {len(replicas)} replicas</title>
+<meta name="viewport" content="width=device-width, initial-scale=1">
+<style>body{{font-family:system-ui,sans-serif;margin:0}} header{{padding:8px 12px;display:flex;gap:12px;
+flex-wrap:wrap;align-items:center}} table{{border-collapse:collapse}} td,th{{padding:2px 8px;text-align:right}}
+iframe{{border:0;width:100%;height:calc(100vh - 110px)}}</style></head><body>
+<header><label>live view of <select id="pick">{options}</select></label>
+<table id="states"><tr><th>engine</th><th>up</th><th>in flight</th><th>routed</th><th>KV usage</th></tr></table>
+</header><iframe id="view" title="the chosen replica's dashboard"></iframe>
+<script>
+const pick = document.getElementById("pick"), view = document.getElementById("view");
+pick.onchange = () => {{ view.src = pick.value; }};
+view.src = pick.value;
+async function refresh() {{
+  const rows = await (await fetch("replicas")).json();
+  document.getElementById("states").innerHTML = "<tr><th>engine</th><th>up</th><th>in flight</th><th>routed</th>"
+    + "<th>KV usage</th></tr>" + rows.map(r => `<tr><td>${{r.engine}}</td><td>${{r.up ? "yes" : "no"}}</td>`
+    + `<td>${{r.in_flight}}</td><td>${{r.routed}}</td><td>${{(100 * r.kv_usage).toFixed(1)}}%</td></tr>`).join("");
+}}
+refresh(); setInterval(refresh, 1000);
+</script></body></html>"""
 
 
 def build_dp_router(replicas: list[Replica], routing: str = "load", tokenizer=None, block_size: int = 16,
@@ -342,6 +221,15 @@ def build_dp_router(replicas: list[Replica], routing: str = "load", tokenizer=No
                     got = await client.get(r.url + "/v1/models", headers=passed_headers(request))
                 return Response(got.content, status_code=got.status_code, media_type="application/json")
         return error_response(503, "no data-parallel replica is up", "service_unavailable")
+
+    @app.get("/replicas")
+    async def replica_states():
+        return [{"engine": r.index, "url": r.url, "up": r.up, "in_flight": r.in_flight, "routed": r.num_routed,
+                 "kv_usage": r.kv_usage} for r in replicas]
+
+    @app.get("/", response_class=HTMLResponse)
+    async def replica_selector():
+        return HTMLResponse(selector_page(replicas))
 
     @app.get("/health")
     async def health():
