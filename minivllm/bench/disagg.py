@@ -1,7 +1,8 @@
 """`python -m minivllm.bench disagg`: what moving a prompt's KV costs against the prefill it saves.
 
 Owns: N requests of random prompts (`--input-len-min`..`--input-len-max` tokens), for each connector in turn
-(SharedStorageConnector in a temporary directory, TCPConnector on loopback): a producer engine runs them with
+(SharedStorageConnector in a temporary directory, TCPConnector on loopback): an engine without a connector runs
+them with max_tokens 1 (the prefill alone, the baseline), then a producer engine runs them with
 max_tokens 1 (the prefill, and the saves), then a consumer engine runs them with max_tokens 1 (the loads, and one
 token each). It reports both times, the prompt tokens each computed, the bytes moved, and whether the consumer's
 first tokens equal the producer's. Fresh prompts each round; the engines are built once per connector.
@@ -26,12 +27,18 @@ from minivllm.entrypoints.llm import LLM
 class DisaggResult:
     connector: str
     num_requests: int
-    prompt_tokens: int                        # per round
+    prompt_tokens: int                        # per round (the mean)
+    plain_s: list[float] = field(default_factory=list)          # an engine without a connector: prefill alone
     prefill_s: list[float] = field(default_factory=list)        # producer: prefill + saves, per round
     load_s: list[float] = field(default_factory=list)           # consumer: loads + one token per request
     consumer_tokens_computed: int = 0         # per round
     bytes_moved: int = 0                      # per round
     first_tokens_equal: bool = True
+
+    @property
+    def save_overhead(self) -> float:
+        """Producer time / plain prefill time (medians) - 1: what saving adds to the prefill."""
+        return statistics.median(self.prefill_s) / statistics.median(self.plain_s) - 1
 
     @property
     def ratio(self) -> float:
@@ -57,11 +64,15 @@ def bench_disagg(engine_kw: dict, connector: str, num_requests: int, lens: tuple
     rng = random.Random(seed)
     with tempfile.TemporaryDirectory() as path:
         producer, consumer, store = _engines(engine_kw, connector, path)
+        plain = LLM(**engine_kw)
         result = DisaggResult(connector, num_requests, 0)
         for _ in range(rounds):
             prompts = [{"prompt_token_ids": [rng.randrange(TOKEN_ID_LOW, TOKEN_ID_HIGH)
                                              for _ in range(rng.randint(*lens))]} for _ in range(num_requests)]
-            result.prompt_tokens = sum(len(p["prompt_token_ids"]) for p in prompts)
+            result.prompt_tokens += sum(len(p["prompt_token_ids"]) for p in prompts) // rounds
+            start = time.perf_counter()
+            plain.generate(prompts, greedy_params(1), use_tqdm=False)
+            result.plain_s.append(time.perf_counter() - start)
             start = time.perf_counter()
             want = [o.outputs[0].token_ids for o in producer.generate(prompts, greedy_params(1), use_tqdm=False)]
             result.prefill_s.append(time.perf_counter() - start)
@@ -76,8 +87,8 @@ def bench_disagg(engine_kw: dict, connector: str, num_requests: int, lens: tuple
         else:
             from pathlib import Path
             result.bytes_moved = sum(f.stat().st_size for f in Path(path).rglob("*.kv")) // rounds
-        producer.shutdown()
-        consumer.shutdown()
+        for llm in (plain, producer, consumer):
+            llm.shutdown()
     return result
 
 
@@ -94,11 +105,14 @@ def main_disagg(args: argparse.Namespace, config: EngineConfig) -> int:
     for r in results:
         print(f"{r.connector}: {r.num_requests} requests, {r.prompt_tokens} prompt tokens a round, "
               f"{r.bytes_moved / 2**20:.1f} MiB moved a round")
-        print(f"  producer (prefill + save): {' '.join(f'{t:.2f}' for t in r.prefill_s)} s")
+        print(f"  plain engine (prefill):    {' '.join(f'{t:.2f}' for t in r.plain_s)} s")
+        print(f"  producer (prefill + save): {' '.join(f'{t:.2f}' for t in r.prefill_s)} s "
+              f"(saving adds {r.save_overhead:+.0%})")
         print(f"  consumer (load + 1 token): {' '.join(f'{t:.2f}' for t in r.load_s)} s "
               f"({r.consumer_tokens_computed} prompt tokens computed): {r.ratio:.2f}x the producer's time")
         print(f"  first tokens equal: {r.first_tokens_equal}")
     if args.json:
         with open(args.json, "w") as f:
-            json.dump({"mode": "disagg", "results": [{**asdict(r), "ratio": r.ratio} for r in results]}, f, indent=2)
+            json.dump({"mode": "disagg", "results": [{**asdict(r), "ratio": r.ratio, "save_overhead": r.save_overhead}
+                                                      for r in results]}, f, indent=2)
     return 0
