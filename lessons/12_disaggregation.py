@@ -516,6 +516,40 @@ print(inspect.getsource(KVConnectorBase_V1.get_num_new_matched_tokens))
 # > consumer take the blocks of a shared prefix (a system prompt) that another request left, and stop cleanly
 # > at the first missing one.
 #
+# ## 6. The other way past one engine: data parallelism, routed by load
+#
+# Disaggregation splits each request over two instances. Data parallelism splits the *requests* over whole-model
+# replicas: `python app.py --data-parallel-size 2` starts two engines in their own processes and puts a router in
+# front (`minivllm/entrypoints/dp_router.py`; vLLM's front end balances its engine cores the same way). The
+# router's decision is one small function, `Router.pick`: the replica with the fewest requests in flight (counted
+# by the router from routing to the last byte of the answer), then the emptiest KV cache, then the one routed to
+# least. With prefix-aware routing, a prompt whose first blocks the router has sent somewhere before goes there
+# again, where the prefix cache holds them, unless that replica is much busier. Here it is on two replicas that
+# exist only as records (no processes: `pick` reads nothing else):
+
+# %%
+from minivllm.entrypoints.dp_replicas import Replica  # noqa: E402
+from minivllm.entrypoints.dp_router import Router  # noqa: E402
+
+replicas = [Replica(0, "http://replica-0"), Replica(1, "http://replica-1")]
+router = Router(replicas, "prefix", plain.get_tokenizer())
+system = "You are a careful assistant. Answer in one short sentence, and say when you are not sure. " * 3
+route = []
+for i, user in enumerate(["What is a KV cache?", "What is a block table?", "Hello!", "What is paging?"]):
+    prompt = system + user if i != 2 else user
+    r = router.pick({"prompt": prompt}, "/v1/completions")
+    r.in_flight += 1                                   # it is running there now
+    route.append(r.index)
+    print(f"request {i} ({'shared system prompt' if i != 2 else 'no shared prefix'}): replica {r.index}, "
+          f"in flight now {[x.in_flight for x in replicas]}")
+
+# %% [markdown]
+# Requests 0, 1 and 3 share a system prompt, so they all go to the replica that computed it first, even while it
+# is the busier one: its prefix cache saves their prefill. Request 2 shares nothing and goes by load alone. With
+# `--dp-routing load` (the default) all four would alternate. The tests run two real replicas behind the router
+# (`tests/test_data_parallel.py`): six requests at once go three and three, each answer equals Hugging Face's, and
+# a replica killed mid-run is routed around.
+#
 # ## Check yourself
 #
 # Run this cell. It replays the lesson's claims: the long prompt shared a step with the decodes; the producer
@@ -537,6 +571,7 @@ stored = {k for k, _ in all_keys} - {bad_key}
 assert get_num_new_matched_tokens(first, 0, BS, tag, stored.__contains__) == BS
 assert get_num_new_matched_tokens(first, BS, BS, tag, stored.__contains__) == 0
 assert get_num_new_matched_tokens(ids[2], 0, BS, tag, stored.__contains__) == len(ids[2]) - 1
+assert route == [route[0], route[0], 1 - route[0], route[0]], "a shared prefix follows its replica; the rest by load"
 print("all checks passed")
 
 # %% [markdown]

@@ -144,32 +144,63 @@ refresh(); setInterval(refresh, 1000);
 </script></body></html>"""
 
 
+async def poll(client: httpx.AsyncClient, replicas: list[Replica]) -> list[str | None]:
+    """Each replica's /metrics text (None when it does not answer); marks replicas up or down, reads KV usage."""
+    texts: list[str | None] = []
+    for r in replicas:
+        try:
+            text = (await client.get(r.url + "/metrics")).text
+            m = re.search(r"^vllm:kv_cache_usage_perc\S* (\S+)$", text, re.M)
+            r.kv_usage, r.up = (float(m.group(1)) if m else 0.0), True
+            texts.append(text)
+        except httpx.HTTPError:
+            if r.up:
+                logger.warning("data-parallel replica %d at %s is down", r.index, r.url)
+            r.up = False
+            texts.append(None)
+    return texts
+
+
+async def route(router: Router, request: Request, path: str, timeout_s: float) -> Response:
+    """Relay one request to the replica `router` picks; a replica that cannot be reached is marked down and the
+    next one tried (nothing has reached the client yet)."""
+    body = await read_json_object(request)
+    if not isinstance(body, dict):
+        return body
+    tried: set[int] = set()
+    error = RelayError(503, "no data-parallel replica is up")
+    while (replica := router.pick(body, path, tried)) is not None:
+        tried.add(replica.index)
+        replica.in_flight += 1
+        replica.num_routed += 1
+
+        def done(r=replica) -> None:
+            r.in_flight -= 1
+        try:
+            return await relay(replica.url + path, body, passed_headers(request), timeout_s, on_done=done)
+        except RelayError as e:
+            done()
+            error = e
+            if e.status == 502:                # not reachable: down until the poller sees it again
+                replica.up = False
+                logger.warning("data-parallel replica %d is down (%s); trying another", replica.index, e)
+                continue
+            break
+    return relay_error_response(error) if error.status != 503 else error_response(
+        503, str(error), "service_unavailable")
+
+
 def build_dp_router(replicas: list[Replica], routing: str = "load", tokenizer=None, block_size: int = 16,
                     timeout_s: float = 600.0, poll_s: float = 1.0) -> FastAPI:
     """The front server over `replicas`. Its shutdown stops the replica processes it was given."""
     router = Router(replicas, routing, tokenizer, block_size)
-
-    async def poll(client: httpx.AsyncClient) -> list[str | None]:
-        texts: list[str | None] = []
-        for r in replicas:
-            try:
-                text = (await client.get(r.url + "/metrics")).text
-                m = re.search(r"^vllm:kv_cache_usage_perc\S* (\S+)$", text, re.M)
-                r.kv_usage, r.up = (float(m.group(1)) if m else 0.0), True
-                texts.append(text)
-            except httpx.HTTPError:
-                if r.up:
-                    logger.warning("data-parallel replica %d at %s is down", r.index, r.url)
-                r.up = False
-                texts.append(None)
-        return texts
 
     @contextlib.asynccontextmanager
     async def lifespan(app):
         async def poller():
             async with httpx.AsyncClient(timeout=5) as client:
                 while True:
-                    await poll(client)
+                    await poll(client, replicas)
                     await asyncio.sleep(poll_s)
         task = asyncio.create_task(poller())
         yield
@@ -179,35 +210,9 @@ def build_dp_router(replicas: list[Replica], routing: str = "load", tokenizer=No
     app = FastAPI(title="minivllm data-parallel router", docs_url=None, redoc_url=None, lifespan=lifespan)
     app.state.router = router
 
-    async def route(request: Request, path: str) -> Response:
-        body = await read_json_object(request)
-        if not isinstance(body, dict):
-            return body
-        tried: set[int] = set()
-        error = RelayError(503, "no data-parallel replica is up")
-        while (replica := router.pick(body, path, tried)) is not None:
-            tried.add(replica.index)
-            replica.in_flight += 1
-            replica.num_routed += 1
-
-            def done(r=replica) -> None:
-                r.in_flight -= 1
-            try:
-                return await relay(replica.url + path, body, passed_headers(request), timeout_s, on_done=done)
-            except RelayError as e:
-                done()
-                error = e
-                if e.status == 502:                # not reachable: down until the poller sees it again
-                    replica.up = False
-                    logger.warning("data-parallel replica %d is down (%s); trying another", replica.index, e)
-                    continue
-                break
-        return relay_error_response(error) if error.status != 503 else error_response(
-            503, str(error), "service_unavailable")
-
     def routed(path: str):
         async def endpoint(request: Request) -> Response:
-            return await route(request, path)
+            return await route(router, request, path, timeout_s)
         return endpoint
 
     for path in ("/v1/completions", "/v1/chat/completions", "/tokenize", "/detokenize"):
@@ -238,7 +243,7 @@ def build_dp_router(replicas: list[Replica], routing: str = "load", tokenizer=No
     @app.get("/metrics")
     async def metrics():
         async with httpx.AsyncClient(timeout=10) as client:
-            texts = await poll(client)
+            texts = await poll(client, replicas)
         return PlainTextResponse(merge_metrics(texts), media_type="text/plain; version=0.0.4; charset=utf-8")
 
     return app
