@@ -48,6 +48,7 @@ def test_prefix_mode_computes_the_shared_prefix_once(tmp_path):
     assert r["shared_tokens_computed_on"] == 64 and r["shared_reduction"] == 0.75
 
 
+@pytest.mark.slow
 def test_disagg_mode_moves_the_prompts_and_the_consumer_computes_one_token_each(tmp_path):
     out = tmp_path / "disagg.json"
     assert main(["disagg", "--num-requests", "2", "--input-len-min", "40", "--input-len-max", "40", "--rounds", "1",

@@ -47,6 +47,7 @@ def _complete(url, prompt, **kw):
     return r.json()["choices"][0]["text"]
 
 
+@pytest.mark.slow
 def test_concurrent_requests_spread_over_both_replicas_and_each_answer_is_hf_greedy(dp, hf_model, tokenizer):
     before = httpx.get(dp.url + "/metrics").text
     with concurrent.futures.ThreadPoolExecutor(len(PROMPTS)) as pool:
@@ -62,6 +63,7 @@ def test_concurrent_requests_spread_over_both_replicas_and_each_answer_is_hf_gre
     assert all(r.in_flight == 0 for r in dp.replicas)
 
 
+@pytest.mark.slow
 def test_a_streamed_chat_through_the_router_equals_the_whole_answer(dp):
     client = OpenAI(base_url=dp.url + "/v1", api_key="none")
     chat = [{"role": "user", "content": "What is the capital of France?"}]
@@ -72,6 +74,7 @@ def test_a_streamed_chat_through_the_router_equals_the_whole_answer(dp):
     assert text == whole.choices[0].message.content and "Paris" in text
 
 
+@pytest.mark.slow
 def test_a_client_that_goes_away_aborts_its_request_on_the_replica(dp):
     with httpx.stream("POST", dp.url + "/v1/completions", timeout=60, json={
             "model": MODEL, "prompt": "Count to a thousand:", "max_tokens": 2000, "ignore_eos": True,
@@ -88,6 +91,7 @@ def test_a_client_that_goes_away_aborts_its_request_on_the_replica(dp):
     assert _metric(text, "vllm:kv_cache_usage_perc", None) == 0
 
 
+@pytest.mark.slow
 def test_a_killed_replica_is_routed_around_and_the_other_keeps_its_blocks_straight(dp, hf_model, tokenizer):
     victim, survivor = dp.replicas
     victim.process.kill()
@@ -138,6 +142,7 @@ def test_merged_metrics_label_each_engine_and_sum_counts_but_average_ratios():
     assert 'vllm:kv_cache_usage_perc{model_name="m"} 0.375' in text
 
 
+@pytest.mark.slow
 def test_one_engine_with_data_parallel_size_2_says_how_to_serve_replicas(model_dir):
     with pytest.raises(ValueError, match=r"data_parallel_size is 2, but one engine is one replica: serve replicas "
                                          r"with `python app.py --data-parallel-size N`"):

@@ -54,6 +54,7 @@ def _hf_text(hf_model, tokenizer, prompt):
     return ids, tokenizer.decode(hf_greedy(hf_model, ids, NUM_TOKENS))
 
 
+@pytest.mark.slow
 def test_a_streamed_completion_through_the_proxy_is_hf_greedy_and_only_the_prefill_computes_the_prompt(
         deployment, hf_model, tokenizer):
     prefill, decode, proxy = deployment
@@ -68,6 +69,7 @@ def test_a_streamed_completion_through_the_proxy_is_hf_greedy_and_only_the_prefi
     assert _computed(decode) - before[1] == 1                 # only its last token on the decode instance
 
 
+@pytest.mark.slow
 def test_with_the_prefill_instance_down_the_decode_instance_computes_the_prompt(deployment, hf_model, tokenizer):
     _, decode, _ = deployment
     with socket.socket() as s:
@@ -86,6 +88,7 @@ def test_with_the_prefill_instance_down_the_decode_instance_computes_the_prompt(
         proxy.stop()
 
 
+@pytest.mark.slow
 def test_a_bad_request_is_answered_by_the_prefill_instance_as_a_400(deployment):
     _, _, proxy = deployment
     r = httpx.post(proxy.url + "/v1/completions", timeout=60,
@@ -93,6 +96,7 @@ def test_a_bad_request_is_answered_by_the_prefill_instance_as_a_400(deployment):
     assert r.status_code == 400 and "temperature" in r.json()["error"]["message"]
 
 
+@pytest.mark.slow
 def test_a_decode_instance_that_is_down_or_silent_is_a_502_or_504_never_a_hang(deployment):
     prefill, _, _ = deployment
     with socket.socket() as s:
@@ -114,6 +118,8 @@ def test_a_decode_instance_that_is_down_or_silent_is_a_502_or_504_never_a_hang(d
                 proxy.stop()
     finally:
         silent.close()
+    stats = prefill.engine.engine.get_stats()           # the prefill instance answered both and kept no block
+    assert stats.num_running == stats.num_waiting == 0 and stats.num_free_blocks == stats.num_kv_blocks
 
 
 def test_the_prefill_request_asks_for_one_token_unstreamed():

@@ -73,6 +73,7 @@ def _decode(consumer, ids):
             engine.scheduler.connector.num_loaded_tokens - loaded)
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("pair", ["file_pair", "tcp_pair"])
 def test_the_consumer_streams_the_hf_tokens_computing_one_prompt_token_per_request(pair, request, expected):
     producer, consumer = request.getfixturevalue(pair)
@@ -86,6 +87,7 @@ def test_the_consumer_streams_the_hf_tokens_computing_one_prompt_token_per_reque
     assert loaded == sum(len(p) - 1 for p in ids)
 
 
+@pytest.mark.slow
 def test_a_corrupt_or_missing_block_is_computed_instead(file_pair, shared_dir, expected):
     producer, consumer = file_pair
     ids, want = expected
@@ -113,6 +115,7 @@ def _frame_to(port, payload: bytes, length: int | None = None) -> bytes:
         return s.recv(1)
 
 
+@pytest.mark.slow
 def test_a_broken_or_corrupt_transfer_stores_nothing_and_the_consumer_recomputes(tcp_pair, expected):
     _, consumer = tcp_pair
     ids, want = expected
@@ -133,6 +136,7 @@ def test_a_broken_or_corrupt_transfer_stores_nothing_and_the_consumer_recomputes
     assert got == [want[3]] and loaded == 0 and computed == len(prompt)
 
 
+@pytest.mark.slow
 def test_a_producer_that_cannot_reach_its_consumer_still_answers(model_dir, expected):
     with socket.socket() as s:                                # a port nobody listens on
         s.bind(("127.0.0.1", 0))
@@ -148,6 +152,7 @@ def test_a_producer_that_cannot_reach_its_consumer_still_answers(model_dir, expe
         producer.llm_engine.shutdown()
 
 
+@pytest.mark.slow
 def test_a_failed_step_on_the_consumer_moves_nothing_and_the_retry_loads(file_pair, expected, monkeypatch):
     producer, consumer = file_pair
     ids, want = expected
@@ -216,6 +221,7 @@ def test_kv_transfer_with_more_than_one_rank_is_refused():
             "kv_connector": "TCPConnector", "kv_role": "kv_consumer"})
 
 
+@pytest.mark.slow
 def test_async_scheduling_and_chunked_prefill_save_and_load_the_same_blocks(model_dir, tmp_path, expected):
     """The connector's hooks under the batch queue (AsyncScheduler): a producer that prefills in chunks of 8 saves
     each block in the step that completes it; an async consumer loads them all."""
