@@ -89,6 +89,9 @@ def test_bad_token_ids_and_prompt_shapes(llm):
         llm.generate({"prompt_token_ids": [1, 999999]}, use_tqdm=False)
     with pytest.raises(ValueError, match="unknown key"):
         llm.generate({"prompt_ids": [1, 2]}, use_tqdm=False)
+    with pytest.raises(ValueError, match=r"stop_token_ids has token id\(s\) \[49152\]; token ids must be in "
+                                         r"\[0, 49152\)"):
+        llm.generate("hi", SamplingParams(stop_token_ids=[2, 49152]), use_tqdm=False)
     with pytest.raises(ValueError, match="sampling_params has 2 entries for 3 prompts"):
         llm.generate(["a", "b", "c"], [SamplingParams(), SamplingParams()], use_tqdm=False)
     _assert_engine_idle(llm)
@@ -130,3 +133,35 @@ def test_numbers_too_large_for_a_float_are_a_clear_error():
     for field in ("temperature", "top_p", "max_tokens", "seed"):
         with pytest.raises(ValueError, match=f"{field} is an integer of 401 digits"):
             SamplingParams(**{field: 10 ** 400})
+
+
+def test_stop_strings_are_looked_for_only_after_min_tokens(llm, tokenizer):
+    """vLLM: a stop string in the text of the first min_tokens tokens does not stop the request."""
+    prompt, min_tokens = "The capital of France is", 6
+    base = llm.generate(prompt, SamplingParams(temperature=0, max_tokens=16, ignore_eos=True),
+                        use_tqdm=False)[0].outputs[0]
+    assert "." in tokenizer.decode(base.token_ids[:2])           # " Paris." would stop at once without min_tokens
+    out = llm.generate(prompt, SamplingParams(temperature=0, max_tokens=16, ignore_eos=True, stop=["."],
+                                              min_tokens=min_tokens), use_tqdm=False)[0].outputs[0]
+    head = len(tokenizer.decode(base.token_ids[:min_tokens]))
+    cut = base.text.find(".", head)
+    assert len(out.token_ids) > min_tokens
+    if cut == -1:
+        assert out.finish_reason == "length" and out.text == base.text
+    else:
+        assert out.finish_reason == "stop" and out.text == base.text[:cut]
+
+
+def test_the_core_does_not_stop_on_a_stop_token_or_eos_before_min_tokens():
+    """The sampler masks them before min_tokens; the core's own check does not rely on that (speculative drafts and
+    a grammar's forced tokens do not pass through the mask the same way)."""
+    from minivllm.core.journal import StepJournal
+    from minivllm.core.kv_cache_manager import KVCacheManager
+    from minivllm.core.request import Request, RequestStatus
+    from minivllm.core.scheduler import Scheduler
+
+    scheduler = Scheduler(KVCacheManager(8, 4, StepJournal()), 4, 64, 64)
+    req = Request("r", [1, 2, 3], SamplingParams(min_tokens=3, stop_token_ids=[7], max_tokens=10),
+                  eos_token_ids=frozenset({0}))
+    assert scheduler._append_token(req, 7) is None and scheduler._append_token(req, 0) is None
+    assert scheduler._append_token(req, 7) is RequestStatus.FINISHED_STOPPED        # the 3rd token may stop it

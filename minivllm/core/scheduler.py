@@ -193,8 +193,7 @@ class Scheduler(Journaled):
         return min(num_tokens_left, budget, self.long_prefill_token_threshold or num_tokens_left)
 
     def _drafts_to_verify(self, req: Request, n: int, budget: int) -> list[int]:
-        """Speculative decoding: a decoding request's draft tokens (update_draft_token_ids), verified in the same
-        forward as its last token, as far as the budget left after its `n` tokens allows. [] without drafts."""
+        """Speculative decoding: a decoding request's drafts, verified with its last token, as the budget allows."""
         if n == 1 and req.num_computed_tokens == req.num_tokens - 1:
             return req.spec_token_ids[:budget - n]
         return []
@@ -302,11 +301,12 @@ class Scheduler(Journaled):
         self.journal.record(req.pop_output_token)
         grammar_done = self._advance_grammar(req, token)
         sp = req.sampling_params
-        if not sp.ignore_eos and token in req.eos_token_ids:
+        early = req.num_output_tokens < sp.min_tokens         # vLLM: before min_tokens only a length limit stops it
+        if not early and not sp.ignore_eos and token in req.eos_token_ids:
             return RequestStatus.FINISHED_STOPPED
         if grammar_done:                                      # ignore_eos: nothing may follow the grammar
             return RequestStatus.FINISHED_STOPPED
-        if token in sp.stop_token_ids:
+        if not early and token in sp.stop_token_ids:
             req.stop_reason = token
             return RequestStatus.FINISHED_STOPPED
         if req.num_output_tokens >= sp.max_tokens or req.num_tokens >= self.max_model_len:

@@ -73,7 +73,8 @@ class InputProcessor:
         bad = [t for t in token_ids if not isinstance(t, int) or isinstance(t, bool) or not 0 <= t < vocab]
         if bad:
             raise ValueError(f"prompt_token_ids contains {bad[:3]}; token ids must be ints in [0, {vocab}).")
-        for name, ids in (("allowed_token_ids", params.allowed_token_ids), ("logit_bias", params.logit_bias)):
+        for name, ids in (("allowed_token_ids", params.allowed_token_ids), ("logit_bias", params.logit_bias),
+                          ("stop_token_ids", params.stop_token_ids)):
             outside = [t for t in ids or () if t >= vocab]
             if outside:
                 raise ValueError(f"{name} has token id(s) {outside[:3]}; token ids must be in [0, {vocab}).")

@@ -136,8 +136,9 @@ class OutputProcessor:
             new_text, detok = detokenize_incrementally(self.decoder, ids, st.detok, sp.skip_special_tokens)
             window = st.pending + new_text
             stop_string = None
-            if sp.stop and new_text and not stopped_by_token:
-                hit = find_stop_string(window, len(new_text), sp.stop)
+            searchable = self._searchable_chars(st, ids, keep, new_text) if sp.stop and not stopped_by_token else 0
+            if searchable:
+                hit = find_stop_string(window, searchable, sp.stop)
                 if hit is not None:
                     stop_string, start = hit
                     window = window[:start + len(stop_string) if sp.include_stop_str_in_output else start]
@@ -166,13 +167,26 @@ class OutputProcessor:
         """Of the last `num_new` tokens of `ids`, how many up to and including the one whose text completes a stop
         string (all of them when none does)."""
         sp, detok, window = st.params, st.detok, st.pending
+        skip = sp.min_tokens - (len(ids) - num_new)          # tokens not yet past min_tokens: not searched
         for i in range(num_new):
             text, detok = detokenize_incrementally(self.decoder, ids[:len(ids) - num_new + i + 1], detok,
                                                    sp.skip_special_tokens)
             window += text
-            if text and find_stop_string(window, len(text), sp.stop) is not None:
+            if text and i >= skip and find_stop_string(window, len(text), sp.stop) is not None:
                 return i + 1
         return num_new
+
+    def _searchable_chars(self, st: RequestState, ids: list[int], num_new: int, new_text: str) -> int:
+        """How many of new_text's last characters stop strings are looked for in: as vLLM, only the text of tokens
+        after the first min_tokens (a stop string may still begin just before it)."""
+        before = len(ids) - num_new                          # output tokens before this step's
+        skip = min(max(st.params.min_tokens - before, 0), num_new)
+        if skip == 0 or not new_text:
+            return len(new_text)
+        if skip == num_new:
+            return 0
+        text, _ = detokenize_incrementally(self.decoder, ids[:before + skip], st.detok, st.params.skip_special_tokens)
+        return len(new_text) - len(text)
 
     def _logprob_dict(self, row: SampleLogprobs) -> dict[int, Logprob]:
         """{token id: Logprob}: the actual token first, then the top k (a token in both keeps its first entry)."""

@@ -29,9 +29,9 @@ from starlette.background import BackgroundTask
 from minivllm.core.sampling_params import SamplingParams
 from minivllm.engine.async_llm import AsyncLLMEngine, NewRequest, RequestError
 from minivllm.engine.request_stream import RequestStream
-from minivllm.entrypoints.protocol import (APIError, LogprobsRequest, check_json_content_type, parse_json_body,
-                                           read_logprobs_request, requested_max_tokens, sampling_params_from_body,
-                                           structured_outputs_param)
+from minivllm.entrypoints.protocol import (SAMPLING_FIELDS, APIError, LogprobsRequest, check_json_content_type,
+                                           parse_json_body, read_logprobs_request, requested_max_tokens,
+                                           sampling_params_from_body, structured_outputs_param)
 from minivllm.entrypoints.renderer import Renderer
 from minivllm.entrypoints.serving_models import OpenAIServingModels
 from minivllm.entrypoints.utils import close_all, close_async, merged, request_error, until_disconnect
@@ -191,7 +191,8 @@ class OpenAIServing:
         try:
             streams = await self.async_engine.add_requests(build)
         except ValueError as e:                    # the engine's own checks: length, pool size, token ids
-            raise APIError(str(e), param=parsed.prompt_param) from None
+            field = next((f for f in SAMPLING_FIELDS if str(e).startswith(f + " ")), parsed.prompt_param)
+            raise APIError(str(e), param=field) from None
         except RequestError as e:
             raise APIError(str(e), status_code=503, type="service_unavailable") from None
         meta = ResponseMeta(request_id, int(time.time()), self.models.name, chat)
