@@ -94,8 +94,9 @@ def test_prompt_logprobs_field_returns_vllms_prompt_logprobs(client, llm):
     assert out.choices[0].logprobs is None
 
 
-def test_streamed_completion_logprobs_add_up_to_the_full_answer(client):
-    kw = dict(model=MODEL, prompt=PROMPT, max_tokens=6, temperature=0, logprobs=2, echo=True)
+@pytest.mark.parametrize("stop", [None, ["\n\n"]], ids=["plain", "text_held_back_for_a_stop_string"])
+def test_streamed_completion_logprobs_add_up_to_the_full_answer(client, stop):
+    kw = dict(model=MODEL, prompt=PROMPT, max_tokens=6, temperature=0, logprobs=2, echo=True, stop=stop)
     full = client.completions.create(**kw).choices[0]
     text, tokens, values, tops, offsets = "", [], [], [], []
     for chunk in client.completions.create(**kw, stream=True):

@@ -288,7 +288,9 @@ class OpenAIServing:
         n = shape.n
         try:
             num_tokens, finals, prompt_logprobs = 0, {}, {}
-            sent_chars: dict[int, int] = defaultdict(int)     # text already streamed per choice (text_offset)
+            # text_offset counts the text of the tokens before (as in the whole answer), not the text streamed so far,
+            # which lags behind while text is held back for a stop string
+            token_chars: dict[int, int] = defaultdict(int)
             started: set[int] = set()
             async for i, out in merged(streams):          # each output holds only what is new (DELTA)
                 if i not in finals:
@@ -303,11 +305,12 @@ class OpenAIServing:
                     started.add(k)
                     has_logprobs = shape.logprobs.num_logprobs is not None and ids
                     if text or o.finished or has_logprobs:
-                        logprobs = self.logprobs_of(shape, i, ids, lps, sent_chars[k]) if has_logprobs else None
+                        logprobs = self.logprobs_of(shape, i, ids, lps, token_chars[k]) if has_logprobs else None
+                        if logprobs and logprobs.get("text_offset"):
+                            token_chars[k] = logprobs["text_offset"][-1] + len(logprobs["tokens"][-1])
                         finish_reason, stop_reason = end_of(shape, o.finish_reason, o.stop_reason)
                         yield _sse(meta.envelope([make_choice(meta, k, text, finish_reason, stop_reason,
                                                               stream=True, logprobs=logprobs)], stream=True))
-                    sent_chars[k] += len(text)
                     num_tokens += 0 if shape.logprobs.echo_only else len(o.token_ids)
                 finals[i] = out
             if include_usage:
