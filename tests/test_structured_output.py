@@ -181,6 +181,29 @@ def test_a_failed_step_does_not_advance_the_grammar(llm):
     assert [outputs[r.request_id].outputs[0].text for r in reqs] == [o.outputs[0].text for o in want]
 
 
+def test_a_grammar_that_refuses_its_token_fails_that_request_alone(llm):
+    """vLLM's FINISHED_ERROR: an error confined to one request (here its matcher refuses the sampled token) ends
+    that request with finish_reason "error"; the step is rolled back and the other requests go on unchanged."""
+    engine = llm.llm_engine
+    greedy = SamplingParams(temperature=0, max_tokens=8, ignore_eos=True)
+    want = [o.outputs[0].token_ids for o in llm.generate(PROMPTS[1:3], greedy, use_tqdm=False)]
+    bad = engine.add_request(PROMPTS[0], json_params(temperature=0))
+    others = [engine.add_request(p, greedy) for p in PROMPTS[1:3]]
+    engine.step()
+    engine.step()
+    bad.grammar.accept = lambda token: False          # from now on it refuses what the mask allowed
+    failed_steps = engine.num_failed_steps
+    outputs = {}
+    while engine.has_unfinished_requests():
+        for out in engine.step():
+            outputs[out.request_id] = out
+        engine.check_integrity()
+    assert outputs[bad.request_id].finished and outputs[bad.request_id].outputs[0].finish_reason == "error"
+    assert [list(outputs[r.request_id].outputs[0].token_ids) for r in others] == [list(w) for w in want]
+    assert engine.num_failed_steps == failed_steps + 1 and engine.failed_request_ids
+    assert engine.get_stats().num_free_blocks == engine.get_stats().num_kv_blocks
+
+
 @pytest.mark.parametrize("so, message", [
     (dict(json={"type": "foo"}), "structured_outputs.json does not compile"),
     (dict(regex="(ab"), "structured_outputs.regex does not compile"),

@@ -31,6 +31,7 @@ class RequestStatus(enum.Enum):
     FINISHED_STOPPED = "finished_stopped"    # EOS, a stop token or a stop string
     FINISHED_LENGTH = "finished_length"      # max_tokens or max_model_len reached
     FINISHED_ABORTED = "finished_aborted"    # abort(request_id)
+    FINISHED_ERROR = "finished_error"        # an error of its own (RequestFailedError); the others went on
 
     @property
     def finished(self) -> bool:
@@ -39,7 +40,16 @@ class RequestStatus(enum.Enum):
     @property
     def finish_reason(self) -> str | None:
         return {"finished_stopped": "stop", "finished_length": "length",
-                "finished_aborted": "abort"}.get(self.value)
+                "finished_aborted": "abort", "finished_error": "error"}.get(self.value)
+
+
+class RequestFailedError(RuntimeError):
+    """An error confined to one request (its grammar refused the token it sampled): the step is rolled back, that
+    request ends with finish_reason "error" (vLLM's FINISHED_ERROR), and the rest of the batch goes on."""
+
+    def __init__(self, request_id: str, message: str):
+        super().__init__(message)
+        self.request_id = request_id
 
 
 @dataclass

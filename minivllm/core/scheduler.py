@@ -39,7 +39,7 @@ from types import MappingProxyType
 
 from minivllm.core.journal import Journaled
 from minivllm.core.kv_cache_manager import KVCacheManager
-from minivllm.core.request import Request, RequestStatus
+from minivllm.core.request import Request, RequestFailedError, RequestStatus
 from minivllm.core.scheduler_output import EngineCoreOutput, SchedulerOutput
 
 __all__ = ["EngineCoreOutput", "Scheduler", "SchedulerOutput"]
@@ -320,8 +320,8 @@ class Scheduler(Journaled):
             return False
         if not grammar.is_terminated:
             if not grammar.accept(token):        # the bitmask allowed only tokens the grammar accepts
-                raise RuntimeError(f"request {req.request_id}: token {token} was sampled but its grammar "
-                                   f"({grammar.describe()}) does not accept it")
+                raise RequestFailedError(req.request_id, f"request {req.request_id}: token {token} was sampled but "
+                                         f"its grammar ({grammar.describe()}) does not accept it")
             self.journal.record(grammar.rollback)
         return grammar.is_terminated
 

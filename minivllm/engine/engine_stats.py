@@ -32,6 +32,15 @@ class EngineQueues:
     def with_status(self, status: str) -> tuple[QueuedRequest, ...]:
         return tuple(q for q in self.running + self.waiting if q.status == status)
 
+    @classmethod
+    def of(cls, running: list, waiting: list, external_id) -> "EngineQueues":
+        """The queues of core Requests, copied; `external_id(request_id)` names an n > 1 sample's parent."""
+        def entry(r) -> QueuedRequest:
+            parent = external_id(r.request_id)
+            return QueuedRequest(r.request_id, r.status.value, r.priority, r.num_prompt_tokens, r.num_output_tokens,
+                                 r.num_preemptions, parent if parent != r.request_id else None)
+        return cls(tuple(map(entry, running)), tuple(map(entry, waiting)))
+
 
 @dataclass
 class EngineStats:

@@ -21,7 +21,7 @@ from dataclasses import dataclass
 from minivllm.config import EngineConfig
 from minivllm.core.journal import StepJournal
 from minivllm.core.kv_cache_manager import KVCacheManager
-from minivllm.core.request import Request, RequestMetrics, RequestStatus
+from minivllm.core.request import Request, RequestFailedError, RequestMetrics, RequestStatus
 from minivllm.core.sampling_params import SamplingParams
 from minivllm.core.async_scheduler import AsyncScheduler
 from minivllm.core.block_pool import BlockEvents
@@ -107,8 +107,7 @@ class LLMEngine:
                                                                  self.eos_token_ids)
         self.requests: dict[str, Request] = {}
         self._ids = itertools.count()
-        self.num_steps = 0
-        self.num_failed_steps = 0
+        self.num_steps = self.num_failed_steps = 0
         self.failed_request_ids: list[str] = []    # the requests of the last step that raised
         self.num_prompt_tokens_computed = 0
         self.num_generated_tokens = 0
@@ -162,16 +161,16 @@ class LLMEngine:
             self.requests[req.request_id] = req
         return reqs[0] if parent is None else parent
 
-    def abort_request(self, request_id: str) -> RequestOutput | None:
+    def abort_request(self, request_id: str, status=RequestStatus.FINISHED_ABORTED) -> RequestOutput | None:
         """Stop a request (or all samples of an n > 1 request) at any point and free everything it held.
-        Unknown or finished ids are ignored."""
+        Unknown or finished ids are ignored. (`status` FINISHED_ERROR: it failed on its own, see `step`.)"""
         parent = self.output_processor.parents.get(request_id)
         ids = [request_id] if parent is None else parent.child_ids
         live = [req for rid in ids if (req := self.requests.pop(rid, None)) is not None and not req.is_finished]
         if not live:
             return None
         for req in live:
-            self.scheduler.finish_request(req, RequestStatus.FINISHED_ABORTED)
+            self.scheduler.finish_request(req, status)
         return self.output_processor.abort_request(request_id)
 
     def has_unfinished_requests(self) -> bool:
@@ -182,14 +181,19 @@ class LLMEngine:
         """One engine iteration: an output for every request that has one (see RequestOutputKind).
 
         All or nothing: if anything in it raises, the core is rolled back (journal.py) and the exception is
-        re-raised; `failed_request_ids` then lists the requests of the batch that failed. The step itself is
-        `step_fn`, picked once in __init__ (as vLLM's EngineCore does): `execute_step`, one batch scheduled, run
-        and applied, or `step_with_batch_queue` when batches stay in flight (pipeline stages, async scheduling).
-        Here it is only wrapped: Ctrl-C waits for a consistent point (sigint.py), and the trace goes to listeners.
+        re-raised with the batch's requests in `failed_request_ids` (a RequestFailedError instead ends its one
+        request with "error"). The step is `step_fn`, picked once in __init__ as vLLM's EngineCore does:
+        `execute_step`, or `step_with_batch_queue` when batches stay in flight (pipeline stages, async scheduling).
+        Here it is wrapped: Ctrl-C waits for a consistent point (sigint.py), the trace goes to listeners.
         `ahead=False` (the server's single steps while paused): leave no batch in flight."""
         start = time.perf_counter()
-        with self._sigint:
-            record = self.step_fn(ahead)
+        try:
+            with self._sigint:
+                record = self.step_fn(ahead)
+        except RequestFailedError as e:         # one request's own error (rolled back): it ends, the rest go on
+            logger.warning("%s; it ends with finish_reason 'error'", e)
+            out = self.abort_request(self.output_processor.external_id(e.request_id), RequestStatus.FINISHED_ERROR)
+            return [out] if out is not None else []
         if record is not None and self.trace_listeners:
             self._publish_trace(record, time.perf_counter() - start)
         return record.outputs if record is not None else []
@@ -367,11 +371,7 @@ class LLMEngine:
 
     def get_queues(self) -> EngineQueues:
         """The running and waiting queues, copied (O(live requests)); taken with get_stats, they agree."""
-        def entry(r: Request) -> QueuedRequest:
-            parent = self.output_processor.external_id(r.request_id)
-            return QueuedRequest(r.request_id, r.status.value, r.priority, r.num_prompt_tokens, r.num_output_tokens,
-                                 r.num_preemptions, parent if parent != r.request_id else None)
-        return EngineQueues(tuple(map(entry, self.scheduler.running)), tuple(map(entry, self.scheduler.waiting)))
+        return EngineQueues.of(self.scheduler.running, self.scheduler.waiting, self.output_processor.external_id)
 
     def reset_prefix_cache(self) -> None:
         """Forget every cached-free block (vLLM's `reset_prefix_cache`). Between steps only."""
