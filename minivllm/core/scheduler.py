@@ -37,6 +37,7 @@ import itertools
 from collections.abc import Mapping
 from types import MappingProxyType
 
+from minivllm.core.invariants import check_scheduler
 from minivllm.core.journal import Journaled
 from minivllm.core.kv_cache_manager import KVCacheManager
 from minivllm.core.request import Request, RequestFailedError, RequestStatus
@@ -381,20 +382,5 @@ class Scheduler(Journaled):
     num_swapped = property(lambda self: len(self.kv_cache_manager.swap_space.tables))
 
     def check_integrity(self) -> None:
-        """Assert the scheduler's and the KV cache's invariants. For tests and debug runs."""
-        assert not self.journal.is_open, "a step is still open"
-        for req in self.running:
-            assert req.status is RequestStatus.RUNNING, f"{req} is in the running queue"
-            assert len(req.block_table) >= self.kv_cache_manager.blocks_needed(req.num_computed_tokens), (
-                f"{req}: fewer blocks than computed tokens")
-        for req in self.waiting:
-            assert req.status in (RequestStatus.WAITING, RequestStatus.PREEMPTED, RequestStatus.SWAPPED), req
-            assert not req.block_table, f"{req} waits while holding blocks"
-            assert (req.request_id in self.kv_cache_manager.swap_space.tables) == (
-                req.status is RequestStatus.SWAPPED), f"{req}: swapped status and CPU blocks disagree"
-            assert req.status is RequestStatus.SWAPPED or req.num_computed_tokens == 0, (
-                f"{req} waits with {req.num_computed_tokens} computed tokens but no KV")
-        live = self.running + self.waiting
-        assert len(set(live)) == len(live), "a request is queued twice"
-        assert {r.request_id for r in live} == set(self._keys), "the queues and the priority keys disagree"
-        self.kv_cache_manager.check_integrity(live)
+        """Assert the scheduler's and the KV cache's invariants (core/invariants.py). For tests and debug runs."""
+        check_scheduler(self)
