@@ -109,6 +109,13 @@ class EngineConfig:
         None, "speculative decoding, as vLLM's JSON: {\"method\": \"ngram\", \"num_speculative_tokens\": 4, "
         "\"prompt_lookup_min\": 2, \"prompt_lookup_max\": 4} or {\"model\": PATH, \"num_speculative_tokens\": 4} "
         "(a draft model; \"draft_num_layers\": N keeps its first N layers)")
+    limit_mm_per_prompt: dict | None = option(
+        None, "vision-language models: most images in one prompt, as vLLM's JSON {\"image\": N}; default 4")
+    encoder_cache_size: int = option(
+        0, "vision-language models: rows of image encoder output kept for the requests that need them (one row per "
+        "image placeholder token); 0: max_num_batched_tokens, and never less than one image (vLLM's rule)")
+    allowed_local_media_path: str | None = option(
+        None, "vision-language models: a directory whose image files requests may name (file://...); default: none")
     kv_transfer_config: dict | None = option(
         None, "prefill/decode disaggregation, as vLLM's JSON (kv_transfer/): {\"kv_connector\": "
         "\"SharedStorageConnector\", \"kv_role\": \"kv_both\", \"kv_connector_extra_config\": "
@@ -196,6 +203,8 @@ class EngineConfig:
                 raise ValueError("speculative_config method 'draft_model' with pipeline_parallel_size > 1 is not "
                                  "implemented (the draft runs beside the first stage); use 'ngram'.")
 
+        from minivllm.multimodal import check_multimodal_args
+        check_multimodal_args(self.limit_mm_per_prompt, self.encoder_cache_size)
         if self.kv_transfer_config is not None:
             KVTransferConfig.from_dict(self.kv_transfer_config)           # raises, naming the key, if it is wrong
             if self.tensor_parallel_size > 1 or self.pipeline_parallel_size > 1:

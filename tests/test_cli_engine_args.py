@@ -25,7 +25,8 @@ VALUES = dict(model="/tmp/some-checkpoint", dtype="float16", quantization="int8"
               distributed_executor_backend="mp",
               attention_backend="torch",
               enforce_eager=True, seed=7,
-              speculative_config={"method": "ngram", "num_speculative_tokens": 3})
+              speculative_config={"method": "ngram", "num_speculative_tokens": 3},
+              limit_mm_per_prompt={"image": 2}, encoder_cache_size=1024, allowed_local_media_path="/tmp/images")
 ARGV = ["--model", "/tmp/some-checkpoint", "--dtype", "float16", "--quantization", "int8", "--kv-cache-dtype", "fp8", "--device", "cpu", "--block-size", "32",
         "--num-kv-blocks", "7", "--kv-cache-memory-gb", "0.5", "--gpu-memory-utilization", "0.5",
         "--max-num-seqs", "8", "--max-num-batched-tokens", "512", "--long-prefill-token-threshold", "64",
@@ -37,7 +38,9 @@ ARGV = ["--model", "/tmp/some-checkpoint", "--dtype", "float16", "--quantization
         "--distributed-executor-backend", "mp",
         "--attention-backend", "torch",
         "--enforce-eager", "--seed", "7",
-        "--speculative-config", '{"method": "ngram", "num_speculative_tokens": 3}']
+        "--speculative-config", '{"method": "ngram", "num_speculative_tokens": 3}',
+        "--limit-mm-per-prompt", '{"image": 2}', "--encoder-cache-size", "1024",
+        "--allowed-local-media-path", "/tmp/images"]
 
 
 class Built(Exception):

@@ -23,3 +23,5 @@ def check_scheduler(scheduler) -> None:
     assert len(set(live)) == len(live), "a request is queued twice"
     assert {r.request_id for r in live} == set(scheduler._keys), "the queues and the priority keys disagree"
     scheduler.kv_cache_manager.check_integrity(live)
+    if scheduler.encoder_cache_manager is not None:
+        scheduler.encoder_cache_manager.check_integrity({r.request_id for r in live})

@@ -80,7 +80,7 @@ class KVCacheManager(Journaled):
         hits: list[int] = []
         parent = ROOT_HASH
         for i in range((len(tokens) - 1) // bs):                 # leave >= 1 token to compute
-            chunk = tuple(tokens[i * bs:(i + 1) * bs])
+            chunk = request.block_key(i, bs)
             parent = hash_block_tokens(parent, chunk)
             block_id = self.block_pool.lookup(parent, chunk)
             if block_id is None and self.pending.get(parent, (None, None))[1] == chunk:
@@ -103,7 +103,7 @@ class KVCacheManager(Journaled):
             parent = pool.blocks[last].block_hash if pool.blocks[last].block_hash is not None \
                 else self._pending_hash[last]
         for i in range(start, min(num_tokens // bs, len(request.block_table))):
-            chunk = tuple(request.all_token_ids[i * bs:(i + 1) * bs])
+            chunk = request.block_key(i, bs)
             parent = hash_block_tokens(parent, chunk)
             block_id = request.block_table[i]
             if parent not in pool.hash_to_block and parent not in self.pending:
@@ -157,7 +157,7 @@ class KVCacheManager(Journaled):
             return
         parent = pool.blocks[request.block_table[start - 1]].block_hash if start else ROOT_HASH
         for i in range(start, end):
-            chunk = tuple(request.all_token_ids[i * bs:(i + 1) * bs])
+            chunk = request.block_key(i, bs)
             parent = hash_block_tokens(parent, chunk)
             pool.cache_block(request.block_table[i], parent, chunk)
         self._set_num_cached(request.request_id, end)
@@ -186,7 +186,9 @@ class KVCacheManager(Journaled):
 
     # ------------------------------------------------------------------ swapping (preemption_mode="swap")
     def can_swap_out(self, request: Request) -> bool:
-        return self.swap_space.can_hold(len(request.block_table))
+        """Room in the CPU pool for its blocks; and it has some (a rolled-back step may have cut a table to none:
+        such a request is recomputed, there is nothing to swap)."""
+        return bool(request.block_table) and self.swap_space.can_hold(len(request.block_table))
 
     def swap_out(self, request: Request) -> list[tuple[int, int]]:
         """Move the request's blocks to the CPU tier; returns the (device block, CPU block) copies to make."""
@@ -265,5 +267,5 @@ class KVCacheManager(Journaled):
                     f"{req.num_computed_tokens} tokens have been computed")
                 assert hashed == (i < num_cached), f"{req}: block {b} hashed={hashed} but num_cached={num_cached}"
                 if hashed:
-                    chunk = tuple(req.all_token_ids[i * bs:(i + 1) * bs])
+                    chunk = req.block_key(i, bs)
                     assert block.token_ids == chunk, f"{req}: block {b} holds other tokens"

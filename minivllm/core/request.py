@@ -83,6 +83,7 @@ class Request(Journaled):
     bad_words_token_ids: list[list[int]] = field(default_factory=list)   # sampling_params.bad_words, tokenized
     grammar: Grammar | None = None        # structured output's matcher; the scheduler advances it (structured_output.py)
     spec_token_ids: list[int] = journaled(default_factory=list)   # speculative decoding: drafts for the next step
+    mm_features: tuple = ()               # images: MultiModalFeature per image, by offset (multimodal/inputs.py)
 
     def __post_init__(self) -> None:
         self.all_token_ids = list(self.prompt_token_ids)   # prompt + outputs, appended as we go
@@ -104,6 +105,15 @@ class Request(Journaled):
     @property
     def is_finished(self) -> bool:
         return self.status.finished
+
+    def block_key(self, i: int, block_size: int) -> tuple:
+        """Block i as the prefix cache names it: its token ids and, when it holds image tokens, (hash, offset in the
+        image) of each such image, so that prompts with different images never share a block."""
+        key = tuple(self.all_token_ids[i * block_size:(i + 1) * block_size])
+        if not self.mm_features:
+            return key
+        start, end = i * block_size, (i + 1) * block_size
+        return key + tuple((f.mm_hash, start - f.offset) for f in self.mm_features if f.overlaps(start, end))
 
     def append_output_token(self, token_id: int) -> None:
         self.output_token_ids.append(token_id)

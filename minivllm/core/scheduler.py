@@ -25,9 +25,9 @@ Other modes plug in at named seams and cost this file nothing when they are off:
     batches in flight (async scheduling, pipeline parallelism)   AsyncScheduler, a subclass (async_scheduler.py)
     speculative decoding                                         _drafts_to_verify, update_draft_token_ids
     structured output                                            _advance_grammar
-    swap preemption (vLLM's modes: recompute drops the KV and     _preempt, _swap_in
-      re-runs the tokens as one prefill; swap copies the blocks to a CPU pool and back, or falls back to recompute)
-    KV transfer between instances (prefill/decode disaggregation) `connector` (kv_transfer/)       
+    swap preemption (recompute drops the KV; swap copies it to a CPU pool and back)  _preempt, _swap_in
+    KV transfer between instances (prefill/decode disaggregation)  `connector` (kv_transfer/)
+    images (a vision-language model's encoder cache)               `encoder_cache_manager`, in _chunk
 """
 
 from __future__ import annotations
@@ -54,6 +54,7 @@ class Scheduler(Journaled):
     # comes back within its step (AsyncScheduler keeps batches in flight).
     in_flight: Mapping[Request, int] = MappingProxyType({})
     connector = None         # KV transfer's scheduler side (kv_transfer/base.py), set by the engine; None: no transfer
+    encoder_cache_manager = None    # images: the encoder cache (encoder_cache_manager.py), set by the engine for a VLM
 
     def __init__(self, kv_cache_manager: KVCacheManager, max_num_seqs: int, max_num_batched_tokens: int,
                  max_model_len: int, preemption_mode: str = "recompute", long_prefill_token_threshold: int = 0):
@@ -128,9 +129,9 @@ class Scheduler(Journaled):
         for req in sorted(self._runnable(), key=lambda r: self._num_tokens_left(r) > 1):
             if budget == 0 or len(out.scheduled) == max_batch:
                 break
-            if req.status is not RequestStatus.RUNNING:        # preempted earlier in this step
+            n = self._chunk(req, self._num_tokens_left(req), budget, out)  # a whole prompt, a chunk, or 1 to decode
+            if req.status is not RequestStatus.RUNNING or n == 0:  # preempted earlier in this step, or no room yet
                 continue
-            n = self._chunk(self._num_tokens_left(req), budget)   # a whole prompt, a chunk of it, or 1 to decode
             drafts = self._drafts_to_verify(req, n, budget)    # speculative decoding: checked in the same pass
             while not self._allocate(req, n + len(drafts)):
                 victim = self._choose_victim(req)              # no free block: the lowest priority, latest
@@ -156,8 +157,8 @@ class Scheduler(Journaled):
                 num_cached = len(computed) * self.block_size
                 # KV transfer: prompt tokens past the hits that another instance computed, loaded instead
                 num_external = self.connector.get_num_new_matched_tokens(req, num_cached) if self.connector else 0
-                n = self._chunk(req.num_tokens - num_cached - num_external, budget)
-                if not kv.allocate_slots(req, num_external + n, computed):
+                n = self._chunk(req, req.num_tokens - num_cached - num_external, budget, out)
+                if n == 0 or not kv.allocate_slots(req, num_external + n, computed):
                     n = 0
                 else:
                     req.num_computed_tokens = num_cached + num_external
@@ -189,9 +190,13 @@ class Scheduler(Journaled):
         """Tokens the request still has to run through the model: 1 when it is decoding."""
         return req.num_tokens - req.num_computed_tokens
 
-    def _chunk(self, num_tokens_left: int, budget: int) -> int:
-        """What it has left, within the budget and (vLLM's rule) long_prefill_token_threshold when that is set."""
-        return min(num_tokens_left, budget, self.long_prefill_token_threshold or num_tokens_left)
+    def _chunk(self, req: Request, num_tokens_left: int, budget: int, out: SchedulerOutput) -> int:
+        """What it has left, within the budget and (vLLM's rule) long_prefill_token_threshold when that is set;
+        with images, up to the first one whose encoder output can be neither had nor made room for (0: none)."""
+        n = min(num_tokens_left, budget, self.long_prefill_token_threshold or num_tokens_left)
+        if self.encoder_cache_manager is None or not req.mm_features:
+            return n
+        return self.encoder_cache_manager.fit(req, req.num_tokens - num_tokens_left, n, out)
 
     def _drafts_to_verify(self, req: Request, n: int, budget: int) -> list[int]:
         """Speculative decoding: a decoding request's drafts, verified with its last token, as the budget allows."""
@@ -229,6 +234,9 @@ class Scheduler(Journaled):
                 out.num_prefill_tokens += n
         if self.connector is not None:                         # KV transfer: this step's loads and saves
             out.kv_connector_metadata = self.connector.build_connector_meta(out)
+        if self.encoder_cache_manager is not None:             # images: what the encoder runs, what the worker drops
+            out.encoder_inputs, out.free_encoder_hashes = self.encoder_cache_manager.schedule_encoder(
+                out.scheduled, out.encoder_plan)
 
     # ------------------------------------------------------------------ preemption
     def _preempt(self, req: Request) -> list[tuple[int, int]]:
@@ -237,6 +245,7 @@ class Scheduler(Journaled):
         kv = self.kv_cache_manager
         swap_out: list[tuple[int, int]] = []
         self._remove(self.running, req)
+        self._release_encoder_outputs(req)
         if self.preemption_mode == "swap" and kv.can_swap_out(req):
             swap_out = kv.swap_out(req)
             req.status = RequestStatus.SWAPPED
@@ -252,13 +261,17 @@ class Scheduler(Journaled):
     def _swap_in(self, req: Request, budget: int, out: SchedulerOutput) -> int:
         """Bring a swapped request's KV back and make room for its next tokens; how many it computes (0: no room)."""
         kv = self.kv_cache_manager
-        n = self._chunk(req.num_tokens - req.num_computed_tokens, budget)
-        if not kv.can_swap_in(req, n):
+        n = self._chunk(req, req.num_tokens - req.num_computed_tokens, budget, out)
+        if n == 0 or not kv.can_swap_in(req, n):
             return 0
         out.blocks_to_swap_in += kv.swap_in(req)
         allocated = kv.allocate_slots(req, n)
         assert allocated, "can_swap_in promised room for the new tokens"
         return n
+
+    def _release_encoder_outputs(self, req: Request, consumed_only: bool = False) -> None:
+        if self.encoder_cache_manager is not None and req.mm_features:    # images: outputs it needs no more
+            self.encoder_cache_manager.release(req, consumed_only)
 
     # ------------------------------------------------------------------ the step's output
     def update_from_output(self, out: SchedulerOutput, sampled: dict[str, list[int] | int]) -> list[EngineCoreOutput]:
@@ -275,6 +288,7 @@ class Scheduler(Journaled):
             if tokens is None:                              # a prefill chunk that does not end the prompt
                 req.num_computed_tokens += num_scheduled
                 self.kv_cache_manager.cache_blocks(req, req.num_computed_tokens)
+                self._release_encoder_outputs(req, consumed_only=True)
                 continue
             if isinstance(tokens, int):
                 tokens = [tokens]
@@ -289,6 +303,7 @@ class Scheduler(Journaled):
             # KV is valid for every token but the newest (accepted drafts included, rejected ones not).
             req.num_computed_tokens = min(req.num_computed_tokens + num_scheduled, req.num_tokens - 1)
             self.kv_cache_manager.cache_blocks(req, req.num_computed_tokens)
+            self._release_encoder_outputs(req, consumed_only=True)
             if req.spec_token_ids:
                 req.spec_token_ids = []                     # verified (or dropped): the proposer makes new ones
             if status is not None:
@@ -343,9 +358,7 @@ class Scheduler(Journaled):
         """The proposer's drafts for the next step (request_id -> tokens), journaled; grammars filter them."""
         for req in self.running:
             tokens = drafts.get(req.request_id)
-            if not tokens:
-                continue
-            if req.grammar is not None:
+            if tokens and req.grammar is not None:
                 tokens = req.grammar.validate_tokens(tokens)
             if tokens:
                 req.spec_token_ids = list(tokens)
@@ -374,6 +387,7 @@ class Scheduler(Journaled):
             req.stop_reason = stop_reason
         if self.connector is not None:
             self.connector.request_finished(req)
+        self._release_encoder_outputs(req)
         key = self._keys.pop(req.request_id, None)
         if key is not None:
             self.journal.record(lambda: self._keys.__setitem__(req.request_id, key))

@@ -33,6 +33,11 @@ class SchedulerOutput:
     num_computed_ahead: dict[str, int] = field(default_factory=dict)
     num_output_placeholders: dict[str, int] = field(default_factory=dict)
     kv_connector_metadata: object = None     # KV transfer: the blocks this step loads and saves (kv_transfer/)
+    # Images (encoder_cache_manager.py): request_id -> the images its tokens this step need (planning); the images
+    # the encoder runs this step (MultiModalFeature); outputs the worker drops before it runs them.
+    encoder_plan: dict[str, list] = field(default_factory=dict)
+    encoder_inputs: list = field(default_factory=list)
+    free_encoder_hashes: list[str] = field(default_factory=list)
 
     @property
     def is_empty(self) -> bool:

@@ -23,9 +23,12 @@ class ProcessedRequest:
     params: SamplingParams
     priority: int
     bad_words_token_ids: list[list[int]]
+    mm_features: tuple = ()                  # images (multimodal/inputs.py), their placeholders already expanded
 
 
 class InputProcessor:
+    mm_processor = None         # images: multimodal/processor.py, set by the engine for a vision-language model
+
     def __init__(self, tokenizer, vocab_size: int, max_model_len: int, kv_cache_manager: KVCacheManager):
         self.tokenizer = tokenizer
         self.vocab_size = vocab_size
@@ -35,8 +38,15 @@ class InputProcessor:
     def process_inputs(self, prompt: PromptType, params: SamplingParams, priority: int = 0) -> ProcessedRequest:
         """Tokenize and check one request; ValueError for one that can never run."""
         text, token_ids = self.tokenize(prompt)
+        features = ()
+        if self.mm_processor is not None:          # a VLM: each image's placeholder becomes its encoder rows
+            mm_data = prompt.get("multi_modal_data", {}) if isinstance(prompt, dict) else {}
+            token_ids, features = self.mm_processor.process(token_ids, mm_data)
+        elif isinstance(prompt, dict) and "multi_modal_data" in prompt:
+            raise ValueError("prompt has multi_modal_data, but this model takes text only; serve a vision-language "
+                             "model (LlavaForConditionalGeneration) to send images.")
         self.validate_request(token_ids, params, priority)
-        return ProcessedRequest(text, token_ids, params, priority, self.bad_words_token_ids(params))
+        return ProcessedRequest(text, token_ids, params, priority, self.bad_words_token_ids(params), features)
 
     def tokenize(self, prompt: PromptType) -> tuple[str | None, list[int]]:
         """A prompt is a string, {"prompt_token_ids": [...]} (optionally with "prompt"), or a list of ids.
@@ -45,7 +55,7 @@ class InputProcessor:
         if isinstance(prompt, str):
             return prompt, self.tokenizer.encode(prompt)
         if isinstance(prompt, dict):
-            unknown = set(prompt) - {"prompt", "prompt_token_ids"}
+            unknown = set(prompt) - {"prompt", "prompt_token_ids", "multi_modal_data"}
             if unknown:
                 raise ValueError(f"prompt dict has unknown key(s) {sorted(unknown)}; "
                                  "use 'prompt_token_ids' (and optionally 'prompt').")

@@ -35,6 +35,7 @@ from minivllm.engine.parallel_sampling import ParentRequest
 from minivllm.engine.sigint import SigintGuard
 from minivllm.kv_transfer import make_kv_connectors
 from minivllm.model.llama import ModelConfig
+from minivllm.multimodal import make_multimodal
 from minivllm.model.loader import check_checkpoint_files, load_tokenizer, resolve_device, resolve_model_path
 from minivllm.outputs import RequestOutput
 from minivllm.worker.distributed import check_tp_size, pp_layer_partition
@@ -98,11 +99,10 @@ class LLMEngine:
                 config.kv_transfer, self.model_path, self.model_runner, self.journal)
         self.input_processor = InputProcessor(self.tokenizer, self.model_config.vocab_size, self.max_model_len,
                                               self.kv_cache_manager)
+        self.input_processor.mm_processor, self.scheduler.encoder_cache_manager = make_multimodal(
+            config, self.model_path, self.model_config, self.journal)      # images: (None, None) for a text model
         self.output_processor = OutputProcessor(self.tokenizer)
-        eos = set(self.model_config.eos_token_id)
-        if self.tokenizer.eos_token_id is not None:
-            eos.add(self.tokenizer.eos_token_id)
-        self.eos_token_ids = frozenset(eos)
+        self.eos_token_ids = frozenset(self.model_config.eos_token_id) | ({self.tokenizer.eos_token_id} - {None})
         self.structured_output_manager = StructuredOutputManager(self.tokenizer, self.model_config.vocab_size,
                                                                  self.eos_token_ids)
         self.requests: dict[str, Request] = {}
@@ -144,7 +144,7 @@ class LLMEngine:
         structured = params.structured_outputs
         reqs = [Request(rid, token_ids, params if parent is None else parent.child_params(i),
                         eos_token_ids=self.eos_token_ids, priority=priority,
-                        bad_words_token_ids=prompt.bad_words_token_ids,
+                        bad_words_token_ids=prompt.bad_words_token_ids, mm_features=prompt.mm_features,
                         grammar=structured and self.structured_output_manager.grammar_for(structured))
                 for i, rid in enumerate(ids)]
         added = []

@@ -1,5 +1,5 @@
 """The Llama family as one compact model: LlamaForCausalLM, Qwen2ForCausalLM (q/k/v bias) and
-Qwen3ForCausalLM (RMSNorm on each head's q and k).
+Qwen3ForCausalLM (RMSNorm on each head's q and k); LLaVA's language model is this Llama too (llava.py).
 
 Owns: the forward pass of one flat batch of tokens (no padding, no batch dimension) through the
 decoder, reading and writing the paged KV cache through the attention backend. It does not choose
@@ -15,7 +15,7 @@ when the weights are loaded (minivllm/platforms/), and never shows here.
 from __future__ import annotations
 
 import json
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 
 import torch
@@ -25,8 +25,12 @@ from minivllm.model.attention import AttentionBackend, AttentionMetadata
 from minivllm.model.layers import (MergedColumnParallelLinear, PPStage, ParallelLMHead, QKVParallelLinear, RMSNorm,
                                    RotaryEmbedding, RowParallelLinear, SiluAndMul, TPGroup, VocabParallelEmbedding)
 
-SUPPORTED_ARCHITECTURES = ("LlamaForCausalLM", "Qwen2ForCausalLM", "Qwen3ForCausalLM")
-_MODEL_TYPE_TO_ARCH = {"llama": "LlamaForCausalLM", "qwen2": "Qwen2ForCausalLM", "qwen3": "Qwen3ForCausalLM"}
+SUPPORTED_ARCHITECTURES = ("LlamaForCausalLM", "Qwen2ForCausalLM", "Qwen3ForCausalLM", "LlavaForConditionalGeneration")
+_MODEL_TYPE_TO_ARCH = {"llama": "LlamaForCausalLM", "qwen2": "Qwen2ForCausalLM", "qwen3": "Qwen3ForCausalLM",
+                       "llava": "LlavaForConditionalGeneration"}
+# A multimodal config's settings besides the vision tower's own (the keys of ModelConfig.vision they fill).
+_LLAVA_SETTINGS = ("vision_feature_layer", "vision_feature_select_strategy", "projector_hidden_act",
+                   "multimodal_projector_bias")
 
 
 @dataclass(frozen=True)
@@ -48,6 +52,17 @@ class ModelConfig:
     qk_norm: bool           # Qwen3
     torch_dtype: str
     eos_token_id: tuple[int, ...]
+    # A vision-language model's settings (None for a text model), one flat dict: the vision tower's config (CLIP's
+    # image_size, patch_size, hidden_size, num_hidden_layers, hidden_act, layer_norm_eps, ...), the LLaVA settings
+    # (vision_feature_layer, vision_feature_select_strategy, projector_hidden_act, multimodal_projector_bias),
+    # image_token_id (the placeholder token's id) and num_image_tokens (placeholders per image, each an embedding).
+    vision: dict | None = field(default=None, hash=False)
+
+    @property
+    def is_multimodal(self) -> bool:
+        """Whether prompts may carry images: then vision["image_token_id"] marks each image's
+        vision["num_image_tokens"] placeholder tokens."""
+        return self.vision is not None
 
     @classmethod
     def from_dir(cls, path: str | Path) -> "ModelConfig":
@@ -61,6 +76,9 @@ class ModelConfig:
         arch = archs[0]
         if arch not in SUPPORTED_ARCHITECTURES:
             raise ValueError(f"{path} is a {arch} checkpoint; minivllm supports {', '.join(SUPPORTED_ARCHITECTURES)}.")
+        vision, dtype = None, c.get("torch_dtype") or c.get("dtype")
+        if arch == "LlavaForConditionalGeneration":
+            c, vision = _llava_configs(path)             # c: the language model's (a Llama's) config
         rope = c.get("rope_parameters") or {}          # transformers 5 moved rope_theta here
         rope_scaling = c.get("rope_scaling") or (rope if rope.get("rope_type", "default") != "default" else None)
         heads = c["num_attention_heads"]
@@ -85,9 +103,36 @@ class ModelConfig:
             tie_word_embeddings=c.get("tie_word_embeddings", False),
             qkv_bias=arch == "Qwen2ForCausalLM" or bool(c.get("attention_bias", False)),
             qk_norm=arch == "Qwen3ForCausalLM",
-            torch_dtype=str(c.get("torch_dtype") or c.get("dtype") or "float32"),
+            torch_dtype=str(dtype or c.get("torch_dtype") or c.get("dtype") or "float32"),
             eos_token_id=eos,
+            vision=vision,
         )
+
+
+def _llava_configs(path: Path) -> tuple[dict, dict]:
+    """A LLaVA checkpoint's (text config, ModelConfig.vision), complete: a saved config.json leaves the nested
+    configs' defaults out, so transformers' LlavaConfig parses it (the text models' path never imports it)."""
+    from transformers import LlavaConfig
+
+    config = LlavaConfig.from_pretrained(path)
+    text, vision = config.text_config.to_dict(), config.vision_config.to_dict()
+    if text.get("model_type") != "llama":
+        raise ValueError(f"{path} is a LLaVA checkpoint whose language model is {text.get('model_type')!r}; "
+                         "minivllm runs LLaVA with a Llama language model (text_config.model_type 'llama') only.")
+    if vision.get("model_type") != "clip_vision_model":
+        raise ValueError(f"{path} is a LLaVA checkpoint whose vision tower is {vision.get('model_type')!r}; "
+                         "minivllm runs LLaVA with a CLIP vision tower (vision_config.model_type "
+                         "'clip_vision_model') only.")
+    vision.update({key: getattr(config, key) for key in _LLAVA_SETTINGS})
+    layer, strategy = vision["vision_feature_layer"], vision["vision_feature_select_strategy"]
+    if not isinstance(layer, int):
+        raise ValueError(f"{path}: vision_feature_layer is {layer!r}; minivllm takes one layer (an int, e.g. -2), "
+                         "not a list of layers to concatenate.")
+    if strategy not in ("default", "full"):
+        raise ValueError(f"{path}: vision_feature_select_strategy is {strategy!r}; choose 'default' or 'full'.")
+    vision["image_token_id"] = config.image_token_id      # older configs call it image_token_index: both read here
+    vision["num_image_tokens"] = (vision["image_size"] // vision["patch_size"]) ** 2 + (strategy == "full")
+    return text, vision
 
 
 class LlamaAttention(nn.Module):
@@ -190,11 +235,14 @@ class LlamaForCausalLM(nn.Module):
 
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, kv_caches: list,
                 meta: AttentionMetadata, backend: AttentionBackend,
-                intermediate: tuple[torch.Tensor, torch.Tensor] | None = None):
+                intermediate: tuple[torch.Tensor, torch.Tensor] | None = None,
+                inputs_embeds: torch.Tensor | None = None):
         """The last stage returns hidden (num_tokens, hidden) after the final norm; other stages return
-        (hidden, residual), what the next stage takes as `intermediate`."""
+        (hidden, residual), what the next stage takes as `intermediate`. `inputs_embeds` (num_tokens, hidden), on the
+        first stage: the embeddings to run instead of input_ids' (a multimodal prompt's, images merged in)."""
         if self.pp.is_first:
-            hidden, residual = self.embed_tokens(input_ids), None                # (num_tokens, hidden)
+            hidden = self.embed_tokens(input_ids) if inputs_embeds is None else inputs_embeds  # (num_tokens, hidden)
+            residual = None
         else:
             hidden, residual = intermediate
         for layer, kv_cache in zip(self.layers, kv_caches):
@@ -203,6 +251,10 @@ class LlamaForCausalLM(nn.Module):
             return hidden, residual
         hidden, _ = self.norm(hidden, residual)
         return hidden
+
+    def embed_input_ids(self, input_ids: torch.Tensor) -> torch.Tensor:
+        """The token embeddings (num_tokens, hidden) of input_ids (num_tokens,), on the first stage."""
+        return self.embed_tokens(input_ids)
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
         return self.lm_head(hidden).float()                                   # (rows, vocab_size) fp32

@@ -15,6 +15,7 @@ from safetensors import safe_open
 
 from minivllm.model.layers import PPStage, TPGroup
 from minivllm.model.llama import LlamaForCausalLM, ModelConfig
+from minivllm.model.llava import LlavaForConditionalGeneration
 from minivllm.platforms import process_weights_after_loading
 from minivllm.platforms.cpu import has_bf16_arithmetic
 
@@ -104,11 +105,17 @@ def _resolve_dtype(dtype: str | torch.dtype, cfg: ModelConfig, device: torch.dev
 
 def load_model(path: Path, cfg: ModelConfig, dtype: torch.dtype, device: torch.device,
                tp: TPGroup = TPGroup(), pp: PPStage = PPStage(), quantization: str | None = None) -> LlamaForCausalLM:
-    """This rank's part of the model: its TP shard of its pipeline stage's layers (each rank reads only those)."""
+    """This rank's part of the model: its TP shard of its pipeline stage's layers (each rank reads only those).
+    A LLaVA checkpoint gives a LlavaForConditionalGeneration (one rank, unquantized; its vision tower and projector
+    in `dtype` too)."""
     check_checkpoint_files(path)
     files = sorted(path.glob("*.safetensors"))
+    multimodal = cfg.architecture == "LlavaForConditionalGeneration"
+    if multimodal and quantization is not None:
+        raise ValueError(f"quantization={quantization!r} with a {cfg.architecture} checkpoint: minivllm quantizes "
+                         "text models only; leave quantization unset for LLaVA.")
     with torch.device(device):
-        model = LlamaForCausalLM(cfg, tp, pp)
+        model = (LlavaForConditionalGeneration if multimodal else LlamaForCausalLM)(cfg, tp, pp)
     # weights in `dtype` (the rotary tables stay fp32); a quantized model is quantized from the checkpoint's own
     # values (gguf needs them exactly: bf16 would move them off the Q4_1 grid), then the rest is cast
     load_dtype = torch.float32 if quantization is not None else dtype

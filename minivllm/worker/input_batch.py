@@ -43,6 +43,7 @@ class ModelInput:
     # tokens the previous batch samples, still on the device: the host writes 0 there and the device fills them in.
     prev_token_rows: list[tuple[int, int]] = field(default_factory=list)
     kv_connector_metadata: object = None       # KV transfer: blocks loaded before / saved after the forward
+    mm: object = None                          # images: encoder_runner.MultiModalBatch; None for a text model
 
 
 def model_input_tensors(mi: ModelInput, device: torch.device):

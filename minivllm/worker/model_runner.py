@@ -40,6 +40,8 @@ from minivllm.model.loader import load_model, load_tokenizer, resolve_dtype
 from minivllm.model._kernels import kernels
 from minivllm.platforms.cpu import empty_on_huge_pages, settle_on_huge_pages
 from minivllm.worker.pipeline_stage import PipelineStageMixin
+from minivllm.worker.warm_up import warm_up
+from minivllm.worker.encoder_runner import EncoderRunner, MultiModalBatch, image_spans
 from minivllm.core.request import Request
 from minivllm.worker.input_batch import (GrammarBitmaskFn, InFlightBatch, ModelInput, copy_to_host, first_rows,
                                          model_input_tensors, pick_rows, prev_token_inputs)
@@ -92,6 +94,7 @@ class ModelRunner(PipelineStageMixin):
         self.record_stage_times = False
         self.graphs: DecodeGraphs | None = None                          # set by allocate_kv_cache on CUDA
         self.kv_connector = None         # KV transfer's worker side (kv_transfer/base.py), set by the engine
+        self.encoder_runner = EncoderRunner(self.model) if model_cfg.vision else None   # images (encoder_runner.py)
 
     def allocate_kv_cache(self, num_kv_blocks: int) -> None:
         c = self.model_cfg
@@ -123,39 +126,9 @@ class ModelRunner(PipelineStageMixin):
         if hasattr(self.proposer, "allocate_kv_cache"):           # a draft model: its KV under the same block ids
             self.proposer.allocate_kv_cache(num_kv_blocks)
 
-    @torch.inference_mode()
     def warm_up(self, num_tokens: int, tokens_per_seq: int = 128) -> None:
-        """One prefill of `num_tokens` dummy tokens (prompts of `tokens_per_seq`) on a scratch cache, before
-        serving: the first large step pays once for what later steps reuse (the allocator's growth, oneDNN's
-        first calls), as vLLM warms its model up before serving. Touches no request, block or counter, and not the
-        KV cache. One process only: under tensor or pipeline parallelism every rank would have to run it at the
-        same point (the caller checks)."""
-        if self.tp.size > 1 or self.pp.size > 1:
-            raise RuntimeError("warm_up runs in a single process only (tensor_parallel_size and "
-                               "pipeline_parallel_size 1)")
-        max_len = self.config.max_model_len or self.model_cfg.max_position_embeddings
-        lens = []
-        while sum(lens) < num_tokens:
-            lens.append(min(tokens_per_seq, max_len, num_tokens - sum(lens)))
-        bs, device = self.block_size, self.device
-        blocks = [-(-n // bs) for n in lens]
-        width = max(blocks)
-        cache = torch.zeros(2, self.num_layers, sum(blocks), bs, self.num_kv_heads, self.model_cfg.head_dim,
-                            dtype=self.dtype, device=device)             # scratch, freed on return
-        kv_caches = [(cache[0, i], cache[1, i]) for i in range(self.num_layers)]
-        firsts = [sum(blocks[:i]) for i in range(len(lens))]              # sequence i owns blocks firsts[i] ...
-        tables = [[f + j for j in range(b)] + [0] * (width - b) for f, b in zip(firsts, blocks)]
-
-        def t(x, dtype):
-            return torch.tensor(x, dtype=dtype, device=device)
-        positions = [p for n in lens for p in range(n)]
-        meta = AttentionMetadata(
-            slot_mapping=t([f * bs + p for f, n in zip(firsts, lens) for p in range(n)], torch.int64),
-            cu_seqlens_q=t([sum(lens[:i]) for i in range(len(lens) + 1)], torch.int32),
-            seq_lens=t(lens, torch.int32), block_tables=t(tables, torch.int32), max_q_len=max(lens),
-            max_seq_len=max(lens), q_lens_cpu=lens, seq_lens_cpu=lens)
-        input_ids = t([(100 + 7 * i) % self.model_cfg.vocab_size for i in range(len(positions))], torch.int64)
-        self.model(input_ids, t(positions, torch.int64), kv_caches, meta, self.backend)
+        """One prefill of `num_tokens` dummy tokens on a scratch cache before serving (warm_up.py)."""
+        warm_up(self, num_tokens, tokens_per_seq)
 
     def release_memory(self) -> None:
         """At shutdown: drop the weights, the KV caches and the CUDA graphs, so the next engine in this process
@@ -172,9 +145,11 @@ class ModelRunner(PipelineStageMixin):
             gc.collect()                                  # cycles through the model's modules
             torch.cuda.empty_cache()                      # hand the cached blocks back to the device
 
-    def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, meta: AttentionMetadata) -> torch.Tensor:
-        """The model on this rank's KV cache: hidden (num_tokens, hidden_size). What a CUDA graph captures."""
-        return self.model(input_ids, positions, self.kv_caches, meta, self.backend)
+    def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, meta: AttentionMetadata,
+                inputs_embeds: torch.Tensor | None = None) -> torch.Tensor:
+        """The model on this rank's KV cache: hidden (num_tokens, hidden_size). What a CUDA graph captures.
+        `inputs_embeds` (images): the step's embeddings, instead of the token table's."""
+        return self.model(input_ids, positions, self.kv_caches, meta, self.backend, inputs_embeds=inputs_embeds)
 
     @property
     def bytes_per_block(self) -> int:
@@ -219,6 +194,7 @@ class ModelRunner(PipelineStageMixin):
         sample_rows: list[int] = []
         sampling_requests: list[Request] = []
         spans: list[PromptLogprobsSpan] = []
+        mm_spans: list[tuple[int, str, int, int]] = []
         for req in out.scheduled:
             n = out.num_scheduled_tokens[req.request_id]
             drafts = out.scheduled_spec_decode_tokens.get(req.request_id, [])
@@ -234,6 +210,8 @@ class ModelRunner(PipelineStageMixin):
             if end - len(drafts) > req.num_tokens:       # async: the last input is still being sampled
                 prev_token_rows.append((len(input_ids) + len(known), prev_rows[req.request_id]))
                 known = known + [0]
+            if req.mm_features:                          # images: which rows take encoder output
+                mm_spans += image_spans(req, start, end, len(input_ids))
             input_ids += known + drafts                  # drafts go after the last token
             positions += range(start, end)
             table = req.block_table
@@ -248,7 +226,9 @@ class ModelRunner(PipelineStageMixin):
         block_tables = [r.block_table + [0] * (max_blocks - len(r.block_table)) for r in out.scheduled]
         model_input = ModelInput(input_ids, positions, slot_mapping, q_lens, seq_lens, block_tables, sample_rows,
                                  list(out.blocks_to_swap_out), list(out.blocks_to_swap_in), spans,
-                                 prev_token_rows=prev_token_rows, kv_connector_metadata=out.kv_connector_metadata)
+                                 prev_token_rows=prev_token_rows, kv_connector_metadata=out.kv_connector_metadata,
+                                 mm=None if self.encoder_runner is None else MultiModalBatch(
+                                     out.free_encoder_hashes, out.encoder_inputs, mm_spans))
         return model_input, sampling_requests
 
     # ------------------------------------------------------------------ the step (every rank)
@@ -280,7 +260,8 @@ class ModelRunner(PipelineStageMixin):
         if self.pp.size > 1:
             return self._execute_stage(mi)
         prev = prev_token_inputs(mi, prev_sampled, self.device)
-        if self.graphs is not None and self.graphs.can_run(mi.q_lens, mi.block_tables):
+        images = mi.mm is not None and self.encoder_runner.run(mi.mm)       # encode; True if rows take their output
+        if not images and self.graphs is not None and self.graphs.can_run(mi.q_lens, mi.block_tables):
             hidden = self.graphs.run(mi.input_ids, mi.positions, mi.slot_mapping, mi.seq_lens, mi.block_tables, prev)
         else:
             if self.graphs is not None:
@@ -288,7 +269,8 @@ class ModelRunner(PipelineStageMixin):
             input_ids, positions, meta = model_input_tensors(mi, self.device)
             if prev is not None:
                 input_ids.index_copy_(0, *prev)
-            hidden = self.forward(input_ids, positions, meta)                  # (num_tokens, hidden)
+            embeds = self.encoder_runner.inputs_embeds(mi.mm, input_ids) if images else None
+            hidden = self.forward(input_ids, positions, meta, embeds)          # (num_tokens, hidden)
         if self.kv_connector is not None:          # KV transfer: save this step's blocks, layer by layer
             for layer, (key_cache, value_cache) in enumerate(self.kv_caches):
                 self.kv_connector.save_kv_layer(layer, key_cache, value_cache)
