@@ -359,7 +359,8 @@ print("step 1, by the scheduler:", plan.num_scheduled_tokens)
 # step that preempted, brings back swapped requests (`_swap_in`, lesson 03), looks up a waiting prompt's prefix
 # in the cache (`num_cached`, 0 here) and offers the blocks a step fills to the requests admitted after it
 # (`_offer_blocks`, lesson 01), and caps one request's prefill chunk at `long_prefill_token_threshold` (`_chunk`:
-# 96 tokens on a CPU, so a long prompt shares its steps with the others' decodes). The other modes plug in at the
+# 96 tokens on a CPU, so a long prompt shares its steps with the others' decodes; with images, it also stops
+# before an image whose encoder output has no room yet, lesson 13). The other modes plug in at the
 # small methods it calls, and cost nothing when they are off: speculative decoding's drafts (`_drafts_to_verify`,
 # lesson 09), and batches in flight (pipeline parallelism, async scheduling), which are a subclass,
 # `AsyncScheduler`, overriding those methods (lesson 11).

@@ -67,6 +67,17 @@ def test_greedy_tokens_equal_hf_with_0_1_2_images_with_chunks_cutting_through_th
     assert engine.scheduler.encoder_cache_manager.num_encoder_inputs_scheduled == 3
     assert max(t.num_prefill_tokens for t in traces) <= 7 * len(PROMPTS)
     engine.check_integrity()
+    stats = engine.get_stats()        # the live view's encoder cache line
+    assert (stats.encoder_cache_size, stats.num_encoder_inputs_scheduled, stats.num_encoder_outputs_kept) == (
+        engine.config.max_num_batched_tokens, 3, 3)
+    assert stats.encoder_cache_used == 3 * 16
+    from minivllm.engine.stats import EngineSnapshot
+    from minivllm.entrypoints.dashboard import render_stats
+    snap = EngineSnapshot.__new__(EngineSnapshot)
+    for name, value in dict(stats=stats, queues=engine.get_queues(), recent_traces=(), paused=False, loop_alive=True,
+                            num_requests=0, finished={}).items():
+        object.__setattr__(snap, name, value)
+    assert f"48 / {stats.encoder_cache_size} rows (3 images kept); images encoded so far 3" in render_stats(snap)
 
 
 def test_preemption_with_images_gives_the_same_tokens(ckpt, hf_tokens):

@@ -65,6 +65,12 @@ class EngineStats:
     num_spec_draft_tokens: int = 0
     num_spec_accepted_tokens: int = 0
     num_spec_accepted_tokens_per_pos: tuple[int, ...] = ()
+    # Images (a vision-language model's encoder cache, core/encoder_cache_manager.py): its size and rows in use
+    # (kept outputs, needed or freeable), outputs kept, and images sent to the encoder so far. 0 for a text model.
+    encoder_cache_size: int = 0
+    encoder_cache_used: int = 0
+    num_encoder_outputs_kept: int = 0
+    num_encoder_inputs_scheduled: int = 0
 
     @property
     def spec_acceptance_rate(self) -> float:
@@ -75,3 +81,11 @@ class EngineStats:
     def spec_mean_acceptance_length(self) -> float:
         """Tokens a request gets from one verification step: its accepted drafts plus the one the target adds."""
         return 1 + self.num_spec_accepted_tokens / self.num_spec_drafts if self.num_spec_drafts else 0.0
+
+
+def encoder_cache_stats(ecm) -> dict:
+    """EngineStats' encoder cache fields from the scheduler's EncoderCacheManager (none for a text model)."""
+    if ecm is None:
+        return {}
+    return dict(encoder_cache_size=ecm.cache_size, encoder_cache_used=ecm.cache_size - ecm.num_free_slots,
+                num_encoder_outputs_kept=len(ecm.sizes), num_encoder_inputs_scheduled=ecm.num_encoder_inputs_scheduled)

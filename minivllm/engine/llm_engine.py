@@ -28,7 +28,7 @@ from minivllm.core.block_pool import BlockEvents
 from minivllm.core.scheduler import Scheduler, SchedulerOutput
 from minivllm.core.structured_output import StructuredOutputManager
 from minivllm.engine.trace import PipelineTrace, StepTrace, StepTracer
-from minivllm.engine.engine_stats import EngineQueues, EngineStats, QueuedRequest
+from minivllm.engine.engine_stats import EngineQueues, EngineStats, QueuedRequest, encoder_cache_stats
 from minivllm.engine.input_processor import InputProcessor, ProcessedRequest, PromptType
 from minivllm.engine.output_processor import OutputProcessor
 from minivllm.engine.parallel_sampling import ParentRequest
@@ -109,8 +109,7 @@ class LLMEngine:
         self._ids = itertools.count()
         self.num_steps = self.num_failed_steps = 0
         self.failed_request_ids: list[str] = []    # the requests of the last step that raised
-        self.num_prompt_tokens_computed = 0
-        self.num_generated_tokens = 0
+        self.num_prompt_tokens_computed = self.num_generated_tokens = 0
         self.trace_listeners: list[Callable[[StepTrace], None]] = []
         self._tracer = StepTracer()
         self._sigint = SigintGuard()
@@ -367,7 +366,8 @@ class LLMEngine:
             num_failed_steps=self.num_failed_steps, num_batches_in_flight=len(self.batch_queue),
             num_spec_drafts=self.scheduler.num_drafts, num_spec_draft_tokens=self.scheduler.num_draft_tokens,
             num_spec_accepted_tokens=self.scheduler.num_accepted_tokens,
-            num_spec_accepted_tokens_per_pos=tuple(self.scheduler.num_accepted_tokens_per_pos))
+            num_spec_accepted_tokens_per_pos=tuple(self.scheduler.num_accepted_tokens_per_pos),
+            **encoder_cache_stats(self.scheduler.encoder_cache_manager))
 
     def get_queues(self) -> EngineQueues:
         """The running and waiting queues, copied (O(live requests)); taken with get_stats, they agree."""

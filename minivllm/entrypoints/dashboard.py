@@ -145,7 +145,11 @@ def render_stats(snap: EngineSnapshot) -> str:
         f"{100 * s.kv_usage:.1f}% ({s.num_kv_blocks - s.num_free_blocks} / {s.num_kv_blocks} blocks held)<br>"
         f"prefix-cache hit rate {100 * s.prefix_cache_hit_rate:.1f}% ({s.prefix_cache_hits} of "
         f"{s.prefix_cache_queries} prompt tokens)<br>"
-        f"running {len(q.running)}, waiting {len(q.waiting)} (of which preempted "
+        + (f'encoder cache <span class="mv-bar"><div style="width:'
+           f'{100 * s.encoder_cache_used / s.encoder_cache_size:.1f}%"></div></span> {s.encoder_cache_used} / '
+           f"{s.encoder_cache_size} rows ({s.num_encoder_outputs_kept} images kept); images encoded so far "
+           f"{s.num_encoder_inputs_scheduled}<br>" if s.encoder_cache_size else "")
+        + f"running {len(q.running)}, waiting {len(q.waiting)} (of which preempted "
         f"{len(q.with_status('preempted'))}, swapped {len(q.with_status('swapped'))}); "
         f"preemptions so far {s.num_preemptions}<br>"
         f"generated {s.num_generated_tokens} tokens, prefilled {s.num_prompt_tokens_computed}; {rate}<br>"
