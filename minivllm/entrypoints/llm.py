@@ -12,6 +12,8 @@ from collections.abc import Sequence
 from minivllm.config import EngineConfig
 from minivllm.engine.input_processor import ProcessedRequest
 from minivllm.engine.llm_engine import EngineStats, LLMEngine, PromptType
+from minivllm.entrypoints.chat_utils import ImagePart, image_placeholder, load_images, message_text
+from minivllm.entrypoints.protocol import APIError
 from minivllm.outputs import RequestOutput
 from minivllm.core.sampling_params import RequestOutputKind, SamplingParams
 
@@ -63,17 +65,30 @@ class LLM:
     def chat(self, messages: list[dict] | list[list[dict]],
              sampling_params: SamplingParams | Sequence[SamplingParams] | None = None,
              use_tqdm: bool = True, add_generation_prompt: bool = True) -> list[RequestOutput]:
-        """Apply the tokenizer's chat template to one conversation (a list of messages) or to a list of them."""
+        """Apply the tokenizer's chat template to one conversation (a list of messages) or to a list of them.
+        A message's content may be a list of parts, as the server takes them (chat_utils.py): text, image_url (a
+        data URI, or a local file under allowed_local_media_path) and image_pil (a PIL image)."""
         conversations = [messages] if messages and isinstance(messages[0], dict) else list(messages)
+        tokenizer = self.get_tokenizer()
+        mm_processor = self.llm_engine.input_processor.mm_processor          # None for a text model
+        placeholder = image_placeholder(tokenizer, mm_processor)
         prompts = []
         for i, conv in enumerate(conversations):
             if not conv or not all(isinstance(m, dict) and "role" in m and "content" in m for m in conv):
                 raise ValueError(f"conversation {i} must be a non-empty list of {{'role': ..., 'content': ...}} "
                                  "messages.")
-            text = self.get_tokenizer().apply_chat_template(conv, tokenize=False,
-                                                            add_generation_prompt=add_generation_prompt)
-            ids = self.get_tokenizer().encode(text, add_special_tokens=False)
-            prompts.append({"prompt": text, "prompt_token_ids": ids})
+            images: list[ImagePart] = []
+            try:
+                conv = [{**m, "content": message_text(m["content"], f"messages[{j}]", placeholder, images)}
+                        if isinstance(m["content"], list) else m for j, m in enumerate(conv)]
+                loaded = load_images(images, mm_processor) if images else []
+            except APIError as e:
+                raise ValueError(f"conversation {i}: {e.message}") from None
+            text = tokenizer.apply_chat_template(conv, tokenize=False, add_generation_prompt=add_generation_prompt)
+            prompt = {"prompt": text, "prompt_token_ids": tokenizer.encode(text, add_special_tokens=False)}
+            if loaded:
+                prompt["multi_modal_data"] = {"image": loaded}
+            prompts.append(prompt)
         return self.generate(prompts, sampling_params, use_tqdm=use_tqdm)
 
     def get_stats(self) -> EngineStats:

@@ -8,6 +8,8 @@ request: it gets token ids. The event loop only measures lengths; the work runs 
 holds the GIL a few milliseconds at a time, so /health and other streams go on.
 
     body        more than `max_body_bytes` (Content-Length, or counted as it arrives)      -> 413
+    images      a chat's image parts are decoded here too (chat_utils.load_images), each within
+                limit_mm_per_prompt and the processor's size limits                        -> 400 naming the part
     prompt      more characters than `max_model_len` tokens can hold (`char_cap`: no token of
                 the tokenizer decodes to more than `max_token_chars` characters), refused
                 before it is tokenized                                                     -> 400 naming the field
@@ -35,7 +37,7 @@ import threading
 import time
 from concurrent.futures import ThreadPoolExecutor
 
-from minivllm.entrypoints.chat_utils import apply_chat_template
+from minivllm.entrypoints.chat_utils import ImagePart, apply_chat_template, load_images
 from minivllm.entrypoints.protocol import APIError
 
 MAX_BODY_BYTES = 8 << 20          # a body of max_model_len-token prompts is far below this
@@ -122,6 +124,12 @@ class Renderer:
         return APIError(f"the request's chat_template did not finish rendering within {self.render_time_limit_s} "
                         "s; a chat template should only lay out the messages. Simplify it, or leave it out to use "
                         "the model's template.", param="chat_template")
+
+    # ------------------------------------------------------------------ images
+    async def load_images(self, images: list[ImagePart], mm_processor) -> list:
+        """A chat's image parts decoded (PIL images) in the worker thread, before anything is queued: a malformed
+        image, a URL, a file outside allowed_local_media_path or one image too many is a 400 naming its part."""
+        return await self._run(load_images, images, mm_processor)
 
     # ------------------------------------------------------------------ grammars
     async def compile_grammar(self, manager, params, param: str) -> None:

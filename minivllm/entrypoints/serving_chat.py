@@ -1,7 +1,8 @@
 """POST /v1/chat/completions (vLLM's entrypoints/openai/serving_chat.py): a conversation, rendered by the chat
 template into one prompt, answered by n choices.
 
-Owns: reading the messages and template options (chat_utils.py; rendered by renderer.py), the route's default length (the rest of the
+Owns: reading the messages and template options (chat_utils.py; rendered by renderer.py, which also decodes a
+vision-language model's image parts before anything is queued), the route's default length (the rest of the
 context), the stream's opening role chunk, and the chat logprobs object ({"content": [...]}). Running the request
 and writing the answer is serving_engine.py's.
 """
@@ -10,7 +11,7 @@ from __future__ import annotations
 
 from fastapi import Request
 
-from minivllm.entrypoints.chat_utils import parse_chat_options, parse_messages
+from minivllm.entrypoints.chat_utils import image_placeholder, parse_chat_options, parse_conversation
 from minivllm.entrypoints.protocol import check_fields, parse_stream
 from minivllm.entrypoints.serving_engine import (ChoiceShape, OpenAIServing, ParsedRequest, ResponseMeta,
                                                  clamp_logprob, make_choice)
@@ -21,11 +22,21 @@ class OpenAIServingChat(OpenAIServing):
     is_chat = True
     request_id_prefix = "chatcmpl"
 
+    def __init__(self, *args, **kwargs):
+        super().__init__(*args, **kwargs)
+        # Read once, before serving: the tokenizers are not to be shared across threads while requests run.
+        self.mm_processor = self.async_engine.engine.input_processor.mm_processor      # None for a text model
+        self.image_placeholder = image_placeholder(self.renderer.tokenizer, self.mm_processor)
+
     async def create_chat_completion(self, request: Request):
         body = await self.read_body(request)
         check_fields(body, "/v1/chat/completions")
-        prompt = await self.renderer.render_chat(parse_messages(body), parse_chat_options(body))
-        return await self.serve(request, ParsedRequest([prompt], body, *parse_stream(body), "messages"))
+        conversation = parse_conversation(body, self.image_placeholder)
+        options = parse_chat_options(body)
+        images = await self.renderer.load_images(conversation.images, self.mm_processor) if conversation.images else []
+        prompt = await self.renderer.render_chat(conversation.messages, options)
+        return await self.serve(request, ParsedRequest([prompt], body, *parse_stream(body), "messages",
+                                                       tuple(images)))
 
     def default_max_tokens(self, num_prompt_tokens: int) -> int:
         """The rest of the context (or of the KV pool, if smaller)."""

@@ -46,6 +46,7 @@ class ParsedRequest:
     stream: bool
     include_usage: bool
     prompt_param: str              # where a prompt error points: "prompt" or "messages"
+    images: tuple = ()             # chat: the prompt's images (PIL, decoded by the front end), one per placeholder
 
 
 # ---------------------------------------------------------------------- the shapes of a response
@@ -217,19 +218,26 @@ class OpenAIServing:
     def plan(self, engine, parsed: ParsedRequest, tokenized: list[tuple[str | None, list[int]]],
              checked: SamplingParams) -> tuple[list[dict], list[SamplingParams]]:
         """On the engine thread, in the same command that adds the requests (AsyncLLMEngine.add_requests): each
-        prompt (tokenized by the front end, passed on as ids) and its SamplingParams. An explicit max_tokens must
-        fit the context with the prompt (400 otherwise, as vLLM). Without one, default_max_tokens says."""
+        prompt (tokenized by the front end, passed on as ids, with a chat's images) and its SamplingParams. An
+        explicit max_tokens must fit the context with the prompt, its images' rows counted (400 otherwise, as
+        vLLM). Without one, default_max_tokens says."""
         max_tokens_name, max_tokens = requested_max_tokens(parsed.body, self.is_chat)
         prompts, params = [], []
         limit = self.async_engine.max_model_len
+        # each image's one placeholder token becomes its encoder rows in the engine (multimodal/processor.py)
+        grown = len(parsed.images) * (engine.input_processor.mm_processor.num_image_tokens - 1) if parsed.images else 0
         for text, ids in tokenized:
-            if max_tokens is not None and len(ids) < limit < len(ids) + max_tokens:
-                raise APIError(f"prompt ({len(ids)} tokens) + '{max_tokens_name}' ({max_tokens}) is "
-                               f"{len(ids) + max_tokens} tokens; max_model_len is {limit}. Lower "
-                               f"'{max_tokens_name}' to at most {limit - len(ids)} or shorten the prompt.",
+            n = len(ids) + grown
+            if max_tokens is not None and n < limit < n + max_tokens:
+                raise APIError(f"prompt ({n} tokens) + '{max_tokens_name}' ({max_tokens}) is "
+                               f"{n + max_tokens} tokens; max_model_len is {limit}. Lower "
+                               f"'{max_tokens_name}' to at most {limit - n} or shorten the prompt.",
                                param=max_tokens_name)
-            default = self.default_max_tokens(len(ids))
-            prompts.append({"prompt": text, "prompt_token_ids": ids} if text is not None else ids)
+            default = self.default_max_tokens(n)
+            prompt = {"prompt": text, "prompt_token_ids": ids} if text is not None else ids
+            if parsed.images:
+                prompt["multi_modal_data"] = {"image": list(parsed.images)}
+            prompts.append(prompt)
             params.append(sampling_params_from_body(parsed.body, self.is_chat, default_max_tokens=default))
         return prompts, params
 
