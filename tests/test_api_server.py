@@ -875,3 +875,16 @@ def test_streamed_usage_is_exact(client, hf_tokenizer):
     assert chunks[-1].choices == [] and all(c.usage is None for c in chunks[:-1])
     n = len(hf_tokenizer.encode(prompt))
     assert (usage.prompt_tokens, usage.completion_tokens, usage.total_tokens) == (n, 7, n + 7)
+
+
+def test_cache_salt_is_taken_and_a_bad_one_is_a_400_naming_it(client):
+    """vLLM's cache_salt: accepted on both routes (tests/test_cache_salt.py checks what it does); not a string: 400."""
+    for salt in ("tenant-a", "tenant-b"):
+        out = client.completions.create(model=MODEL, prompt="The capital of France is", max_tokens=2, temperature=0,
+                                        extra_body={"cache_salt": salt})
+        assert out.choices[0].text
+    chat = client.chat.completions.create(model=MODEL, messages=CHAT, max_tokens=2, extra_body={"cache_salt": "x"})
+    assert chat.choices[0].message.content is not None
+    with pytest.raises(openai.BadRequestError) as e:
+        client.completions.create(model=MODEL, prompt="hi", max_tokens=2, extra_body={"cache_salt": 5})
+    assert e.value.body["param"] == "cache_salt" and "cache_salt is 5" in e.value.body["message"]

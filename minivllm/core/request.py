@@ -84,6 +84,7 @@ class Request(Journaled):
     grammar: Grammar | None = None        # structured output's matcher; the scheduler advances it (structured_output.py)
     spec_token_ids: list[int] = journaled(default_factory=list)   # speculative decoding: drafts for the next step
     mm_features: tuple = ()               # images: MultiModalFeature per image, by offset (multimodal/inputs.py)
+    cache_salt: str | None = None         # a tenant's salt: its prefix-cache hits are its own (enters block 0's key)
 
     def __post_init__(self) -> None:
         self.all_token_ids = list(self.prompt_token_ids)   # prompt + outputs, appended as we go
@@ -108,8 +109,11 @@ class Request(Journaled):
 
     def block_key(self, i: int, block_size: int) -> tuple:
         """Block i as the prefix cache names it: its token ids and, when it holds image tokens, (hash, offset in the
-        image) of each such image, so that prompts with different images never share a block."""
+        image) of each such image, so that prompts with different images never share a block. With a cache_salt,
+        block 0's key carries it, and through the hash chain so does every later block's (vLLM's rule)."""
         key = tuple(self.all_token_ids[i * block_size:(i + 1) * block_size])
+        if i == 0 and self.cache_salt is not None:
+            key += (("cache_salt", self.cache_salt),)
         if not self.mm_features:
             return key
         start, end = i * block_size, (i + 1) * block_size

@@ -24,6 +24,7 @@ class ProcessedRequest:
     priority: int
     bad_words_token_ids: list[list[int]]
     mm_features: tuple = ()                  # images (multimodal/inputs.py), their placeholders already expanded
+    cache_salt: str | None = None            # {"cache_salt": ...}: prefix-cache hits only among equal salts
 
 
 class InputProcessor:
@@ -45,8 +46,11 @@ class InputProcessor:
         elif isinstance(prompt, dict) and "multi_modal_data" in prompt:
             raise ValueError("prompt has multi_modal_data, but this model takes text only; serve a vision-language "
                              "model (LlavaForConditionalGeneration) to send images.")
+        salt = prompt.get("cache_salt") if isinstance(prompt, dict) else None
+        if salt is not None and (not isinstance(salt, str) or not salt):
+            raise ValueError(f"cache_salt is {salt!r}; it must be a non-empty string (or left out).")
         self.validate_request(token_ids, params, priority)
-        return ProcessedRequest(text, token_ids, params, priority, self.bad_words_token_ids(params), features)
+        return ProcessedRequest(text, token_ids, params, priority, self.bad_words_token_ids(params), features, salt)
 
     def tokenize(self, prompt: PromptType) -> tuple[str | None, list[int]]:
         """A prompt is a string, {"prompt_token_ids": [...]} (optionally with "prompt"), or a list of ids.
@@ -55,7 +59,7 @@ class InputProcessor:
         if isinstance(prompt, str):
             return prompt, self.tokenizer.encode(prompt)
         if isinstance(prompt, dict):
-            unknown = set(prompt) - {"prompt", "prompt_token_ids", "multi_modal_data"}
+            unknown = set(prompt) - {"prompt", "prompt_token_ids", "multi_modal_data", "cache_salt"}
             if unknown:
                 raise ValueError(f"prompt dict has unknown key(s) {sorted(unknown)}; "
                                  "use 'prompt_token_ids' (and optionally 'prompt').")

@@ -142,7 +142,7 @@ class LLMEngine:
             raise ValueError(f"request_id {request_id!r} is already in use.")
         structured = params.structured_outputs
         reqs = [Request(rid, token_ids, params if parent is None else parent.child_params(i),
-                        eos_token_ids=self.eos_token_ids, priority=priority,
+                        eos_token_ids=self.eos_token_ids, priority=priority, cache_salt=prompt.cache_salt,
                         bad_words_token_ids=prompt.bad_words_token_ids, mm_features=prompt.mm_features,
                         grammar=structured and self.structured_output_manager.grammar_for(structured))
                 for i, rid in enumerate(ids)]

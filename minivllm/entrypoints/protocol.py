@@ -35,7 +35,7 @@ SAMPLING_FIELDS = {"temperature", "top_p", "top_k", "seed", "n", "max_tokens", "
                    "allowed_token_ids", "logit_bias"}
 STRUCTURED_OUTPUT_FIELDS = {"response_format", "structured_outputs", "guided_json", "guided_regex", "guided_choice",
                             "guided_grammar", "guided_decoding_backend"}
-COMMON_FIELDS = {"model", "stream", "stream_options", "user"} | SAMPLING_FIELDS | STRUCTURED_OUTPUT_FIELDS
+COMMON_FIELDS = {"model", "stream", "stream_options", "user", "cache_salt"} | SAMPLING_FIELDS | STRUCTURED_OUTPUT_FIELDS
 MAX_USER_CHARS = 256            # OpenAI's `user` is an opaque id: minivllm checks it and does not use it
 CHAT_TEMPLATE_FIELDS = {"add_generation_prompt", "continue_final_message", "chat_template"}
 ACCEPTED_FIELDS = {

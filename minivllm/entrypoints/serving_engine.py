@@ -192,7 +192,8 @@ class OpenAIServing:
         try:
             streams = await self.async_engine.add_requests(build)
         except ValueError as e:                    # the engine's own checks: length, pool size, token ids
-            field = next((f for f in SAMPLING_FIELDS if str(e).startswith(f + " ")), parsed.prompt_param)
+            named = (*SAMPLING_FIELDS, "cache_salt")
+            field = next((f for f in named if str(e).startswith(f + " ")), parsed.prompt_param)
             raise APIError(str(e), param=field) from None
         except RequestError as e:
             raise APIError(str(e), status_code=503, type="service_unavailable") from None
@@ -234,9 +235,11 @@ class OpenAIServing:
                                f"'{max_tokens_name}' to at most {limit - n} or shorten the prompt.",
                                param=max_tokens_name)
             default = self.default_max_tokens(n)
-            prompt = {"prompt": text, "prompt_token_ids": ids} if text is not None else ids
+            prompt = {"prompt": text, "prompt_token_ids": ids} if text is not None else {"prompt_token_ids": ids}
             if parsed.images:
                 prompt["multi_modal_data"] = {"image": list(parsed.images)}
+            if parsed.body.get("cache_salt") is not None:     # the engine checks it (InputProcessor)
+                prompt["cache_salt"] = parsed.body["cache_salt"]
             prompts.append(prompt)
             params.append(sampling_params_from_body(parsed.body, self.is_chat, default_max_tokens=default))
         return prompts, params
