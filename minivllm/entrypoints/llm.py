@@ -12,7 +12,8 @@ from collections.abc import Sequence
 from minivllm.config import EngineConfig
 from minivllm.engine.input_processor import ProcessedRequest
 from minivllm.engine.llm_engine import EngineStats, LLMEngine, PromptType
-from minivllm.entrypoints.chat_utils import ImagePart, image_placeholder, load_images, message_text
+from minivllm.entrypoints.chat_utils import (ImagePart, apply_chat_template, image_placeholder, load_images,
+                                             message_text, parse_chat_options)
 from minivllm.entrypoints.protocol import APIError
 from minivllm.outputs import RequestOutput
 from minivllm.core.sampling_params import RequestOutputKind, SamplingParams
@@ -64,11 +65,18 @@ class LLM:
 
     def chat(self, messages: list[dict] | list[list[dict]],
              sampling_params: SamplingParams | Sequence[SamplingParams] | None = None,
-             use_tqdm: bool = True, add_generation_prompt: bool = True) -> list[RequestOutput]:
-        """Apply the tokenizer's chat template to one conversation (a list of messages) or to a list of them.
-        A message's content may be a list of parts, as the server takes them (chat_utils.py): text, image_url (a
-        data URI, or a local file under allowed_local_media_path) and image_pil (a PIL image)."""
+             use_tqdm: bool = True, add_generation_prompt: bool = True, continue_final_message: bool = False,
+             chat_template: str | None = None, tools: list[dict] | None = None,
+             chat_template_kwargs: dict | None = None) -> list[RequestOutput]:
+        """Apply the tokenizer's chat template (or `chat_template`) to one conversation (a list of messages) or to a
+        list of them, as vLLM's LLM.chat. A message's content may be a list of parts, as the server takes them
+        (chat_utils.py): text, image_url (a data URI, or a local file under allowed_local_media_path) and image_pil
+        (a PIL image). `continue_final_message` leaves the last (assistant) message open for the model to continue
+        (with add_generation_prompt=False, as in vLLM); `tools` (OpenAI function definitions) and
+        `chat_template_kwargs` go to the template as they are."""
         conversations = [messages] if messages and isinstance(messages[0], dict) else list(messages)
+        options = self._chat_options(add_generation_prompt, continue_final_message, chat_template, tools,
+                                     chat_template_kwargs)
         tokenizer = self.get_tokenizer()
         mm_processor = self.llm_engine.input_processor.mm_processor          # None for a text model
         placeholder = image_placeholder(tokenizer, mm_processor)
@@ -82,14 +90,37 @@ class LLM:
                 conv = [{**m, "content": message_text(m["content"], f"messages[{j}]", placeholder, images)}
                         if isinstance(m["content"], list) else m for j, m in enumerate(conv)]
                 loaded = load_images(images, mm_processor) if images else []
+                text = apply_chat_template(tokenizer, conv, options)
             except APIError as e:
                 raise ValueError(f"conversation {i}: {e.message}") from None
-            text = tokenizer.apply_chat_template(conv, tokenize=False, add_generation_prompt=add_generation_prompt)
             prompt = {"prompt": text, "prompt_token_ids": tokenizer.encode(text, add_special_tokens=False)}
             if loaded:
                 prompt["multi_modal_data"] = {"image": loaded}
             prompts.append(prompt)
         return self.generate(prompts, sampling_params, use_tqdm=use_tqdm)
+
+    @staticmethod
+    def _chat_options(add_generation_prompt: bool, continue_final_message: bool, chat_template: str | None,
+                      tools: list[dict] | None, chat_template_kwargs: dict | None) -> dict:
+        """apply_chat_template's options, checked as the server checks a request's (chat_utils.parse_chat_options)."""
+        body = {"add_generation_prompt": add_generation_prompt, "continue_final_message": continue_final_message}
+        if chat_template is not None:
+            body["chat_template"] = chat_template
+        try:
+            options = parse_chat_options(body)
+        except APIError as e:
+            raise ValueError(e.message) from None
+        if tools is not None:
+            if not isinstance(tools, list) or not all(isinstance(t, dict) and t.get("type") == "function"
+                                                      and isinstance(t.get("function"), dict) for t in tools):
+                raise ValueError("tools must be a list of {'type': 'function', 'function': {'name': ..., "
+                                 "'parameters': {...}}} definitions (OpenAI's).")
+            options["tools"] = tools
+        if chat_template_kwargs is not None:
+            if not isinstance(chat_template_kwargs, dict):
+                raise ValueError(f"chat_template_kwargs is a {type(chat_template_kwargs).__name__}; pass a dict.")
+            options.update(chat_template_kwargs)
+        return options
 
     def get_stats(self) -> EngineStats:
         return self.llm_engine.get_stats()
