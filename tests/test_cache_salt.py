@@ -34,6 +34,7 @@ def test_only_equal_salts_share_blocks(first, second, hits):
     assert len(kv.get_computed_blocks(Request("new", tokens, SamplingParams(), cache_salt=second))) == hits
 
 
+@pytest.mark.slow
 def test_salted_prompts_share_only_within_their_salt_and_answer_the_same(llm):
     engine = llm.llm_engine
     engine.reset_prefix_cache()

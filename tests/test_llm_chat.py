@@ -21,6 +21,7 @@ def tokenizer(model_dir):
     return AutoTokenizer.from_pretrained(model_dir)
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("options", [
     dict(add_generation_prompt=False, continue_final_message=True),
     dict(chat_template=PLAIN_TEMPLATE),

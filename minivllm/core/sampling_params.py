@@ -111,6 +111,7 @@ class SamplingParams:
     bad_words: words that must never be generated (each tokenized with and without a leading space).
     allowed_token_ids: only these token ids can be generated.
     logit_bias: {token_id: bias} added to the logits (bias clamped to [-100, 100], as vLLM does).
+    truncate_prompt_tokens: keep only the prompt's last k tokens (-1: max_model_len of them), as vLLM does.
 
     structured_outputs: StructuredOutputsParams (JSON schema, regex, choice, grammar): a grammar masks every step's
         logits to the tokens that keep the output in its language (core/structured_output.py).
@@ -139,6 +140,7 @@ class SamplingParams:
     allowed_token_ids: list[int] | None = None
     logit_bias: dict[int, float] | None = None
     structured_outputs: StructuredOutputsParams | None = None
+    truncate_prompt_tokens: int | None = None
 
     def __post_init__(self) -> None:
         if isinstance(self.stop, str):
@@ -209,6 +211,10 @@ class SamplingParams:
         _check_number("min_p", self.min_p, (int, float))
         if not 0 <= self.min_p <= 1:
             raise ValueError(f"min_p is {self.min_p}; it must be in [0, 1] (0 is off).")
+        k = self.truncate_prompt_tokens
+        if k is not None and (not isinstance(k, int) or isinstance(k, bool) or not (k >= 1 or k == -1)):
+            raise ValueError(f"truncate_prompt_tokens is {k!r}; it must be an int >= 1 (keep the prompt's last k "
+                             "tokens) or -1 (max_model_len of them), or None.")
         _check_number("min_tokens", self.min_tokens, (int,))
         if not 0 <= self.min_tokens <= self.max_tokens:
             raise ValueError(f"min_tokens is {self.min_tokens}; it must be in [0, max_tokens={self.max_tokens}].")

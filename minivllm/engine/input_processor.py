@@ -39,6 +39,9 @@ class InputProcessor:
     def process_inputs(self, prompt: PromptType, params: SamplingParams, priority: int = 0) -> ProcessedRequest:
         """Tokenize and check one request; ValueError for one that can never run."""
         text, token_ids = self.tokenize(prompt)
+        if params.truncate_prompt_tokens is not None:        # vLLM: the prompt's last k tokens (-1: max_model_len)
+            token_ids = token_ids[-(self.max_model_len if params.truncate_prompt_tokens == -1
+                                    else params.truncate_prompt_tokens):]
         features = ()
         if self.mm_processor is not None:          # a VLM: each image's placeholder becomes its encoder rows
             mm_data = prompt.get("multi_modal_data", {}) if isinstance(prompt, dict) else {}

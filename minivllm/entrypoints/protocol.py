@@ -32,7 +32,7 @@ MAX_PROMPTS = 1024                   # prompts in one /v1/completions request
 SAMPLING_FIELDS = {"temperature", "top_p", "top_k", "seed", "n", "max_tokens", "stop", "stop_token_ids",
                    "ignore_eos", "skip_special_tokens", "include_stop_str_in_output", "presence_penalty",
                    "frequency_penalty", "repetition_penalty", "min_p", "min_tokens", "bad_words",
-                   "allowed_token_ids", "logit_bias"}
+                   "allowed_token_ids", "logit_bias", "truncate_prompt_tokens"}
 STRUCTURED_OUTPUT_FIELDS = {"response_format", "structured_outputs", "guided_json", "guided_regex", "guided_choice",
                             "guided_grammar", "guided_decoding_backend"}
 COMMON_FIELDS = {"model", "stream", "stream_options", "user", "cache_salt"} | SAMPLING_FIELDS | STRUCTURED_OUTPUT_FIELDS
@@ -344,7 +344,7 @@ def sampling_params_from_body(body: dict, chat: bool, default_max_tokens: int) -
         min_tokens=read_field(body, "min_tokens", "int", 0),
         bad_words=read_field(body, "bad_words", "list"),
         allowed_token_ids=read_field(body, "allowed_token_ids", "list"),
-        logit_bias=read_logit_bias(body),
+        logit_bias=read_logit_bias(body), truncate_prompt_tokens=read_field(body, "truncate_prompt_tokens", "int"),
         logprobs=lp.num_logprobs,
         prompt_logprobs=lp.prompt_logprobs,
         structured_outputs=read_structured_outputs(body),

@@ -227,8 +227,11 @@ class OpenAIServing:
         limit = self.async_engine.max_model_len
         # each image's one placeholder token becomes its encoder rows in the engine (multimodal/processor.py)
         grown = len(parsed.images) * (engine.input_processor.mm_processor.num_image_tokens - 1) if parsed.images else 0
+        truncate = parsed.body.get("truncate_prompt_tokens")          # checked by sampling_params_from_body below
         for text, ids in tokenized:
             n = len(ids) + grown
+            if isinstance(truncate, int) and not isinstance(truncate, bool) and (truncate > 0 or truncate == -1):
+                n = min(n, limit if truncate == -1 else truncate)
             if max_tokens is not None and n < limit < n + max_tokens:
                 raise APIError(f"prompt ({n} tokens) + '{max_tokens_name}' ({max_tokens}) is "
                                f"{n + max_tokens} tokens; max_model_len is {limit}. Lower "
