@@ -832,7 +832,9 @@ print("same tokens:", async_tokens[True] == async_tokens[False])
 # small methods, and `AsyncScheduler` (`minivllm/core/async_scheduler.py`) overrides exactly those. It leaves out
 # of the batch a request whose batch in flight must come back first (`_runnable`), counts the tokens that batch
 # computes and the placeholder (`_num_tokens_left`, with your `plan_ahead`), makes room after them (`_allocate`),
-# never preempts a request in flight (`_choose_victim`), and records where each request runs ahead
+# never preempts a request in flight under async scheduling (`_choose_victim`; with pipeline batches it may, as
+# vLLM: the victim is recomputed and gets its batch's token when that batch is back), and records where each
+# request runs ahead
 # (`_update_after_schedule`). The engine picks once, when it is built, the scheduler and the step: `execute_step`
 # (schedule, run, apply: one batch) or `step_with_batch_queue` (issue the next batch, then apply the oldest).
 

@@ -7,8 +7,12 @@ how many requests one batch takes. The engine picks it once, when it has batches
 
 Batches in flight (pipeline parallelism, vLLM v1's batch queue): with `max_concurrent_batches` k > 1 the engine
 schedules the next batch while up to k - 1 earlier ones are still in later pipeline stages. A request is in flight
-from the schedule that puts it in a batch to the `update_from_output` of that batch: it is never scheduled again,
-preempted or given new tokens in between (its next token is not known yet). Each batch takes at most
+from the schedule that puts it in a batch to the `update_from_output` of that batch: it is never scheduled again
+or given new tokens in between (its next token is not known yet). It may be preempted, as in vLLM: the victim is
+the lowest-priority, latest request, in flight or not; an in-flight victim is recomputed (never swapped: its batch
+still reads its blocks in the later stages, before the next batch's stage writes there), waits until its batch is
+back, and gets that batch's token then (the token is right: the batch read its KV before anyone else wrote it).
+Each batch takes at most
 ceil(n / k) requests, n being the unfinished requests (at most max_num_seqs): the k batches share them evenly,
 so every stage has work (one batch would take them all, and the next would find none).
 
@@ -61,6 +65,8 @@ class AsyncScheduler(Scheduler):
         self.max_concurrent_batches = max_concurrent_batches
         self.async_scheduling = async_scheduling
         self.in_flight: dict[Request, int] = {}
+        # In flight, and a failed step handed its blocks on (rollback_step): its batch's KV is lost, its token is not
+        self.kv_lost: set[Request] = set()
 
     # ------------------------------------------------------------------ the seams of schedule()
     def _runnable(self) -> list[Request]:
@@ -82,11 +88,19 @@ class AsyncScheduler(Scheduler):
         """Room after the tokens its batch in flight computes."""
         return self.kv_cache_manager.allocate_slots(req, self.in_flight.get(req, 0) + num_tokens)
 
+    def _chunk(self, req: Request, num_tokens_left: int, budget: int, out: SchedulerOutput) -> int:
+        """A request preempted while in flight is admitted again only once its batch is back (with its token)."""
+        if req in self.in_flight and req.status is not RequestStatus.RUNNING:
+            return 0
+        return super()._chunk(req, num_tokens_left, budget, out)
+
     def _choose_victim(self, req: Request) -> Request | None:
-        """Never a request in flight (its batch's output would be lost): one that finds no room waits instead."""
+        """The lowest-priority, latest request, in flight or not (vLLM's rule). Under async scheduling a request in
+        flight is never the victim, and one running ahead of its batch that finds no room waits instead."""
         if req in self.in_flight:
             return None
-        return max((r for r in self.running if r not in self.in_flight), key=lambda r: self._keys[r.request_id])
+        candidates = [r for r in self.running if r not in self.in_flight] if self.async_scheduling else self.running
+        return max(candidates, key=lambda r: self._keys[r.request_id])
 
     def _offer_blocks(self, out: SchedulerOutput, requests: list[Request]) -> None:
         """Not under async scheduling: the step ends with its batch still in flight, and a request admitted on such
@@ -138,17 +152,57 @@ class AsyncScheduler(Scheduler):
     # ------------------------------------------------------------------ outputs and leaving
     def update_from_output(self, out: SchedulerOutput, sampled: dict[str, list[int] | int]) -> list[EngineCoreOutput]:
         """A batch came back: its tokens leave `in_flight` (a later batch may still hold more of a request's), and
-        the requests that finished (aborted) while it was in flight are skipped."""
+        the requests that finished (aborted) while it was in flight are skipped. A request preempted while in
+        flight (or whose blocks a failed step handed on) gets its token only: its KV is gone, it is recomputed."""
         live = [r for r in out.scheduled if r in self.in_flight]
         for req in live:
             self._set_in_flight(req, self.in_flight[req] - out.num_scheduled_tokens[req.request_id])
-        return super().update_from_output(dataclasses.replace(out, scheduled=live), sampled)
+        lost = [r for r in live if r.status is not RequestStatus.RUNNING or r in self.kv_lost]
+        outputs = [self._token_only(req, sampled[req.request_id]) for req in lost if req.request_id in sampled]
+        for req in lost:
+            if req.status is RequestStatus.RUNNING:     # its KV was handed on by a failed step: recompute it now
+                self._preempt(req)
+        kept = dataclasses.replace(out, scheduled=[r for r in live if r not in lost])
+        return super().update_from_output(kept, sampled) + outputs
+
+    def _token_only(self, req: Request, tokens: list[int] | int) -> EngineCoreOutput:
+        """Apply a batch's sampled token(s) to a request whose KV is gone: its output grows, nothing is computed."""
+        kept, status = [], None
+        for token in [tokens] if isinstance(tokens, int) else tokens:
+            status = self._append_token(req, token)
+            kept.append(token)
+            if status is not None:
+                self.finish_request(req, status)
+                break
+        return EngineCoreOutput(req, kept, status)
+
+    def _preempt(self, req: Request) -> list[tuple[int, int]]:
+        self._forget_lost(req)
+        return super()._preempt(req)
+
+    def _forget_lost(self, req: Request) -> None:
+        if req in self.kv_lost:
+            self.kv_lost.discard(req)
+            self.journal.record(lambda: self.kv_lost.add(req))
+
+    def rollback_step(self) -> None:
+        """As the base, and then: a request in flight whose blocks the failed step may have written (it had preempted
+        the request and handed them on; `distrust` cut its table) cannot keep what its batch computes. It stays as it
+        is until that batch is back, then gets its token and is recomputed (update_from_output)."""
+        super().rollback_step()
+        kv = self.kv_cache_manager
+        self.kv_lost |= {r for r, k in self.in_flight.items() if r.status is RequestStatus.RUNNING
+                         and kv.blocks_needed(r.num_computed_tokens + k) > len(r.block_table)}
 
     def finish_request(self, req: Request, status: RequestStatus, stop_reason: int | str | None = None) -> None:
         if req in self.in_flight:                       # its batches' outputs will be dropped
             self._set_in_flight(req, 0)
+        self._forget_lost(req)
         super().finish_request(req, status, stop_reason)
 
     def check_integrity(self) -> None:
         super().check_integrity()
-        assert set(self.in_flight) <= set(self.running), "a request in flight is not running"
+        for req in self.in_flight:
+            assert req.status is RequestStatus.RUNNING or (req.status is RequestStatus.PREEMPTED and req in self.waiting), (
+                f"{req} is in flight but neither running nor preempted while in flight")
+        assert self.kv_lost <= set(self.in_flight), "a request whose batch's KV is lost is not in flight"

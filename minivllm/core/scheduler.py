@@ -246,7 +246,7 @@ class Scheduler(Journaled):
         swap_out: list[tuple[int, int]] = []
         self._remove(self.running, req)
         self._release_encoder_outputs(req)
-        if self.preemption_mode == "swap" and kv.can_swap_out(req):
+        if self.preemption_mode == "swap" and req not in self.in_flight and kv.can_swap_out(req):
             swap_out = kv.swap_out(req)
             req.status = RequestStatus.SWAPPED
         else:
