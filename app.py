@@ -48,6 +48,13 @@ def build_parser() -> argparse.ArgumentParser:
                    "cannot reach the server through DNS rebinding); bound elsewhere, any")
     p.add_argument("--trust-request-chat-template", action="store_true", help="run a request's own "
                    "'chat_template' (a template is a program: by default such requests are refused, as vLLM)")
+    p.add_argument("--enable-auto-tool-choice", action="store_true", help="answer tool_choice 'auto' (the default "
+                   "when a chat request sends tools): the model's tool calls are read out of its text by "
+                   "--tool-call-parser, as vLLM")
+    p.add_argument("--tool-call-parser", default=None, help="the format the model writes tool calls in, for "
+                   "--enable-auto-tool-choice (vLLM's names: hermes)")
+    p.add_argument("--exclude-tools-when-tool-choice-none", action="store_true", help="with tool_choice 'none', "
+                   "leave the request's tools out of the chat template (default: the template gets them, as vLLM)")
     p.add_argument("--threads", type=int, default=None, help="torch CPU threads (default: torch's choice)")
     p.add_argument("--warmup-tokens", type=int, default=512, help="a dummy prefill of this many tokens before "
                    "serving, so the first real batch does not pay the first large step's one-time costs (0: off; "
@@ -61,14 +68,20 @@ def build_parser() -> argparse.ArgumentParser:
 
 def build_app(config: EngineConfig, api_key: str | None = None, served_model_name: str | None = None,
               dashboard: bool = True, warmup_tokens: int = 0, trust_request_chat_template: bool = False,
-              allowed_hosts: frozenset[str] | None = None):
+              allowed_hosts: frozenset[str] | None = None, enable_auto_tool_choice: bool = False,
+              tool_call_parser: str | None = None, exclude_tools_when_tool_choice_none: bool = False):
     """Load the engine (and warm it up with a dummy prefill of `warmup_tokens`, ModelRunner.warm_up) and build
     the app: returns (fastapi_app, async_engine). The app's shutdown shuts the engine down
-    (`async_engine.shutdown()` may be called again; the second call does nothing)."""
+    (`async_engine.shutdown()` may be called again; the second call does nothing). The tool options are
+    build_api_server's (checked before the engine loads)."""
     from fastapi import FastAPI
 
     from minivllm.engine.llm_engine import LLMEngine
+    from minivllm.entrypoints.tool_calls import ToolConfig
 
+    tools = dict(enable_auto_tool_choice=enable_auto_tool_choice, tool_call_parser=tool_call_parser,
+                 exclude_tools_when_tool_choice_none=exclude_tools_when_tool_choice_none)
+    ToolConfig(**tools)                     # a bad flag fails here, before the model loads
     engine = LLMEngine(config)
     if warmup_tokens > 0:
         if config.tensor_parallel_size == 1 and config.pipeline_parallel_size == 1:
@@ -86,7 +99,8 @@ def build_app(config: EngineConfig, api_key: str | None = None, served_model_nam
 
     app = FastAPI(title="minivllm", docs_url=None, redoc_url=None, lifespan=lifespan)
     app = build_api_server(async_engine, served_model_name=served_model_name, api_key=api_key, app=app,
-                           trust_request_chat_template=trust_request_chat_template, allowed_hosts=allowed_hosts)
+                           trust_request_chat_template=trust_request_chat_template, allowed_hosts=allowed_hosts,
+                           **tools)
     if dashboard:
         from minivllm.entrypoints.dashboard import mount_dashboard
         app = mount_dashboard(app, async_engine, path="/", api_key=api_key)
@@ -111,6 +125,9 @@ def main(argv: list[str] | None = None) -> int:
     try:
         config = EngineConfig.from_cli_args(args)
         if config.data_parallel_size > 1:
+            if args.enable_auto_tool_choice or args.exclude_tools_when_tool_choice_none:
+                raise ValueError("the tool-calling flags are not passed on to data-parallel replicas; tool_choice "
+                                 "'required' and named functions work without them")
             return serve_data_parallel(config, args)
         if args.warmup_tokens < 0:
             raise ValueError(f"--warmup-tokens is {args.warmup_tokens}; it must be 0 (off) or a positive number "
@@ -118,7 +135,10 @@ def main(argv: list[str] | None = None) -> int:
         app, async_engine = build_app(config, api_key=args.api_key, served_model_name=args.served_model_name,
                                       dashboard=not args.no_dashboard, warmup_tokens=args.warmup_tokens,
                                       trust_request_chat_template=args.trust_request_chat_template,
-                                      allowed_hosts=allowed_hosts_for(args.host, args.allowed_hosts))
+                                      allowed_hosts=allowed_hosts_for(args.host, args.allowed_hosts),
+                                      enable_auto_tool_choice=args.enable_auto_tool_choice,
+                                      tool_call_parser=args.tool_call_parser,
+                                      exclude_tools_when_tool_choice_none=args.exclude_tools_when_tool_choice_none)
     except (ValueError, FileNotFoundError) as e:
         parser.error(str(e))
 

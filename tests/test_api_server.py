@@ -674,7 +674,7 @@ def test_bench_serve_streams_poisson_requests_and_reports_latencies(server, tmp_
 
 # ---------------------------------------------------------------------- no silent acceptance (issue 14, part 5)
 # Each of these was once accepted and ignored: the caller believed it had an effect.
-NOT_IMPLEMENTED_VALUES = [("guided_whitespace_pattern", "[ ]?"), ("tools", [{"type": "function"}]),
+NOT_IMPLEMENTED_VALUES = [("guided_whitespace_pattern", "[ ]?"), ("functions", [{"name": "f"}]),
                           ("best_of", 3), ("suffix", "end")]
 
 

@@ -39,6 +39,7 @@ from minivllm.entrypoints.serving_chat import OpenAIServingChat
 from minivllm.entrypoints.serving_completion import OpenAIServingCompletion
 from minivllm.entrypoints.serving_models import OpenAIServingModels
 from minivllm.entrypoints.serving_tokenization import OpenAIServingTokenization
+from minivllm.entrypoints.tool_calls import ToolConfig
 from minivllm.entrypoints.utils import HostCheck, error_response
 
 logger = logging.getLogger(__name__)
@@ -48,9 +49,9 @@ HEALTH_STEP_TIMEOUT_S = 60.0      # a CPU's longest steps take seconds (a 96-tok
 # ---------------------------------------------------------------------- the app
 def build_api_server(async_engine: AsyncLLMEngine, served_model_name: str | None = None,
                      api_key: str | None = None, app: FastAPI | None = None,
-                     trust_request_chat_template: bool = False,
-                     health_step_timeout_s: float = HEALTH_STEP_TIMEOUT_S,
-                     allowed_hosts: frozenset[str] | None = None) -> FastAPI:
+                     trust_request_chat_template: bool = False, health_step_timeout_s: float = HEALTH_STEP_TIMEOUT_S,
+                     allowed_hosts: frozenset[str] | None = None, enable_auto_tool_choice: bool = False,
+                     tool_call_parser: str | None = None, exclude_tools_when_tool_choice_none: bool = False) -> FastAPI:
     """Add the OpenAI routes, /health and /metrics to `app` (a new FastAPI app by default) and return it.
 
     served_model_name: what /v1/models lists; requests may name it or the model's path. Defaults to the
@@ -62,13 +63,15 @@ def build_api_server(async_engine: AsyncLLMEngine, served_model_name: str | None
     health_step_timeout_s: /health answers 503 while the engine has been in one step longer than this
     (`app.state.health_step_timeout_s`); a slow step is not a dead one, so the default is generous.
     allowed_hosts: the names a request's Host header may give (utils.HostCheck, for every route); None: any.
+    enable_auto_tool_choice, tool_call_parser, exclude_tools_when_tool_choice_none: vLLM's tool flags (ToolConfig).
     """
+    tool_config = ToolConfig(enable_auto_tool_choice, tool_call_parser, exclude_tools_when_tool_choice_none)
     app = app or FastAPI(title="minivllm", docs_url=None, redoc_url=None)
     models = OpenAIServingModels(async_engine, served_model_name)
     renderer = app.state.renderer = Renderer(async_engine.tokenizer, async_engine.max_model_len,
                                              trust_request_chat_template)
     completion = OpenAIServingCompletion(async_engine, models, renderer)
-    chat = OpenAIServingChat(async_engine, models, renderer)
+    chat = OpenAIServingChat(async_engine, models, renderer, tool_config=tool_config)
     tokenization = OpenAIServingTokenization(async_engine, models, renderer)
     add_exception_handlers(app)
     if allowed_hosts is not None:

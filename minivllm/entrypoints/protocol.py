@@ -38,16 +38,17 @@ STRUCTURED_OUTPUT_FIELDS = {"response_format", "structured_outputs", "guided_jso
 COMMON_FIELDS = {"model", "stream", "stream_options", "user", "cache_salt"} | SAMPLING_FIELDS | STRUCTURED_OUTPUT_FIELDS
 MAX_USER_CHARS = 256            # OpenAI's `user` is an opaque id: minivllm checks it and does not use it
 CHAT_TEMPLATE_FIELDS = {"add_generation_prompt", "continue_final_message", "chat_template"}
+TOOL_FIELDS = {"tools", "tool_choice", "parallel_tool_calls"}      # read by tool_calls.py
 ACCEPTED_FIELDS = {
     "/v1/completions": COMMON_FIELDS | {"prompt", "logprobs", "echo", "prompt_logprobs"},
-    "/v1/chat/completions": COMMON_FIELDS | CHAT_TEMPLATE_FIELDS | {"messages", "max_completion_tokens", "logprobs",
-                                                                     "top_logprobs"},
-    "/tokenize": {"model", "prompt", "messages", "add_special_tokens"} | CHAT_TEMPLATE_FIELDS,
+    "/v1/chat/completions": COMMON_FIELDS | CHAT_TEMPLATE_FIELDS | TOOL_FIELDS | {"messages", "max_completion_tokens",
+                                                                                   "logprobs", "top_logprobs"},
+    "/tokenize": {"model", "prompt", "messages", "add_special_tokens", "tools"} | CHAT_TEMPLATE_FIELDS,
     "/detokenize": {"model", "tokens"},
 }
 # Fields vLLM or OpenAI define that change the answer in ways minivllm does not (yet) implement: refused
 # unless left at a value that means "off" (clients such as vLLM's benchmark send some of them that way).
-# top_logprobs (completions), echo and prompt_logprobs (chat) are implemented on the other route only.
+# top_logprobs (completions), echo and prompt_logprobs (chat), and the tool fields are implemented on one route only.
 NOT_IMPLEMENTED = {
     "top_logprobs": (None, 0), "prompt_logprobs": (None,), "echo": (None, False),
     "suffix": (None,), "best_of": (None, 1), "use_beam_search": (None, False), "length_penalty": (None, 1),

@@ -4,7 +4,7 @@ template into one prompt, answered by n choices.
 Owns: reading the messages and template options (chat_utils.py; rendered by renderer.py, which also decodes a
 vision-language model's image parts before anything is queued), the route's default length (the rest of the
 context), the stream's opening role chunk, and the chat logprobs object ({"content": [...]}). Running the request
-and writing the answer is serving_engine.py's.
+and writing the answer is serving_engine.py's; tools, tool_choice and the answer's tool calls are tool_calls.py's.
 """
 
 from __future__ import annotations
@@ -15,6 +15,7 @@ from minivllm.entrypoints.chat_utils import image_placeholder, parse_chat_option
 from minivllm.entrypoints.protocol import check_fields, parse_stream
 from minivllm.entrypoints.serving_engine import (ChoiceShape, OpenAIServing, ParsedRequest, ResponseMeta,
                                                  clamp_logprob, make_choice)
+from minivllm.entrypoints.tool_calls import ToolConfig, read_tool_request
 from minivllm.outputs import Logprob
 
 
@@ -22,8 +23,9 @@ class OpenAIServingChat(OpenAIServing):
     is_chat = True
     request_id_prefix = "chatcmpl"
 
-    def __init__(self, *args, **kwargs):
+    def __init__(self, *args, tool_config: ToolConfig | None = None, **kwargs):
         super().__init__(*args, **kwargs)
+        self.tool_config = tool_config or ToolConfig()
         # Read once, before serving: the tokenizers are not to be shared across threads while requests run.
         self.mm_processor = self.async_engine.engine.input_processor.mm_processor      # None for a text model
         self.image_placeholder = image_placeholder(self.renderer.tokenizer, self.mm_processor)
@@ -33,10 +35,13 @@ class OpenAIServingChat(OpenAIServing):
         check_fields(body, "/v1/chat/completions")
         conversation = parse_conversation(body, self.image_placeholder)
         options = parse_chat_options(body)
+        tools = read_tool_request(body, self.tool_config)
+        if tools.template_tools is not None:           # as vLLM: the template lays them out for the model
+            options["tools"] = tools.template_tools
         images = await self.renderer.load_images(conversation.images, self.mm_processor) if conversation.images else []
         prompt = await self.renderer.render_chat(conversation.messages, options)
         return await self.serve(request, ParsedRequest([prompt], body, *parse_stream(body), "messages",
-                                                       tuple(images)))
+                                                       tuple(images), tools.output(self.tool_config)))
 
     def default_max_tokens(self, num_prompt_tokens: int) -> int:
         """The rest of the context (or of the KV pool, if smaller)."""

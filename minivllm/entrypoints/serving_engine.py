@@ -5,7 +5,8 @@ Owns: turning a ParsedRequest into engine requests (tokenized in the front end, 
 thread, all added in one command), and the answer: one JSON body with every choice joined, or server-sent events, one chunk per new
 piece; the response bodies' shapes (ResponseMeta, make_choice, usage_of). What differs by route is a hook the
 subclass fills (serving_completion.py, serving_chat.py): the default max_tokens, how logprobs are written, and
-chat's opening role chunk. It never calls the LLMEngine except inside an AsyncLLMEngine command.
+chat's opening role chunk; a chat's tool calls (tool_calls.py) rewrite its choices and stream deltas. It never calls
+the LLMEngine except inside an AsyncLLMEngine command.
 
 Logprobs, as vLLM serves them: /v1/completions' `logprobs` (k), `echo` (the prompt in front of the text and, with
 logprobs, of the tokens: the engine then computes prompt logprobs too; `max_tokens` 0 with echo returns the prompt
@@ -20,7 +21,7 @@ import time
 import uuid
 from collections import defaultdict
 from collections.abc import AsyncIterator
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 from fastapi import Request
 from fastapi.responses import StreamingResponse
@@ -47,6 +48,12 @@ class ParsedRequest:
     include_usage: bool
     prompt_param: str              # where a prompt error points: "prompt" or "messages"
     images: tuple = ()             # chat: the prompt's images (PIL, decoded by the front end), one per placeholder
+    tools: object = None           # chat: the tool calls' reader (tool_calls.ToolCallOutput), None for plain text
+
+    @property
+    def forced_constraint(self):
+        """A forced tool choice's grammar (it stands for the body's constraint fields, which it excludes)."""
+        return None if self.tools is None else self.tools.request.constraint
 
 
 # ---------------------------------------------------------------------- the shapes of a response
@@ -116,6 +123,7 @@ class ChoiceShape:
     n: int
     logprobs: LogprobsRequest
     echo: list[EchoText]                       # per prompt; empty without echo
+    tools: object = None                       # chat: the tool calls' reader (ParsedRequest.tools)
 
 
 def with_echo(shape: ChoiceShape, i: int, out: RequestOutput, prompt_logprobs, text: str, token_ids: list[int],
@@ -176,11 +184,13 @@ class OpenAIServing:
     async def serve(self, request: Request, parsed: ParsedRequest):
         """Add the request's engine requests (one per prompt, as vLLM) and answer: a body or an event stream."""
         chat = self.is_chat
-        checked = sampling_params_from_body(parsed.body, chat, default_max_tokens=1)   # bad fields: no engine work
+        checked = self.sampling_params(parsed, default_max_tokens=1)   # bad fields: no engine work
         request_id = f"{self.request_id_prefix}-{uuid.uuid4().hex[:16]}"
         if checked.structured_outputs is not None:     # compiled off the engine thread (renderer.py), then cached
+            param = parsed.tools.request.constraint_param if parsed.forced_constraint else None
             await self.renderer.compile_grammar(self.async_engine.engine.structured_output_manager,
-                                                checked.structured_outputs, structured_outputs_param(parsed.body))
+                                                checked.structured_outputs,
+                                                param or structured_outputs_param(parsed.body))
         tokenized = await self.renderer.tokenize(parsed.prompts, parsed.prompt_param)
         echo_texts = await self.echo_texts(parsed, tokenized)
 
@@ -198,7 +208,7 @@ class OpenAIServing:
         except RequestError as e:
             raise APIError(str(e), status_code=503, type="service_unavailable") from None
         meta = ResponseMeta(request_id, int(time.time()), self.models.name, chat)
-        shape = ChoiceShape(checked.n, read_logprobs_request(parsed.body, chat), echo_texts)
+        shape = ChoiceShape(checked.n, read_logprobs_request(parsed.body, chat), echo_texts, parsed.tools)
         if parsed.stream:
             # The background task runs once the response is over, even when the client hung up before the
             # first event (the generator never started, so its `async with` never ran).
@@ -244,8 +254,14 @@ class OpenAIServing:
             if parsed.body.get("cache_salt") is not None:     # the engine checks it (InputProcessor)
                 prompt["cache_salt"] = parsed.body["cache_salt"]
             prompts.append(prompt)
-            params.append(sampling_params_from_body(parsed.body, self.is_chat, default_max_tokens=default))
+            params.append(self.sampling_params(parsed, default))
         return prompts, params
+
+    def sampling_params(self, parsed: ParsedRequest, default_max_tokens: int) -> SamplingParams:
+        """The body's SamplingParams, with a forced tool choice's grammar as its structured output."""
+        params = sampling_params_from_body(parsed.body, self.is_chat, default_max_tokens=default_max_tokens)
+        forced = parsed.forced_constraint
+        return params if forced is None else replace(params, structured_outputs=forced)
 
     def logprobs_of(self, shape: ChoiceShape, i: int, token_ids: list[int], entries: list,
                     text_offset: int) -> dict | None:
@@ -285,6 +301,8 @@ class OpenAIServing:
                                        token_ids[k], entries[k], first=True)
             choice = make_choice(meta, k, text, *ends.get(k, (None, None)), stream=False,
                                  logprobs=self.logprobs_of(shape, i, ids, lps, 0))
+            if shape.tools is not None:
+                shape.tools.write_message(choice)
             if shape.logprobs.return_prompt_logprobs:          # vLLM's extra field
                 choice["prompt_logprobs"] = (prompt_logprobs_json(prompt_logprobs[i]) if i in prompt_logprobs
                                              else None)
@@ -323,8 +341,10 @@ class OpenAIServing:
                         if logprobs and logprobs.get("text_offset"):
                             token_chars[k] = logprobs["text_offset"][-1] + len(logprobs["tokens"][-1])
                         finish_reason, stop_reason = end_of(shape, o.finish_reason, o.stop_reason)
-                        yield _sse(meta.envelope([make_choice(meta, k, text, finish_reason, stop_reason,
-                                                              stream=True, logprobs=logprobs)], stream=True))
+                        for choice in ([make_choice(meta, k, text, finish_reason, stop_reason, stream=True,
+                                                    logprobs=logprobs)] if shape.tools is None else
+                                       shape.tools.stream_choices(meta, k, text, finish_reason, stop_reason, logprobs)):
+                            yield _sse(meta.envelope([choice], stream=True))
                     num_tokens += 0 if shape.logprobs.echo_only else len(o.token_ids)
                 finals[i] = out
             if include_usage:

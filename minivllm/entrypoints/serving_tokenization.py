@@ -12,6 +12,7 @@ from fastapi import Request
 from minivllm.entrypoints.chat_utils import parse_chat_options, parse_messages
 from minivllm.entrypoints.protocol import APIError, check_fields, parse_token_ids, read_field, read_text
 from minivllm.entrypoints.serving_engine import OpenAIServing
+from minivllm.entrypoints.tool_calls import read_tools
 
 
 class OpenAIServingTokenization(OpenAIServing):
@@ -22,8 +23,15 @@ class OpenAIServingTokenization(OpenAIServing):
         if ("prompt" in body) == ("messages" in body):
             raise APIError("/tokenize takes either 'prompt' (text) or 'messages' (a chat), exactly one.",
                            param="prompt")
+        if body.get("tools") is not None and "messages" not in body:
+            raise APIError("'tools' goes with 'messages' (the chat template lays them out); a 'prompt' is tokenized "
+                           "as it is.", param="tools")
         if "messages" in body:     # as vLLM: the template carries the special tokens, so none are added
-            text = await self.renderer.render_chat(parse_messages(body), parse_chat_options(body))
+            options = parse_chat_options(body)
+            tools = read_tools(body)
+            if tools is not None:                 # as vLLM: rendered as a chat request with these tools would be
+                options["tools"] = tools
+            text = await self.renderer.render_chat(parse_messages(body), options)
             add_special_tokens = read_field(body, "add_special_tokens", "bool", False)
         else:
             prompt = read_field(body, "prompt", "string")
