@@ -116,6 +116,9 @@ class EngineConfig:
         "image placeholder token); 0: max_num_batched_tokens, and never less than one image (vLLM's rule)")
     allowed_local_media_path: str | None = option(
         None, "vision-language models: a directory whose image files requests may name (file://...); default: none")
+    kv_events_config: dict | None = option(
+        None, "KV cache events for a router, as vLLM's JSON (engine/kv_events.py): {\"enable_kv_cache_events\": "
+        "true, \"publisher\": \"zmq\", \"endpoint\": \"tcp://*:5557\", \"topic\": \"\"}")
     kv_transfer_config: dict | None = option(
         None, "prefill/decode disaggregation, as vLLM's JSON (kv_transfer/): {\"kv_connector\": "
         "\"SharedStorageConnector\", \"kv_role\": \"kv_both\", \"kv_connector_extra_config\": "
@@ -203,6 +206,9 @@ class EngineConfig:
                 raise ValueError("speculative_config method 'draft_model' with pipeline_parallel_size > 1 is not "
                                  "implemented (the draft runs beside the first stage); use 'ngram'.")
 
+        if self.kv_events_config is not None:
+            from minivllm.engine.kv_events import KVEventsConfig
+            KVEventsConfig.from_dict(self.kv_events_config)               # raises, naming the key, if it is wrong
         from minivllm.multimodal import check_multimodal_args
         check_multimodal_args(self.limit_mm_per_prompt, self.encoder_cache_size)
         if self.kv_transfer_config is not None:

@@ -26,7 +26,8 @@ VALUES = dict(model="/tmp/some-checkpoint", dtype="float16", quantization="int8"
               attention_backend="torch",
               enforce_eager=True, seed=7,
               speculative_config={"method": "ngram", "num_speculative_tokens": 3},
-              limit_mm_per_prompt={"image": 2}, encoder_cache_size=1024, allowed_local_media_path="/tmp/images")
+              limit_mm_per_prompt={"image": 2}, encoder_cache_size=1024, allowed_local_media_path="/tmp/images",
+              kv_events_config={"enable_kv_cache_events": True, "publisher": "zmq"})
 ARGV = ["--model", "/tmp/some-checkpoint", "--dtype", "float16", "--quantization", "int8", "--kv-cache-dtype", "fp8", "--device", "cpu", "--block-size", "32",
         "--num-kv-blocks", "7", "--kv-cache-memory-gb", "0.5", "--gpu-memory-utilization", "0.5",
         "--max-num-seqs", "8", "--max-num-batched-tokens", "512", "--long-prefill-token-threshold", "64",
@@ -40,7 +41,8 @@ ARGV = ["--model", "/tmp/some-checkpoint", "--dtype", "float16", "--quantization
         "--enforce-eager", "--seed", "7",
         "--speculative-config", '{"method": "ngram", "num_speculative_tokens": 3}',
         "--limit-mm-per-prompt", '{"image": 2}', "--encoder-cache-size", "1024",
-        "--allowed-local-media-path", "/tmp/images"]
+        "--allowed-local-media-path", "/tmp/images",
+        "--kv-events-config", '{"enable_kv_cache_events": true, "publisher": "zmq"}']
 
 
 class Built(Exception):

@@ -58,6 +58,9 @@ class BlockEvents:
     freed: list[int] = field(default_factory=list)
     evicted: list[int] = field(default_factory=list)
     prefix_hit_blocks: list[int] = field(default_factory=list)
+    # The prefix cache's changes, as vLLM's KV cache events name them (engine/kv_events.py publishes them):
+    # ("BlockStored", hash, parent hash or None, token ids), ("BlockRemoved", hash), ("AllBlocksCleared",)
+    kv_cache: list[tuple] = field(default_factory=list)
     swap_out: list[tuple[int, int]] = field(default_factory=list)
     swap_in: list[tuple[int, int]] = field(default_factory=list)
 
@@ -169,9 +172,11 @@ class BlockPool(Journaled):
             self.cached_free = OrderedDict(sorted(self.cached_free.items(), key=lambda kv: kv[1]))
 
     # ------------------------------------------------------------------ hashes
-    def cache_block(self, block_id: int, block_hash: int, token_ids: tuple[int, ...]) -> None:
+    def cache_block(self, block_id: int, block_hash: int, token_ids: tuple[int, ...],
+                    parent_hash: int | None = None) -> None:
         """Record that a held block is full and computed. If another block already caches the same prefix,
-        that one stays in the map and this one keeps the hash (its children chain from it) without being shared."""
+        that one stays in the map and this one keeps the hash (its children chain from it) without being shared.
+        `parent_hash`: the previous block's (None for a first block), for the KV cache events."""
         block = self.blocks[block_id]
         assert block.ref_count > 0 and block.block_hash is None, f"block {block_id} cannot be cached now"
         block.block_hash = block_hash
@@ -179,6 +184,8 @@ class BlockPool(Journaled):
         if block_hash not in self.hash_to_block:
             self.hash_to_block[block_hash] = block_id
             self.journal.record(lambda: self.hash_to_block.pop(block_hash))
+            self.events.kv_cache.append(("BlockStored", block_hash, parent_hash,
+                                         tuple(t for t in token_ids if isinstance(t, int))))
 
     def _uncache(self, block_id: int) -> None:
         block = self.blocks[block_id]
@@ -186,6 +193,7 @@ class BlockPool(Journaled):
             h = block.block_hash
             del self.hash_to_block[h]
             self.journal.record(lambda: self.hash_to_block.__setitem__(h, block_id))
+            self.events.kv_cache.append(("BlockRemoved", h))
         block.block_hash = None
         block.token_ids = ()
 
@@ -205,6 +213,8 @@ class BlockPool(Journaled):
         """Forget every cached-free block (the KV stays, but nobody can hit it any more)."""
         while self.cached_free:
             self.drop_cached(next(iter(self.cached_free)))
+        if not self.hash_to_block:
+            self.events.kv_cache.append(("AllBlocksCleared",))
 
     def snapshot(self) -> PoolSnapshot:
         return PoolSnapshot(tuple(b.ref_count for b in self.blocks), frozenset(self.cached_free))

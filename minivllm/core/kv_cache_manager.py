@@ -158,8 +158,9 @@ class KVCacheManager(Journaled):
         parent = pool.blocks[request.block_table[start - 1]].block_hash if start else ROOT_HASH
         for i in range(start, end):
             chunk = request.block_key(i, bs)
-            parent = hash_block_tokens(parent, chunk)
-            pool.cache_block(request.block_table[i], parent, chunk)
+            block_hash = hash_block_tokens(parent, chunk)
+            pool.cache_block(request.block_table[i], block_hash, chunk, parent if i else None)
+            parent = block_hash
         self._set_num_cached(request.request_id, end)
 
     def _set_num_cached(self, request_id: str, n: int | None) -> None:

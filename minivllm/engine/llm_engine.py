@@ -11,11 +11,10 @@ The engine wires the scheduler, the executor and the output processor and never 
 from __future__ import annotations
 
 import collections
-import contextlib
 import itertools
 import logging
 import time
-from collections.abc import Callable, Iterator
+from collections.abc import Callable
 from dataclasses import dataclass
 
 from minivllm.config import EngineConfig
@@ -27,7 +26,8 @@ from minivllm.core.async_scheduler import AsyncScheduler
 from minivllm.core.block_pool import BlockEvents
 from minivllm.core.scheduler import Scheduler, SchedulerOutput
 from minivllm.core.structured_output import StructuredOutputManager
-from minivllm.engine.trace import PipelineTrace, StepTrace, StepTracer
+from minivllm.engine.kv_events import make_kv_event_publisher
+from minivllm.engine.trace import PipelineTrace, StepTrace, StepTracer, record_traces
 from minivllm.engine.engine_stats import EngineQueues, EngineStats, QueuedRequest, encoder_cache_stats
 from minivllm.engine.input_processor import InputProcessor, ProcessedRequest, PromptType
 from minivllm.engine.output_processor import OutputProcessor
@@ -113,6 +113,9 @@ class LLMEngine:
         self.trace_listeners: list[Callable[[StepTrace], None]] = []
         self._tracer = StepTracer()
         self._sigint = SigintGuard()
+        self.kv_event_publisher = make_kv_event_publisher(config.kv_events_config, config.block_size)
+        if self.kv_event_publisher is not None:     # KV cache events for a router (kv_events.py): a trace listener
+            self.add_trace_listener(self.kv_event_publisher)
 
     # ------------------------------------------------------------------ requests in
     def tokenize(self, prompt: PromptType) -> tuple[str | None, list[int]]:
@@ -343,15 +346,7 @@ class LLMEngine:
     def remove_trace_listener(self, listener: Callable[[StepTrace], None]) -> None:
         self.trace_listeners.remove(listener)
 
-    @contextlib.contextmanager
-    def record_traces(self) -> Iterator[list[StepTrace]]:
-        """`with engine.record_traces() as traces:` every step inside the block appends its StepTrace."""
-        traces: list[StepTrace] = []
-        self.add_trace_listener(traces.append)
-        try:
-            yield traces
-        finally:
-            self.remove_trace_listener(traces.append)
+    record_traces = record_traces       # `with engine.record_traces() as traces:` (trace.py)
 
     # ------------------------------------------------------------------ introspection
     def get_stats(self) -> EngineStats:
@@ -382,6 +377,8 @@ class LLMEngine:
         self.executor.shutdown()
         if self.scheduler.connector is not None:
             self.scheduler.connector.close()
+        if self.kv_event_publisher is not None:
+            self.kv_event_publisher.close()
 
     def check_integrity(self) -> None:
         """Assert the core's invariants, and that the request table, queues and output processor agree."""

@@ -12,7 +12,8 @@ ref counts of the blocks the step touched. The whole pool's picture is `BlockPoo
 
 from __future__ import annotations
 
-from collections.abc import Callable
+import contextlib
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
 
 from minivllm.core.block_pool import BlockEvents
@@ -81,6 +82,7 @@ class StepTrace:
     num_accepted_tokens: int = 0            # of those, accepted
     events: list[str] = field(default_factory=list)   # human-readable log lines
     pipeline: PipelineTrace | None = None
+    kv_cache_events: tuple[tuple, ...] = ()   # the prefix cache's changes (BlockEvents.kv_cache; engine/kv_events.py)
 
     @property
     def by_id(self) -> dict[str, RequestTrace]:
@@ -197,7 +199,18 @@ def _step_trace(step: int, duration_s: float, sched: SchedulerOutput, events: Bl
         cached_free_blocks=tuple(b for b in sorted(touched) if b in pool.cached_free),
         kv_tokens_stored=sum(r.num_computed_tokens for r in running),
         kv_slots_allocated=sum(len(r.block_table) for r in running) * kv.block_size,
-        forks=forks, events=log, pipeline=pipeline,
+        forks=forks, events=log, pipeline=pipeline, kv_cache_events=tuple(events.kv_cache),
         num_draft_tokens=sum(r.num_draft_tokens for r in requests),
         num_accepted_tokens=sum(r.num_accepted_tokens for r in requests),
     )
+
+
+@contextlib.contextmanager
+def record_traces(engine) -> Iterator[list[StepTrace]]:
+    """`with engine.record_traces() as traces:` every step inside the block appends its StepTrace (LLMEngine's)."""
+    traces: list[StepTrace] = []
+    engine.add_trace_listener(traces.append)
+    try:
+        yield traces
+    finally:
+        engine.remove_trace_listener(traces.append)
