@@ -9,6 +9,7 @@ import importlib
 
 MODULE_ATTRS = {
     "LLM": "minivllm.entrypoints.llm",
+    "BeamSearchParams": "minivllm.beam_search",
     "CompletionOutput": "minivllm.outputs",
     "RequestOutput": "minivllm.outputs",
     "SamplingParams": "minivllm.core.sampling_params",

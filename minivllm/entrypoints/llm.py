@@ -9,6 +9,7 @@ from __future__ import annotations
 import dataclasses
 from collections.abc import Sequence
 
+from minivllm.beam_search import BeamSearchOutput, BeamSearchParams, run_beam_search
 from minivllm.config import EngineConfig
 from minivllm.engine.input_processor import ProcessedRequest
 from minivllm.engine.llm_engine import EngineStats, LLMEngine, PromptType
@@ -62,6 +63,16 @@ class LLM:
             sp = dataclasses.replace(sp, output_kind=RequestOutputKind.FINAL_ONLY)
             processed.append(dataclasses.replace(request, params=sp))
         return self._run(processed, use_tqdm)
+
+    def beam_search(self, prompts: PromptType | Sequence[PromptType], params: BeamSearchParams,
+                    use_tqdm: bool = False) -> list[BeamSearchOutput]:
+        """Beam search (vLLM's LLM.beam_search, beam_search.py): one BeamSearchOutput per prompt, in input order, with
+        its params.beam_width best sequences, best first. Each step runs every live beam as a one-token request; the
+        prefix cache shares the prompt's KV blocks between the beams. Every prompt is checked first (ValueError)."""
+        if isinstance(prompts, (str, dict)) or (isinstance(prompts, list) and prompts
+                                                and isinstance(prompts[0], int)):
+            prompts = [prompts]
+        return run_beam_search(self.llm_engine, list(prompts), params, use_tqdm)
 
     def chat(self, messages: list[dict] | list[list[dict]],
              sampling_params: SamplingParams | Sequence[SamplingParams] | None = None,

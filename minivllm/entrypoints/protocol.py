@@ -32,7 +32,7 @@ MAX_PROMPTS = 1024                   # prompts in one /v1/completions request
 SAMPLING_FIELDS = {"temperature", "top_p", "top_k", "seed", "n", "max_tokens", "stop", "stop_token_ids",
                    "ignore_eos", "skip_special_tokens", "include_stop_str_in_output", "presence_penalty",
                    "frequency_penalty", "repetition_penalty", "min_p", "min_tokens", "bad_words",
-                   "allowed_token_ids", "logit_bias", "truncate_prompt_tokens"}
+                   "allowed_token_ids", "logit_bias", "truncate_prompt_tokens", "use_beam_search", "length_penalty"}
 STRUCTURED_OUTPUT_FIELDS = {"response_format", "structured_outputs", "guided_json", "guided_regex", "guided_choice",
                             "guided_grammar", "guided_decoding_backend"}
 COMMON_FIELDS = {"model", "stream", "stream_options", "user", "cache_salt"} | SAMPLING_FIELDS | STRUCTURED_OUTPUT_FIELDS
@@ -51,7 +51,7 @@ ACCEPTED_FIELDS = {
 # top_logprobs (completions), echo and prompt_logprobs (chat), and the tool fields are implemented on one route only.
 NOT_IMPLEMENTED = {
     "top_logprobs": (None, 0), "prompt_logprobs": (None,), "echo": (None, False),
-    "suffix": (None,), "best_of": (None, 1), "use_beam_search": (None, False), "length_penalty": (None, 1),
+    "suffix": (None,), "best_of": (None, 1),
     "guided_whitespace_pattern": (None,), "tools": (None, []),
     "functions": (None, []), "tool_choice": (None, "none"), "parallel_tool_calls": (None,),
     "truncate_prompt_tokens": (None,), "chat_template_kwargs": (None, {}), "documents": (None,),

@@ -4,7 +4,8 @@ template into one prompt, answered by n choices.
 Owns: reading the messages and template options (chat_utils.py; rendered by renderer.py, which also decodes a
 vision-language model's image parts before anything is queued), the route's default length (the rest of the
 context), the stream's opening role chunk, and the chat logprobs object ({"content": [...]}). Running the request
-and writing the answer is serving_engine.py's; tools, tool_choice and the answer's tool calls are tool_calls.py's.
+and writing the answer is serving_engine.py's (a beam search's, with `use_beam_search`, serving_beam_search.py's);
+tools, tool_choice and the answer's tool calls are tool_calls.py's.
 """
 
 from __future__ import annotations
@@ -13,6 +14,7 @@ from fastapi import Request
 
 from minivllm.entrypoints.chat_utils import image_placeholder, parse_chat_options, parse_conversation
 from minivllm.entrypoints.protocol import check_fields, parse_stream
+from minivllm.entrypoints.serving_beam_search import read_beam_search, serve_beam_search
 from minivllm.entrypoints.serving_engine import (ChoiceShape, OpenAIServing, ParsedRequest, ResponseMeta,
                                                  clamp_logprob, make_choice)
 from minivllm.entrypoints.tool_calls import ToolConfig, read_tool_request
@@ -33,6 +35,7 @@ class OpenAIServingChat(OpenAIServing):
     async def create_chat_completion(self, request: Request):
         body = await self.read_body(request)
         check_fields(body, "/v1/chat/completions")
+        beam_search = read_beam_search(body, chat=True)
         conversation = parse_conversation(body, self.image_placeholder)
         options = parse_chat_options(body)
         tools = read_tool_request(body, self.tool_config)
@@ -40,8 +43,11 @@ class OpenAIServingChat(OpenAIServing):
             options["tools"] = tools.template_tools
         images = await self.renderer.load_images(conversation.images, self.mm_processor) if conversation.images else []
         prompt = await self.renderer.render_chat(conversation.messages, options)
-        return await self.serve(request, ParsedRequest([prompt], body, *parse_stream(body), "messages",
-                                                       tuple(images), tools.output(self.tool_config)))
+        parsed = ParsedRequest([prompt], body, *parse_stream(body), "messages", tuple(images),
+                               tools.output(self.tool_config))
+        if beam_search is not None:
+            return await serve_beam_search(self, request, parsed, beam_search)
+        return await self.serve(request, parsed)
 
     def default_max_tokens(self, num_prompt_tokens: int) -> int:
         """The rest of the context (or of the KV pool, if smaller)."""

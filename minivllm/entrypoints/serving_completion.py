@@ -3,7 +3,8 @@ a string or token ids, continued as text.
 
 Owns: reading the prompts, the route's default length (OpenAI's 16 tokens), and the completions logprobs object
 (tokens, token_logprobs, top_logprobs, text_offset). Running the request and writing the answer is
-serving_engine.py's; echo and prompt_logprobs are read there too, from protocol.LogprobsRequest.
+serving_engine.py's; echo and prompt_logprobs are read there too, from protocol.LogprobsRequest. With
+`use_beam_search` the answer is a beam search's (serving_beam_search.py).
 """
 
 from __future__ import annotations
@@ -11,6 +12,7 @@ from __future__ import annotations
 from fastapi import Request
 
 from minivllm.entrypoints.protocol import parse_prompt, parse_stream
+from minivllm.entrypoints.serving_beam_search import read_beam_search, serve_beam_search
 from minivllm.entrypoints.serving_engine import ChoiceShape, OpenAIServing, ParsedRequest, clamp_logprob
 from minivllm.outputs import Logprob
 
@@ -21,8 +23,12 @@ class OpenAIServingCompletion(OpenAIServing):
 
     async def create_completion(self, request: Request):
         body = await self.read_body(request)
+        beam_search = read_beam_search(body, chat=False)
         prompts = parse_prompt(body)
-        return await self.serve(request, ParsedRequest(prompts, body, *parse_stream(body), "prompt"))
+        parsed = ParsedRequest(prompts, body, *parse_stream(body), "prompt")
+        if beam_search is not None:
+            return await serve_beam_search(self, request, parsed, beam_search)
+        return await self.serve(request, parsed)
 
     def default_max_tokens(self, num_prompt_tokens: int) -> int:
         """OpenAI's default of 16 tokens, capped by the context."""
