@@ -488,7 +488,7 @@ print(f"first draft accepted in {float((torch.tensor([len(k) for k in kept]) == 
 # %%
 # NBVAL_IGNORE_OUTPUT
 source = inspect.getsource(Scheduler.update_from_output)
-print(source[source.index("        j = self.journal"):])
+print(source[source.index("        outputs = []"):])
 
 # %% [markdown]
 # We pick a step of the copy where drafts were rejected and a rejected draft sat in a block's last slot: had
