@@ -11,7 +11,7 @@ bundles ptxas, cuobjdump and nvdisasm) if a stub driver tells it which GPU to ta
                                 launching; yields a recorder whose `infos` collect each call's KernelInfo
     compile_wrapper_calls(arch) the project's own wrappers over a grid of shapes -> [KernelInfo]: the tile
                                 sizes compiled are exactly those the wrappers choose
-    compile_stage_variants(arch) the attention kernels at num_stages 1, 2, 3 and as chosen (lesson 04)
+    compile_stage_variants(arch) the attention kernels at num_stages 1, 2, 3 and as chosen (lesson 06)
     violations(info)            what is wrong with one compiled kernel (spill, stack, shared memory, a
                                 fp16/bf16 dot without tensor-core instructions)
     python kernels/aot.py --arch 90 [--json FILE] [--stages]   the same in a process of its own (a table)
@@ -483,7 +483,7 @@ def compile_wrapper_calls(arch: int, cases=None, inspect: bool = True) -> list[K
 def compile_stage_variants(arch: int, head_dim: int = 128, dtype: str = "float16") -> list[KernelInfo]:
     """The decode kernel (a batch) and the prefill kernel (a full 64-row prompt tile) at one shape (GQA 4,
     blocks of 16), each compiled with num_stages forced to 1, 2 and 3, then as the wrapper chooses. What
-    `choose_num_stages` in triton_ops.py was decided from; lesson 04 shows this table."""
+    `choose_num_stages` in triton_ops.py was decided from; lesson 06 shows this table."""
     ops = _triton_ops()
     cases = [c for c in wrapper_cases(head_dims=(head_dim,), gqa_ratios=(4,), block_sizes=(16,), dtypes=(dtype,))
              if c[0].startswith(("decode batch", "prefill prompt"))]

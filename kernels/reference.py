@@ -72,7 +72,7 @@ def paged_decode_attention(query: torch.Tensor, key_cache: torch.Tensor, value_c
     gives them zero weight. `kv_buffer`, if given, is where the gathered K and V go (any tensor of at
     least 2 * num_seqs * max_blocks * block_size * kv_heads * head_dim elements of the cache's dtype):
     the CPU path reuses one across layers and steps. (index_select into a flat buffer is what makes this
-    gather fast; fancy indexing `key_cache[tables]` was 1.6-3.8x slower for the whole call, lesson 07.)
+    gather fast; fancy indexing `key_cache[tables]` was 1.6-3.8x slower for the whole call, lesson 10.)
     `compute_dtype`: fp32 (the oracle's default) upcasts q, K and V first; None attends in the cache's own
     dtype, which the CPU serving path uses in bf16: PyTorch's CPU attention keeps its softmax statistics and
     sums in fp32 anyway, and skipping the upcast saves two copies of the gathered KV per layer.

@@ -432,7 +432,7 @@ for rid, out in finished.items():
 # %% [markdown]
 # Blocks held per request from step 6 to the end, stacked. Each request takes one more block every 16 tokens
 # and gives everything back the step it finishes; in a server, a waiting request would take that space in the
-# very next step (continuous batching, lesson 02). The black line is what the pool really lends out: block 0
+# very next step (continuous batching, lesson 03). The black line is what the pool really lends out: block 0
 # is in two stacks but is one block, until `colors` finishes and its ref count drops to 1.
 
 # %%

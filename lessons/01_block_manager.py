@@ -27,7 +27,7 @@
 #   writes `request.block_table`), the prefix-cache lookup for a new request, allocation (all or nothing), and
 #   hashing a request's full blocks once the step that computed them has committed.
 #
-# (A third module, `swap_space.py`, holds the CPU tier for swap preemption; that is lesson 03's.)
+# (A third module, `swap_space.py`, holds the CPU tier for swap preemption; that is lesson 04's.)
 #
 # Neither touches a tensor. The model runner reads `request.block_table` and writes KV there; these modules only
 # decide where. That makes them easy to study on their own: the first half of this lesson drives a
@@ -402,7 +402,7 @@ draw(kv2, [p, q], "P and Q, admitted in the same step, share blocks 0 and 1", co
 # ### Room is not KV
 #
 # The scheduler may make room for a request and then, in the same `schedule()` call, preempt it before its
-# step runs (preemption is lesson 03). Since `allocate_slots` hashes nothing, there is nothing to take back:
+# step runs (preemption is lesson 04). Since `allocate_slots` hashes nothing, there is nothing to take back:
 # the request's blocks go back clean-free, and the prefix cache never heard of them. (The old block manager
 # hashed blocks when it allocated them, and its `free()` had to guess from `num_computed_tokens` which hashed
 # blocks really held KV. Section 10 shows a case where that guess went wrong.)
@@ -945,6 +945,6 @@ self_check(llm, small)
 # %% [markdown]
 # ## Where next
 #
-# Lesson 02 moves one level up, to the scheduler: each step it decides which requests run and how many tokens
-# each, asks the KV cache manager for room, and splits long prompts into chunks. Lesson 03 is what happens when
+# Lesson 03 moves one level up, to the scheduler: each step it decides which requests run and how many tokens
+# each, asks the KV cache manager for room, and splits long prompts into chunks. Lesson 04 is what happens when
 # `allocate_slots` says no.

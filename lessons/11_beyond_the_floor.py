@@ -16,7 +16,7 @@
 # %% [markdown]
 # # Lesson 11: CUDA graphs, and what moved a CPU decode step
 #
-# Lesson 07 measured where a step's time goes and what the hardware allows: a decode step reads every weight,
+# Lesson 10 measured where a step's time goes and what the hardware allows: a decode step reads every weight,
 # so it costs at least the bytes it reads over the memory bandwidth, at any batch. This lesson takes the two
 # roads that lead on from there:
 #
@@ -35,7 +35,7 @@
 #    the tokens, the text): schedule the next batch while the device runs this one. You write the scheduler's
 #    plan for a request whose batch is still in flight, and an engine runs with it.
 #
-# As in lesson 07, every number is measured when the notebook runs; timings wobble on a busy machine.
+# As in lesson 10, every number is measured when the notebook runs; timings wobble on a busy machine.
 
 # %%
 import os
@@ -55,7 +55,7 @@ from minivllm import LLM, SamplingParams
 from minivllm.bench import roofline
 
 torch.manual_seed(0)
-torch.set_num_threads(1)     # one core's worth, as in lesson 07
+torch.set_num_threads(1)     # one core's worth, as in lesson 10
 
 llm = LLM(num_kv_blocks=256, seed=0)
 engine = llm.llm_engine
@@ -68,7 +68,7 @@ print(f"{cfg.num_hidden_layers} layers, weights {weights / 1e6:.0f} MB in {engin
 
 
 def decode_memory_floor_ms(cfg, itemsize, batch, context, bandwidth):
-    """Lesson 07's exercise, from the engine's own roofline: the bytes one decode step of `batch` sequences of
+    """Lesson 10's exercise, from the engine's own roofline: the bytes one decode step of `batch` sequences of
     `context` tokens must read (every weight, and each sequence's K and V), over the bandwidth, in ms."""
     pairs = batch * context
     return 1e3 * roofline.step_floor_s(cfg, itemsize, float("inf"), bandwidth, batch, pairs, batch, pairs)
@@ -194,7 +194,7 @@ print(inspect.getsource(DecodeGraphs._fill))
 # One thing found on the way did help: in a mixed step, the sequences with one new token now take the batched
 # decode path together instead of going one at a time through the prefill loop.
 #
-# The reason for the rest is the one lesson 07 measured: a decode step reads every weight and the KV of its
+# The reason for the rest is the one lesson 10 measured: a decode step reads every weight and the KV of its
 # batch from memory, so it costs at least the floor computed below at any batch, and the 256-row matmul rate
 # is out of reach at 1-32 rows.
 
@@ -513,7 +513,7 @@ else:
 # %% [markdown]
 # ## 5. Decode attention in C++: the same bytes, read once and in order
 #
-# Lesson 07 made the reference's decode attention fast in PyTorch: gather each sequence's blocks with
+# Lesson 10 made the reference's decode attention fast in PyTorch: gather each sequence's blocks with
 # `index_select` into one buffer, then one call to PyTorch's attention. Every layer of every step still copies
 # the whole batch's context (read it, write the copy, read the copy again), and that was about a quarter of a
 # decode step at batch 32. vLLM's CPU backend has its own C++ kernel that reads the cache through the block
@@ -521,7 +521,7 @@ else:
 # machine's compiler (`kernels/cpu_ops.py`) and used by `attention_backend="cpu"`, the CPU default when a
 # compiler is there. For each work item it computes every score `q . k_t` (pass 1), the softmax, then
 # `sum_t p_t v_t` (pass 2), reading token `t` of sequence `i` at block `block_tables[i, t // block_size]`,
-# slot `t % block_size`, as lesson 04's kernels do.
+# slot `t % block_size`, as lesson 06's kernels do.
 #
 # The first version of this kernel gave nothing inside the engine (section 2). Its work item was one
 # (sequence, KV head), the natural unit of GQA. But a cached token's KV heads sit next to each other
@@ -828,7 +828,7 @@ for async_scheduling in (False, True):
 print("same tokens:", async_tokens[True] == async_tokens[False])
 
 # %% [markdown]
-# How it plugs in. The base `Scheduler.schedule()` (lesson 02) never mentions batches in flight: it calls a few
+# How it plugs in. The base `Scheduler.schedule()` (lesson 03) never mentions batches in flight: it calls a few
 # small methods, and `AsyncScheduler` (`minivllm/core/async_scheduler.py`) overrides exactly those. It leaves out
 # of the batch a request whose batch in flight must come back first (`_runnable`), counts the tokens that batch
 # computes and the placeholder (`_num_tokens_left`, with your `plan_ahead`), makes room after them (`_allocate`),

@@ -22,7 +22,7 @@ from minivllm.entrypoints.block_grid import PALETTE
 
 CACHED_FREE, CLEAN_FREE = "#a9a9a9", "#ececec"     # greys far from every PALETTE entry
 SHARED_HATCH = "//"
-# What a request did in a step (lessons 02 and 03): one colour per state, separate from the request colours.
+# What a request did in a step (lessons 03 and 04): one colour per state, separate from the request colours.
 STATE_COLORS = {"prefill": "tab:orange", "recompute": "tab:brown", "decode": "tab:blue", "preempted": "tab:red",
                 "swapped": "tab:purple", "waiting": "#dddddd"}
 HALO = [withStroke(linewidth=2.5, foreground="white")]   # keeps black text readable on any colour

@@ -37,8 +37,8 @@ SLOWEST_MODULES = ("tests/test_kernels_aot.py", "tests/test_fault_injection.py",
                    "tests/test_kv_cache_fp8.py", "tests/test_app_ui.py", "tests/test_async_scheduling.py",
                    "tests/test_api_server.py", "tests/test_invariance.py", "tests/test_bench.py",
                    "lessons/11_beyond_the_floor.ipynb", "tests/test_structured_output.py",
-                   "lessons/05_tensor_parallel.ipynb", "tests/test_w8a8.py", "lessons/09_spec_decode.ipynb",
-                   "lessons/03_preemption.ipynb")
+                   "lessons/07_tensor_parallel.ipynb", "tests/test_w8a8.py", "lessons/13_spec_decode.ipynb",
+                   "lessons/04_preemption.ipynb")
 
 
 def pytest_configure(config):

@@ -1,39 +1,55 @@
-"""Lesson 03's exercise check (lessons/checks/c03_preemption.py) passes the solution, rejects the rest."""
+"""Lesson 03's exercise check (lessons/checks/c03_scheduler.py) passes the solution, rejects the rest."""
 
 from tests.course_helpers import empty, passes, rejects
 
-NAME = "03.preempt"
+NAME = "03.schedule_step"
 
 
-def _back_in_place(waiting, back):
-    i = 0
-    while i < len(waiting) and (waiting[i].priority, waiting[i].arrival) < (back.priority, back.arrival):
-        i += 1
-    return waiting[:i] + [back] + waiting[i:]
+def ignores_max_num_seqs(running, waiting, max_num_batched_tokens, max_num_seqs):
+    """Admits waiting requests while the budget lasts, however many requests that makes."""
+    budget, scheduled = max_num_batched_tokens, {}
+    for request_id, need in sorted(running, key=lambda r: r[1] > 1) + list(waiting):
+        if budget == 0:
+            break
+        scheduled[request_id] = min(need, budget)
+        budget -= scheduled[request_id]
+    return scheduled
 
 
-def latest_arrival_only(running, waiting):
-    """Preempts the latest arrival, whatever the priorities."""
-    victim = max(running, key=lambda s: s.arrival)
-    back = victim._replace(status="preempted", num_computed_tokens=0, block_table=())
-    return ([s for s in running if s.request_id != victim.request_id], _back_in_place(waiting, back),
-            list(reversed(victim.block_table)))
+def admits_only_whole_prompts(running, waiting, max_num_batched_tokens, max_num_seqs):
+    """Chunks the running prefills, but admits a waiting request only if its whole prompt fits."""
+    budget, scheduled = max_num_batched_tokens, {}
+    for request_id, need in sorted(running, key=lambda r: r[1] > 1):
+        if budget == 0:
+            break
+        scheduled[request_id] = min(need, budget)
+        budget -= scheduled[request_id]
+    seats = max_num_seqs - len(running)
+    for request_id, need in waiting:
+        if need > budget or seats == 0:
+            break
+        scheduled[request_id] = need
+        budget -= need
+        seats -= 1
+    return scheduled
 
 
-def back_of_the_queue(running, waiting):
-    """Right victim, but sent to the back of the waiting queue, behind requests that arrived after it."""
-    victim = max(running, key=lambda s: (s.priority, s.arrival))
-    back = victim._replace(status="preempted", num_computed_tokens=0, block_table=())
-    return ([s for s in running if s.request_id != victim.request_id], waiting + [back],
-            list(reversed(victim.block_table)))
-
-
-def keeps_computed_tokens(running, waiting):
-    """Frees the blocks but leaves num_computed_tokens: the request would skip tokens whose KV is gone."""
-    victim = max(running, key=lambda s: (s.priority, s.arrival))
-    back = victim._replace(status="preempted", block_table=())
-    return ([s for s in running if s.request_id != victim.request_id], _back_in_place(waiting, back),
-            list(reversed(victim.block_table)))
+def queue_order(running, waiting, max_num_batched_tokens, max_num_seqs):
+    """Serves the running queue in its own order: a prefill chunk ahead of a decode takes the decode's token."""
+    budget, scheduled = max_num_batched_tokens, {}
+    for request_id, need in running:
+        if budget == 0:
+            break
+        scheduled[request_id] = min(need, budget)
+        budget -= scheduled[request_id]
+    seats = max_num_seqs - len(running)
+    for request_id, need in waiting:
+        if budget == 0 or seats == 0:
+            break
+        scheduled[request_id] = min(need, budget)
+        budget -= scheduled[request_id]
+        seats -= 1
+    return scheduled
 
 
 def test_the_solution_passes():
@@ -45,11 +61,9 @@ def test_an_empty_answer_is_told_to_write_code():
 
 
 def test_plausible_wrong_answers_are_rejected_with_the_case():
-    rejects(latest_arrival_only, NAME, r"A has priority 1: the lowest priority goes first.*the running queue "
-                                       r"after: expected \[B\(.*\), C\(.*\)\], got \[A\(.*\), B\(.*\)\]")
-    rejects(back_of_the_queue, NAME, r"C \(arrival 2\) goes back between W1 \(arrival 1\) and W5 .*"
-                                     r"the waiting queue after: expected \[W1\(.*\), C\(.*\), W5\(.*\)\], "
-                                     r"got \[W1\(.*\), W5\(.*\), C\(.*\)\]")
-    rejects(keeps_computed_tokens, NAME, r"equal priorities: the latest arrival, C, goes.*the waiting queue "
-                                         r"after: expected \[C\(priority 0, arrival 2, preempted, computed 0, "
-                                         r"blocks \(\)\)\], got \[C\(priority 0, arrival 2, preempted, computed 5,")
+    rejects(ignores_max_num_seqs, NAME, r"max_num_seqs=3 with two running: one seat left .*expected "
+                                        r"\{'a': 1, 'b': 1, 'c': 3\}, got \{'a': 1, 'b': 1, 'c': 3, 'd': 3, 'e': 3\}")
+    rejects(admits_only_whole_prompts, NAME, r"lesson 03's step 1: the second prompt gets what is left .*"
+                                             r"expected \{'p': 37, 'q': 27\}, got \{'p': 37\}")
+    rejects(queue_order, NAME, r"decodes are scheduled first.*expected \{'d': 1, 'long': 31\}, "
+                               r"got \{'long': 32\}")

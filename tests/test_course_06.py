@@ -1,55 +1,56 @@
-"""Lesson 06's exercise check (lessons/checks/c06_serving.py) passes the solution, rejects the rest."""
+"""Lesson 06's exercise check (lessons/checks/c06_paged_attention.py) passes the solution, rejects the rest."""
 
 import pytest
+import torch
 
 from tests.course_helpers import empty, passes, rejects
 
-NAME = "06.stream_deltas"
+NAME = "06.paged_attention_one"
 
 
-def no_holdback(pieces, stop):
-    """Sends every piece at once, cutting only the piece that completes a stop string."""
-    deltas, text = [], ""
-    for piece in pieces:
-        sent, text = len(text), text + piece
-        hits = [text.find(s) for s in stop if s in text]
-        if hits:
-            deltas.append(text[sent:min(hits)])
-            return deltas
-        deltas.append(piece)
-    return deltas
+def _attend(q, k, v, scale):
+    """q (heads, d) over k, v (n, heads, d) -> (heads, d)."""
+    p = torch.softmax(torch.einsum("hd,thd->ht", q, k) * scale, dim=-1)
+    return torch.einsum("ht,thd->hd", p, v)
 
 
-def searches_the_new_piece_only(pieces, stop):
-    """Holds back the right amount, but looks for stop strings in the new piece alone."""
-    hold = max((len(s) for s in stop), default=1) - 1
-    deltas, pending = [], ""
-    for i, piece in enumerate(pieces):
-        hits = [piece.find(s) for s in stop if s in piece]
-        if hits:
-            deltas.append(pending + piece[:min(hits)])
-            return deltas
-        window = pending + piece
-        cut = len(window) if i == len(pieces) - 1 else max(len(window) - hold, 0)
-        deltas.append(window[:cut])
-        pending = window[cut:]
-    return deltas
+def _right_kv(key_cache, value_cache, block_table, seq_len, num_heads):
+    block_size, num_kv_heads = key_cache.shape[1], key_cache.shape[2]
+    blocks = block_table[:-(-seq_len // block_size)].long()
+    group = num_heads // num_kv_heads
+    k = key_cache[blocks].flatten(0, 1)[:seq_len].repeat_interleave(group, dim=1)
+    v = value_cache[blocks].flatten(0, 1)[:seq_len].repeat_interleave(group, dim=1)
+    return k, v
 
 
-def holds_back_a_whole_stop_string(pieces, stop):
-    """Holds back len(longest stop) characters, one more than can still start a stop string."""
-    hold = max((len(s) for s in stop), default=0)
-    deltas, pending = [], ""
-    for i, piece in enumerate(pieces):
-        window = pending + piece
-        hits = [window.find(s) for s in stop if s in window]
-        if hits:
-            deltas.append(window[:min(hits)])
-            return deltas
-        cut = len(window) if i == len(pieces) - 1 else max(len(window) - hold, 0)
-        deltas.append(window[:cut])
-        pending = window[cut:]
-    return deltas
+def ignores_block_table(q, key_cache, value_cache, block_table, seq_len, scale):
+    """Reads physical blocks 0, 1, 2, ... in order, as if the sequence's K/V were contiguous in the pool."""
+    k, v = _right_kv(key_cache, value_cache, torch.arange(key_cache.shape[0]), seq_len, q.shape[0])
+    return _attend(q, k, v, scale)
+
+
+def whole_last_block(q, key_cache, value_cache, block_table, seq_len, scale):
+    """Attends to every slot of the last block, past seq_len (the stale slots too)."""
+    block_size = key_cache.shape[1]
+    padded = -(-seq_len // block_size) * block_size
+    k, v = _right_kv(key_cache, value_cache, block_table, padded, q.shape[0])
+    return _attend(q, k, v, scale)
+
+
+def forgets_the_scale(q, key_cache, value_cache, block_table, seq_len, scale):
+    """softmax(q . k) without the 1 / sqrt(head_dim)."""
+    k, v = _right_kv(key_cache, value_cache, block_table, seq_len, q.shape[0])
+    return _attend(q, k, v, 1.0)
+
+
+def gqa_by_modulo(q, key_cache, value_cache, block_table, seq_len, scale):
+    """GQA with query head h on KV head h % num_kv_heads (repeat, not repeat_interleave)."""
+    block_size, num_kv_heads = key_cache.shape[1], key_cache.shape[2]
+    blocks = block_table[:-(-seq_len // block_size)].long()
+    group = q.shape[0] // num_kv_heads
+    k = key_cache[blocks].flatten(0, 1)[:seq_len].repeat(1, group, 1)
+    v = value_cache[blocks].flatten(0, 1)[:seq_len].repeat(1, group, 1)
+    return _attend(q, k, v, scale)
 
 
 @pytest.mark.slow
@@ -62,7 +63,7 @@ def test_an_empty_answer_is_told_to_write_code():
 
 
 def test_plausible_wrong_answers_are_rejected_with_the_case():
-    rejects(no_holdback, NAME, r"stop=\['END'\], which never comes.*expected \['a', 'bc', 'd', 'efg'\], got "
-                               r"\['abc', 'de', 'f', 'g'\]")
-    rejects(searches_the_new_piece_only, NAME, r"a stop string split across two pieces")
-    rejects(holds_back_a_whole_stop_string, NAME, r"stop=\['END'\], which never comes.*expected \['a', 'bc'")
+    rejects(ignores_block_table, NAME, r"^a scrambled block table \(block table \[5, 2, 7\].*max error")
+    rejects(whole_last_block, NAME, r"^a partial last block \(block table \[0, 1, 2\], seq_len 10.*max error")
+    rejects(forgets_the_scale, NAME, r"^a single block .*max error .*expected \[.*got \[")
+    rejects(gqa_by_modulo, NAME, r"^GQA \(block table \[1, 6, 4\].*4 query heads over 2 KV heads\): max error")

@@ -1,41 +1,77 @@
-"""Lesson 07's exercise check (lessons/checks/c07_performance.py) passes the solution, rejects the rest."""
+"""Lesson 07's exercise check (lessons/checks/c07_tensor_parallel.py) passes the solution, rejects the rest."""
 
-import pytest
+import torch
+import torch.nn.functional as F
 
 from tests.course_helpers import empty, passes, rejects
 
-NAME = "07.decode_memory_floor_ms"
+NAME = "07.tp_linear"
 
 
-def kv_once(cfg, itemsize, batch, context, bandwidth):
-    """Counts the weights right but the KV of one layer only (or forgets V)."""
-    h, d = cfg.hidden_size, cfg.head_dim
-    q, kv = cfg.num_attention_heads * d, cfg.num_key_value_heads * d
-    per_layer = h * (q + 2 * kv) + q * h + h * 2 * cfg.intermediate_size + cfg.intermediate_size * h + 2 * h
-    weights = cfg.num_hidden_layers * per_layer + h + cfg.vocab_size * h
-    return (weights + kv * batch * context) * itemsize / bandwidth * 1e3
+def _split(weight, tp_size, dim):
+    n = weight.shape[dim]
+    if n % tp_size:
+        raise ValueError(f"{n} does not split into {tp_size}")
+    return list(weight.split(n // tp_size, dim=dim))
 
 
-def embedding_twice(cfg, itemsize, batch, context, bandwidth):
-    """Adds the embedding table on top of the LM head (a decode step only indexes it)."""
-    h, d = cfg.hidden_size, cfg.head_dim
-    q, kv = cfg.num_attention_heads * d, cfg.num_key_value_heads * d
-    per_layer = h * (q + 2 * kv) + q * h + h * 2 * cfg.intermediate_size + cfg.intermediate_size * h + 2 * h
-    weights = cfg.num_hidden_layers * per_layer + h + 2 * cfg.vocab_size * h
-    return (weights + 2 * cfg.num_hidden_layers * kv * batch * context) * itemsize / bandwidth * 1e3
+def swapped_dimensions(x, weight, tp_size, kind):
+    """Megatron's names taken for W instead of A = W.T: "column" cuts W's columns (input features) and sums,
+    "row" cuts W's rows (output features) and concatenates. y comes out right; the shards do not."""
+    if kind == "column":
+        shards = _split(weight, tp_size, 1)
+        return shards, sum(F.linear(xr, w) for xr, w in zip(x.chunk(tp_size, dim=-1), shards))
+    shards = _split(weight, tp_size, 0)
+    return shards, torch.cat([F.linear(x, w) for w in shards], dim=-1)
 
 
-@pytest.mark.slow
+def concatenates_row_partials(x, weight, tp_size, kind):
+    """Right shards, but the row-parallel partial sums are put side by side instead of added (no all-reduce)."""
+    dim = 0 if kind == "column" else 1
+    shards = _split(weight, tp_size, dim)
+    xs = [x] * tp_size if kind == "column" else x.chunk(tp_size, dim=-1)
+    return shards, torch.cat([F.linear(xr, w) for xr, w in zip(xs, shards)], dim=-1)
+
+
+def interleaved(x, weight, tp_size, kind):
+    """Rank r takes every tp_size-th feature from r on (a strided split): y is still x @ W.T, but rank r's rows are
+    not the ones minivllm's layers give it, so a query head would be cut across ranks."""
+    if kind == "column":
+        shards = [weight[r::tp_size] for r in range(tp_size)]
+        parts = [F.linear(x, w) for w in shards]                         # rank r: features r, r + tp, ...
+        return shards, torch.stack(parts, dim=-1).reshape(x.shape[0], -1)  # put back in feature order
+    shards = [weight[:, r::tp_size] for r in range(tp_size)]
+    return shards, sum(F.linear(x[:, r::tp_size], w) for r, w in enumerate(shards))
+
+
+def chunk_without_check(x, weight, tp_size, kind):
+    """torch.chunk, which accepts any size: 10 rows on 3 ranks become 4 + 4 + 2 instead of an error."""
+    dim = 0 if kind == "column" else 1
+    shards = list(weight.chunk(tp_size, dim=dim))
+    if kind == "column":
+        return shards, torch.cat([F.linear(x, w) for w in shards], dim=-1)
+    xs = x.split([w.shape[1] for w in shards], dim=-1)
+    return shards, sum(F.linear(xr, w) for xr, w in zip(xs, shards))
+
+
 def test_the_solution_passes():
     passes(NAME)
 
 
-@pytest.mark.slow
 def test_an_empty_answer_is_told_to_write_code():
     rejects(empty, NAME, "not written yet")
 
 
-@pytest.mark.slow
 def test_plausible_wrong_answers_are_rejected_with_the_case():
-    rejects(kv_once, NAME, "K and V of every cached token, every layer")
-    rejects(embedding_twice, NAME, "its parameters are")
+    rejects(swapped_dimensions, NAME,
+            r"column parallel, tp 2, W \(8, 6\): rank 0's shard: expected rows 0\.\.3, all 6 columns of W \(4, 6\), "
+            r"got all 8 rows, columns 0\.\.2 of W \(8, 3\)")
+    rejects(concatenates_row_partials, NAME,
+            r"row parallel, tp 2, W \(5, 8\): y, the combined result: expected x @ W\.T of shape \(4, 5\), "
+            r"got shape \(4, 10\)")
+    rejects(interleaved, NAME,
+            r"column parallel, tp 2, W \(8, 6\): rank 0's shard: expected rows 0\.\.3, all 6 columns of W \(4, 6\), "
+            r"got rows \[0, 2, 4, 6\], all 6 columns of W \(4, 6\)")
+    rejects(chunk_without_check, NAME,
+            r"column parallel, tp 3, W \(10, 6\) \(10 output features do not split into 3 equal shards\): "
+            r"expected ValueError, got shards of shapes \[\(4, 6\), \(4, 6\), \(2, 6\)\]")

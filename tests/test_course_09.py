@@ -1,41 +1,55 @@
-"""Lesson 09's exercise check (lessons/checks/c09_spec_decode.py) passes the solution, rejects the rest."""
+"""Lesson 09's exercise check (lessons/checks/c09_serving.py) passes the solution, rejects the rest."""
 
 import pytest
 
 from tests.course_helpers import empty, passes, rejects
 
-NAME = "09.ngram_propose"
+NAME = "09.stream_deltas"
 
 
-def _search(token_ids, k, ns, starts):
-    """Try each n of `ns` in order; for each, the candidate starts `starts(n)` in order; the first match wins."""
-    for n in ns:
-        if n < 1 or n >= len(token_ids):
-            continue
-        for start in starts(n):
-            if token_ids[start:start + n] == token_ids[-n:]:
-                return token_ids[start + n:start + n + k]
-    return []
+def no_holdback(pieces, stop):
+    """Sends every piece at once, cutting only the piece that completes a stop string."""
+    deltas, text = [], ""
+    for piece in pieces:
+        sent, text = len(text), text + piece
+        hits = [text.find(s) for s in stop if s in text]
+        if hits:
+            deltas.append(text[sent:min(hits)])
+            return deltas
+        deltas.append(piece)
+    return deltas
 
 
-def first_occurrence(token_ids, k, min_n, max_n):
-    """Takes the earliest occurrence instead of the latest."""
-    return _search(token_ids, k, range(max_n, min_n - 1, -1), lambda n: range(0, len(token_ids) - n))
+def searches_the_new_piece_only(pieces, stop):
+    """Holds back the right amount, but looks for stop strings in the new piece alone."""
+    hold = max((len(s) for s in stop), default=1) - 1
+    deltas, pending = [], ""
+    for i, piece in enumerate(pieces):
+        hits = [piece.find(s) for s in stop if s in piece]
+        if hits:
+            deltas.append(pending + piece[:min(hits)])
+            return deltas
+        window = pending + piece
+        cut = len(window) if i == len(pieces) - 1 else max(len(window) - hold, 0)
+        deltas.append(window[:cut])
+        pending = window[cut:]
+    return deltas
 
 
-def matches_the_suffix_itself(token_ids, k, min_n, max_n):
-    """Lets the search start at the suffix: it always matches itself, and nothing follows it."""
-    return _search(token_ids, k, range(max_n, min_n - 1, -1), lambda n: range(len(token_ids) - n, -1, -1))
-
-
-def only_max_n(token_ids, k, min_n, max_n):
-    """Tries n = max_n only."""
-    return _search(token_ids, k, [max_n], lambda n: range(len(token_ids) - n - 1, -1, -1))
-
-
-def shortest_n_first(token_ids, k, min_n, max_n):
-    """Tries n from min_n up: a short, common suffix wins over a longer, more telling one."""
-    return _search(token_ids, k, range(min_n, max_n + 1), lambda n: range(len(token_ids) - n - 1, -1, -1))
+def holds_back_a_whole_stop_string(pieces, stop):
+    """Holds back len(longest stop) characters, one more than can still start a stop string."""
+    hold = max((len(s) for s in stop), default=0)
+    deltas, pending = [], ""
+    for i, piece in enumerate(pieces):
+        window = pending + piece
+        hits = [window.find(s) for s in stop if s in window]
+        if hits:
+            deltas.append(window[:min(hits)])
+            return deltas
+        cut = len(window) if i == len(pieces) - 1 else max(len(window) - hold, 0)
+        deltas.append(window[:cut])
+        pending = window[cut:]
+    return deltas
 
 
 @pytest.mark.slow
@@ -48,7 +62,7 @@ def test_an_empty_answer_is_told_to_write_code():
 
 
 def test_plausible_wrong_answers_are_rejected_with_the_case():
-    rejects(first_occurrence, NAME, r"the latest occurrence wins .*expected \[2, 7\], got \[1, 7\]")
-    rejects(matches_the_suffix_itself, NAME, r"\[7, 8\] occurred at the start .*expected \[9, 7, 8\], got \[\]")
-    rejects(only_max_n, NAME, r"no 3-token match, so n=2.*expected \[1, 9\], got \[\]")
-    rejects(shortest_n_first, NAME, r"the longest n wins .*expected \[9, 9\], got \[1, 5\]")
+    rejects(no_holdback, NAME, r"stop=\['END'\], which never comes.*expected \['a', 'bc', 'd', 'efg'\], got "
+                               r"\['abc', 'de', 'f', 'g'\]")
+    rejects(searches_the_new_piece_only, NAME, r"a stop string split across two pieces")
+    rejects(holds_back_a_whole_stop_string, NAME, r"stop=\['END'\], which never comes.*expected \['a', 'bc'")

@@ -1,51 +1,40 @@
-"""Lesson 12's exercise check (lessons/checks/c12_disaggregation.py) passes the solution, rejects the rest."""
+"""Lesson 12's exercise check (lessons/checks/c12_sampling.py) passes the solution, rejects the rest."""
 
 import pytest
+import torch
 
-from minivllm.kv_transfer import block_keys
 from tests.course_helpers import empty, passes, rejects
 
-NAME = "12.get_num_new_matched_tokens"
+NAME = "12.top_p_filter"
 
 
-def _count(keys, has_block, stop_at_miss=True):
-    num_tokens = 0
-    for key, n in keys:
-        if has_block(key):
-            num_tokens += n
-        elif stop_at_miss:
-            break
-    return num_tokens
+def _filter(logits, keep_sorted):
+    """Apply a keep-mask computed over the descending-sorted row, back in vocabulary order."""
+    sorted_logits, order = logits.sort(dim=-1, descending=True)
+    sorted_logits = sorted_logits.masked_fill(~keep_sorted(sorted_logits.softmax(dim=-1)), float("-inf"))
+    return torch.empty_like(logits).scatter_(1, order, sorted_logits)
 
 
-def counts_a_hit_after_a_miss(prompt_token_ids, num_computed_tokens, block_size, tag, has_block):
-    """Counts every block the store holds, also those after a missing one (their KV sits on a gap)."""
-    keys = block_keys(list(prompt_token_ids[:-1]), block_size, tag)
-    return _count(keys[num_computed_tokens // block_size:], has_block, stop_at_miss=False)
+def drops_the_crossing_token(logits, top_p):
+    """Keeps a token only while the mass *including* it is below top_p: the token that reaches top_p is lost
+    (even at top_p=1.0, the last token)."""
+    p = torch.tensor(top_p, dtype=logits.dtype)[:, None]
+    return _filter(logits, lambda probs: probs.cumsum(-1) < p)
 
 
-def returns_all_tokens(prompt_token_ids, num_computed_tokens, block_size, tag, has_block):
-    """Counts from block 0, ignoring the blocks this instance already computed."""
-    return _count(block_keys(list(prompt_token_ids[:-1]), block_size, tag), has_block)
+def sorts_ascending(logits, top_p):
+    """Accumulates from the least likely token up: keeps the tail instead of the nucleus."""
+    sorted_logits, order = logits.sort(dim=-1)
+    probs = sorted_logits.softmax(dim=-1)
+    p = torch.tensor(top_p, dtype=logits.dtype)[:, None]
+    sorted_logits = sorted_logits.masked_fill(probs.cumsum(-1) - probs >= p, float("-inf"))
+    return torch.empty_like(logits).scatter_(1, order, sorted_logits)
 
 
-def includes_the_last_prompt_token(prompt_token_ids, num_computed_tokens, block_size, tag, has_block):
-    """Names the blocks of the whole prompt, token P-1 included: the last block's key is not what was stored."""
-    keys = block_keys(list(prompt_token_ids), block_size, tag)
-    return _count(keys[num_computed_tokens // block_size:], has_block)
-
-
-def ignores_the_partial_last_block(prompt_token_ids, num_computed_tokens, block_size, tag, has_block):
-    """Counts whole blocks only: the partial block before token P-1 is computed again."""
-    keys = [(k, n) for k, n in block_keys(list(prompt_token_ids[:-1]), block_size, tag) if n == block_size]
-    return _count(keys[num_computed_tokens // block_size:], has_block)
-
-
-def subtracts_after_counting_from_block_0(prompt_token_ids, num_computed_tokens, block_size, tag, has_block):
-    """Counts the leading hits from block 0, then takes away the tokens computed here: a block computed here
-    but absent from the store stops the count before the blocks that could load."""
-    keys = block_keys(list(prompt_token_ids[:-1]), block_size, tag)
-    return max(0, _count(keys, has_block) - num_computed_tokens)
+def first_row_top_p_for_all(logits, top_p):
+    """Right for one row, but uses the first row's top_p for the whole batch."""
+    p = torch.full((logits.shape[0], 1), top_p[0], dtype=logits.dtype)
+    return _filter(logits, lambda probs: probs.cumsum(-1) - probs < p)
 
 
 @pytest.mark.slow
@@ -58,9 +47,9 @@ def test_an_empty_answer_is_told_to_write_code():
 
 
 def test_plausible_wrong_answers_are_rejected_with_the_case():
-    rejects(counts_a_hit_after_a_miss, NAME, r"block 1 is missing: block 2 after it cannot be used .*expected 4, got 6")
-    rejects(returns_all_tokens, NAME, r"block 0 is already computed here .*expected 6, got 10")
-    rejects(includes_the_last_prompt_token, NAME, r"the last one partial .*expected 10, got 8")
-    rejects(ignores_the_partial_last_block, NAME, r"the last one partial .*expected 10, got 8")
-    rejects(subtracts_after_counting_from_block_0, NAME,
-            r"block 0 is computed here but not in the store; blocks 1 and 2 are .*expected 6, got 0")
+    rejects(drops_the_crossing_token, NAME,
+            r"top_p=1.0 .*expected \[\[0, 1, 2, 3, 4\]\], got \[\[0, 1, 2, 3\]\]")
+    rejects(sorts_ascending, NAME, r"top_p=1e-6 .*expected \[\[0\]\], got \[\[4\]\]")
+    rejects(first_row_top_p_for_all, NAME,
+            r"a batch of 3 rows with top_p \[0.3, 0.9, 1.0\].*expected \[\[0\], \[1, 2, 3, 4\], \[0, 1, 2, 3, 4\]\], "
+            r"got \[\[0\], \[4\], \[0(, 1)?\]\]")     # the third row's cut rounds per CPU: [0, 1] AVX-512, [0] AVX2

@@ -62,7 +62,7 @@ class TorchAttentionBackend(AttentionBackend):
 
     def __init__(self):
         self.kv_buffer: torch.Tensor | None = None     # decode's gathered K and V, reused by every layer
-        # (saves an allocation per layer; lesson 07 measures it: the gain is small, the win is index_select)
+        # (saves an allocation per layer; lesson 10 measures it: the gain is small, the win is index_select)
 
     def _buffer(self, numel: int, like: torch.Tensor) -> torch.Tensor:
         if self.kv_buffer is None or self.kv_buffer.numel() < numel or self.kv_buffer.dtype != like.dtype:
