@@ -46,7 +46,7 @@
 # ```
 #
 # If anything in a step raises (the model, the sampler, even a Ctrl-C), the scheduler rolls the step back and
-# the engine is exactly as it was before it (lesson 01, "When a step fails"). `docs/architecture.md` follows one
+# the engine is exactly as it was before it (lesson 02, "When a step fails"). `docs/architecture.md` follows one
 # request through these files. Everything here is seeded and greedy, so the outputs you see are the outputs you
 # will get.
 

@@ -144,7 +144,7 @@ for rid in ("short", "long", "medium"):
 # sampler, the detokenizer, a Ctrl-C), the engine calls `rollback_step()`: the journal is replayed backwards and
 # the scheduler and the KV cache are as they were before the step (except that the blocks the failed step handed
 # out can no longer be trusted as prefix-cache hits: its forward may have written them), and the engine keeps
-# serving. Lesson 01's section "When a step fails" draws the blocks before, during and after a failed step.
+# serving. Lesson 02, "When a step fails", draws the blocks before, during and after a failed step.
 # Here we use the same machinery to peek at the first step's plan and take it back:
 
 # %%

@@ -30,7 +30,7 @@
 # Preemption happens while the step is being planned, inside the step's transaction (lesson 03): if the step
 # fails later, `rollback_step()` undoes the preemption too. The victim is running again with its blocks, cut
 # back to before the first one the failed step handed to someone else (that step's forward may have
-# overwritten it; lesson 01, "When a step fails").
+# overwritten it; lesson 02, "When a step fails").
 #
 # What happens to the victim's KV? vLLM's two answers, both in minivllm (`preemption_mode=`):
 #
@@ -561,5 +561,5 @@ self_check()
 # %% [markdown]
 # ## Where next
 #
-# Lessons 01-04 were bookkeeping: who holds which block, who runs, who waits. Lesson 06 goes inside the
+# Lessons 01-04 were bookkeeping: who holds which block, who runs, who waits. Lesson 05 turns a step's plan into one flat batch, and lesson 06 goes inside the
 # forward pass, to paged attention: how a kernel reads K and V through a block table.

@@ -17,7 +17,7 @@
 # # Lesson 05: from a scheduling step to one flat batch
 #
 # Lesson 03 ended with a plan: a `SchedulerOutput` that says which requests run this step and how many tokens
-# each. Lesson 06 started from tensors: queries, a paged KV cache, block tables. This lesson is the bridge
+# each. Lesson 06 starts from tensors: queries, a paged KV cache, block tables. This lesson is the bridge
 # between them, `ModelRunner.prepare_inputs` in `minivllm/worker/model_runner.py`: how one step's plan becomes
 # **one flat batch**, with no padding, that prefill chunks and decodes share.
 #

@@ -19,7 +19,7 @@
 # A request has two phases that want different machines. Its **prefill** runs the whole prompt through the
 # model in one pass: many tokens per weight read, so it is limited by arithmetic. Its **decode** makes one
 # token per step: every weight is read for a handful of tokens, so it is limited by memory bandwidth (lesson
-# 07's roofline, lesson 13's first section). **Disaggregation** runs the two on separate engine instances: a
+# 10's roofline, lesson 13's first section). **Disaggregation** runs the two on separate engine instances: a
 # *producer* computes the prompt and saves its KV blocks, a *consumer* loads those blocks into its own pool
 # and decodes. Each side can then be sized and batched for its own bottleneck, and a long prompt never holds
 # up the tokens of requests that are already decoding.
