@@ -145,3 +145,95 @@ def draw_held(ax, steps, held, colors, title=""):
     ax.set_ylabel("KV blocks")
     ax.yaxis.set_major_locator(MaxNLocator(integer=True))
     ax.set_title(title)
+
+
+# What a step's time went to (lesson 11): one colour per part of a step, host parts warm, the model's cool.
+STEP_PART_COLORS = {"schedule": "tab:purple", "prepare inputs": "tab:pink", "forward": "tab:blue",
+                    "sample": "tab:cyan", "update core": "tab:green", "text": "tab:orange"}
+
+
+def draw_spans(ax, spans, row_of, *, origin=0.0, label_of=None, colors=STEP_PART_COLORS, title=""):
+    """A timeline: each span (part, batch, t0, t1) in seconds is a bar on row row_of[part] (row 0 at the top),
+    in ms since `origin`, coloured colors[part]; label_of(part, batch) -> text written on the bar (optional)."""
+    names = list(dict.fromkeys(row_of.values()))
+    for part, batch, t0, t1 in spans:
+        y = len(names) - 1 - names.index(row_of[part])
+        left, width = (t0 - origin) * 1e3, (t1 - t0) * 1e3
+        ax.barh(y, width, left=left, height=0.7, color=colors[part])
+        if label_of is not None and label_of(part, batch):
+            ax.text(left + width / 2, y, label_of(part, batch), ha="center", va="center", fontsize=7,
+                    color=contrast(colors[part]), clip_on=True)
+    ax.set_yticks(range(len(names)), names[::-1])
+    ax.set_xlabel("ms")
+    ax.set_title(title, fontsize=10)
+
+
+def draw_roofline(ax, rate, bandwidth, points, *, extra_roofs=(), on_roof=(), title=""):
+    """A roofline: min(rate, I x bandwidth) in GFLOP/s over arithmetic intensity I (FLOP per byte), log-log.
+    points: {label: (intensity, FLOP/s, marker)}; extra_roofs: (label, FLOP/s) drawn as dashed flat lines;
+    on_roof: (label, intensity) pairs marked with a small cross on the roof itself."""
+    import numpy as np
+    xs = [p[0] for p in points.values()] + [rate / bandwidth] + [i for _, i in on_roof]
+    x = np.logspace(np.log10(min(xs) / 4), np.log10(max(xs) * 4), 200)
+    for text, i in on_roof:
+        y = min(rate, i * bandwidth) / 1e9
+        ax.plot(i, y, "x", color="tab:green")
+        ax.annotate(text, (i, y), textcoords="offset points", xytext=(-8, 6), fontsize=7, color="tab:green")
+    ax.loglog(x, np.minimum(rate, x * bandwidth) / 1e9, color="k", lw=2,
+              label=f"roof: min({rate / 1e9:.0f} GFLOP/s, I x {bandwidth / 1e9:.1f} GB/s)")
+    for (text, r), ls in zip(extra_roofs, ("--", "-.", ":")):
+        ax.axhline(r / 1e9, color="0.3", ls=ls, lw=1, label=text)
+    ax.axvline(rate / bandwidth, color="0.6", ls=":", lw=1)
+    for text, (i, flops, marker) in points.items():
+        ax.plot(i, flops / 1e9, marker, ms=8, label=text)
+    low = min([x[0] * bandwidth] + [p[1] for p in points.values()] + [r for _, r in extra_roofs]) / 1e9 / 1.5
+    ax.set_ylim(low, rate / 1e9 * 4)
+    ax.text(rate / bandwidth * 1.08, low * 1.1, f"ridge {rate / bandwidth:.1f} FLOP/B", fontsize=8, color="0.4")
+    ax.set_xlabel("arithmetic intensity (FLOP per byte read)")
+    ax.set_ylabel("GFLOP/s")
+    ax.set_title(title, fontsize=10)
+    ax.legend(fontsize=8, loc="upper left")
+
+
+def draw_dists(before, panels, ids, labels, title, red_labels=()):
+    """Lesson 12's distributions: bars of the tokens `ids`, `before` probabilities in grey and each panel's
+    `after` in colour, a red x on a token the transformation removed (probability 0). panels: [(title, after)];
+    labels: one x label per id; red_labels: token ids whose x label is drawn in red."""
+    import matplotlib.pyplot as plt
+    import torch
+    fig, axes = plt.subplots(len(panels), 1, figsize=(11, 2.3 * len(panels) + 0.6), sharex=True, squeeze=False)
+    x = torch.arange(len(ids))
+    for ax, (name, after), color in zip(axes[:, 0], panels, ["tab:blue", "tab:orange", "tab:green", "tab:purple"]):
+        ax.bar(x - 0.2, before[ids], width=0.4, color="#b0b0b0", label="before")
+        ax.bar(x + 0.2, after[ids], width=0.4, color=color, label="after")
+        gone = (after[ids] == 0).nonzero()[:, 0]
+        if len(gone):
+            ax.plot(gone + 0.2, torch.zeros(len(gone)), "x", color="tab:red", ms=6, label="removed")
+        ax.set_title(name, fontsize=10, loc="left")
+        ax.set_ylabel("probability")
+        ax.legend(fontsize=8, loc="upper right", ncol=3)
+    axes[-1, 0].set_xticks(x, labels, rotation=60, ha="right", fontsize=9)
+    for tick, t in zip(axes[-1, 0].get_xticklabels(), ids.tolist()):
+        if t in red_labels:
+            tick.set_color("tab:red")
+    fig.suptitle(title)
+    fig.tight_layout()
+    plt.show()
+
+
+def draw_shared_tables(ax, tables, title="", colors=("tab:blue", "tab:orange", "tab:green", "tab:red")):
+    """Block tables one row each (request id on the left, physical block ids in the cells): the blocks every
+    table holds in dark grey, each row's own blocks in its colour from `colors`. tables: {request_id: [block]}."""
+    common = set.intersection(*(set(t) for t in tables.values()))
+    for row, (rid, table) in enumerate(tables.items()):
+        y = len(tables) - 1 - row
+        for col, b in enumerate(table):
+            face = "#5a5a5a" if b in common else colors[row % len(colors)]
+            ax.add_patch(Rectangle((col, y), 0.92, 0.85, color=face, alpha=0.9 if b in common else 0.75))
+            ax.text(col + 0.46, y + 0.42, str(b), ha="center", va="center", fontsize=10, color="white",
+                    fontweight="bold")
+        ax.text(-0.15, y + 0.42, rid, ha="right", va="center", fontsize=9)
+    ax.set_xlim(-1.4, max(len(t) for t in tables.values()))
+    ax.set_ylim(-0.1, len(tables))
+    ax.axis("off")
+    ax.set_title(title, fontsize=10)

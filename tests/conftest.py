@@ -36,8 +36,9 @@ SLOWEST_MODULES = ("tests/test_kernels_aot.py", "tests/test_fault_injection.py",
                    "tests/test_pipeline_parallel.py", "tests/test_ray_executor.py", "tests/test_tensor_parallel.py",
                    "tests/test_kv_cache_fp8.py", "tests/test_app_ui.py", "tests/test_async_scheduling.py",
                    "tests/test_api_server.py", "tests/test_invariance.py", "tests/test_bench.py",
-                   "lessons/11_beyond_the_floor.ipynb", "tests/test_structured_output.py",
-                   "lessons/07_tensor_parallel.ipynb", "tests/test_w8a8.py", "lessons/13_spec_decode.ipynb",
+                   "lessons/11_cuda_graphs_async.ipynb", "tests/test_structured_output.py",
+                   "lessons/07_tensor_parallel.ipynb", "lessons/08_pipeline_parallel.ipynb",
+                   "tests/test_w8a8.py", "lessons/13_spec_decode.ipynb",
                    "lessons/04_preemption.ipynb")
 
 

@@ -6,7 +6,7 @@ import random
 
 import torch
 
-from course import ExerciseFailed, expect_equal
+from course import ExerciseFailed, a_kind, expect_equal
 
 _ENGINE = {}
 SIZES = [1, 2, 4, 8, 16]
@@ -14,9 +14,9 @@ SIZES = [1, 2, 4, 8, 16]
 
 def _case(fn, batch, sizes, expected, what):
     actual = fn(*[list(map(list, x)) if x and isinstance(x[0], list) else list(x) for x in batch], list(sizes))
-    if not (isinstance(actual, tuple) and len(actual) == 6):
-        raise ExerciseFailed(f"{what}: expected a tuple (size, input_ids, positions, slot_mapping, seq_lens, "
-                             f"block_tables), got {type(actual).__name__}")
+    if not (isinstance(actual, (tuple, list)) and len(actual) == 6):
+        raise ExerciseFailed(f"expected six things, (size, input_ids, positions, slot_mapping, seq_lens, "
+                             f"block_tables), got {actual!r}: {what}")
     names = ("size", "input_ids", "positions", "slot_mapping", "seq_lens", "block_tables")
     for name, a, e in zip(names, actual, expected):
         expect_equal(a if name == "size" else [list(r) if isinstance(r, (list, tuple)) else int(r) for r in a],
@@ -36,7 +36,7 @@ def _static(batch, max_num_seqs=16, max_model_len=64, block_size=4):
 
 
 def _engine():
-    if not _ENGINE:
+    if "llm" not in _ENGINE:
         from minivllm import LLM, SamplingParams
         llm = LLM(device="cpu", dtype="float32", num_kv_blocks=64, seed=0)
         prompts = [{"prompt_token_ids": [100 + i] * (8 + 4 * i)} for i in range(5)]
@@ -103,15 +103,17 @@ def check_pad_decode_batch(fn):
 
 
 def _async_engines():
-    """Greedy tokens of a few requests through a synchronous engine (chunked prefill: a 16-token budget)."""
-    if "sync_tokens" not in _ENGINE:
+    """Greedy tokens of a few requests through a synchronous engine (chunked prefill: a 16-token budget), and an
+    engine of the same shape with async scheduling, kept for every run of the check."""
+    if "async_llm" not in _ENGINE:
         from minivllm import LLM, SamplingParams
         prompts = [{"prompt_token_ids": [200 + i] * (5 + 9 * i)} for i in range(4)]
         params = SamplingParams(temperature=0, max_tokens=12, ignore_eos=True)
         kw = dict(device="cpu", dtype="float32", num_kv_blocks=64, max_num_batched_tokens=16, max_num_seqs=4)
         with LLM(**kw) as llm:
             tokens = [o.outputs[0].token_ids for o in llm.generate(prompts, params, use_tqdm=False)]
-        _ENGINE.update(sync_tokens=tokens, async_prompts=prompts, async_params=params, async_kw=kw)
+        _ENGINE.update(sync_tokens=tokens, async_prompts=prompts, async_params=params,
+                       async_llm=LLM(async_scheduling=True, **kw))
     return _ENGINE
 
 
@@ -135,24 +137,33 @@ def check_plan_ahead(fn):
     yield "200 random requests plan as minivllm's scheduler does"
 
     import minivllm.core.async_scheduler as scheduler
-    from minivllm import LLM
     e = _async_engines()
+    llm = e["async_llm"]
+    engine = llm.llm_engine
     real = scheduler.plan_ahead
     placeholders = []
-    scheduler.plan_ahead = lambda *a: tuple(fn(*a))            # the scheduler plans with your function
-    try:
-        with LLM(async_scheduling=True, **e["async_kw"]) as llm:
-            schedule = llm.llm_engine.scheduler.schedule
+    schedule = engine.scheduler.schedule
 
-            def spy():
-                out = schedule()
-                placeholders.append(len(out.num_output_placeholders))
-                return out
-            llm.llm_engine.scheduler.schedule = spy
-            tokens = [o.outputs[0].token_ids for o in llm.generate(e["async_prompts"], e["async_params"],
-                                                                     use_tqdm=False)]
+    def spy():
+        out = schedule()
+        placeholders.append(len(out.num_output_placeholders))
+        return out
+
+    scheduler.plan_ahead = lambda *a: tuple(fn(*a))            # the scheduler plans with your function
+    engine.scheduler.schedule = spy
+    engine.reset_prefix_cache()                                # every run schedules the same steps
+    try:
+        tokens = [o.outputs[0].token_ids for o in llm.generate(e["async_prompts"], e["async_params"],
+                                                                 use_tqdm=False)]
+    except ExerciseFailed:
+        raise
+    except Exception as exc:
+        _ENGINE.pop("async_llm")                               # a step failed midway: the next run builds anew
+        raise ExerciseFailed(f"inside an async engine, a step failed with your plan: {type(exc).__name__}: "
+                             f"{exc}") from None
     finally:
         scheduler.plan_ahead = real
+        del engine.scheduler.schedule                          # the class's method again
     if not sum(placeholders):
         raise ExerciseFailed("no batch ran ahead of the one in flight (a bug of the check, not yours)")
     expect_equal(tokens, e["sync_tokens"], "the greedy tokens of 4 requests scheduled ahead with your plan")
@@ -163,8 +174,8 @@ def check_plan_ahead(fn):
 # ---------------------------------------------------------------------- 11.quantize_activations (W8A8)
 def _quantized(fn, x, what):
     got = fn(x.clone())
-    if not (isinstance(got, tuple) and len(got) == 2):
-        raise ExerciseFailed(f"{what}: expected a tuple (q, s), got {type(got).__name__}")
+    if not (isinstance(got, (tuple, list)) and len(got) == 2):
+        raise ExerciseFailed(f"expected two tensors, (q, s), got {a_kind(got)}: {what}")
     q, s = got
     expect_equal((q.dtype, tuple(q.shape), s.dtype, tuple(s.shape)),
                  (torch.int8, tuple(x.shape), torch.float32, (x.shape[0],)),
@@ -172,9 +183,27 @@ def _quantized(fn, x, what):
     return q, s
 
 
-def _w8a8_tokens(prompts, params):
-    from minivllm import LLM
-    llm = LLM(device="cpu", dtype="float32", quantization="w8a8_int8", num_kv_blocks=64, seed=0)
+def _w8a8_engine():
+    """A w8a8_int8 engine on the int8_matmul path (which rounds x with quantize_activations at every linear
+    layer), built once, and its greedy tokens for 4 requests with minivllm's own rounding."""
+    if "w8a8" not in _ENGINE:
+        from minivllm import LLM, SamplingParams
+        from minivllm.platforms.cpu import quantization
+        prompts = [{"prompt_token_ids": [100 + i] * (8 + 4 * i)} for i in range(4)]
+        params = SamplingParams(temperature=0, max_tokens=8, ignore_eos=True)
+        real_own = quantization.own_w8a8_kernel
+        quantization.own_w8a8_kernel = lambda: False          # chosen when the weights load: int8_matmul
+        try:
+            llm = LLM(device="cpu", dtype="float32", quantization="w8a8_int8", num_kv_blocks=64, seed=0)
+        finally:
+            quantization.own_w8a8_kernel = real_own
+        _ENGINE.update(w8a8=llm, w8a8_prompts=prompts, w8a8_params=params,
+                       w8a8_tokens=_generate_tokens(llm, prompts, params))
+    return _ENGINE
+
+
+def _generate_tokens(llm, prompts, params):
+    llm.llm_engine.reset_prefix_cache()
     return [o.outputs[0].token_ids for o in llm.generate(prompts, params, use_tqdm=False)]
 
 
@@ -206,17 +235,20 @@ def check_quantize_activations(fn):
                                  f"quantize_activations (q at {bad}; s equal: {torch.equal(s, want_s)})")
     yield "100 random matrices (fp32 and bf16) give minivllm's bytes and scales exactly"
 
-    from minivllm import SamplingParams
     from minivllm.platforms.cpu import quantization
-    prompts = [{"prompt_token_ids": [100 + i] * (8 + 4 * i)} for i in range(4)]
-    params = SamplingParams(temperature=0, max_tokens=8, ignore_eos=True)
-    real_fn, real_own = quantization.quantize_activations, quantization.own_w8a8_kernel
-    quantization.own_w8a8_kernel = lambda: False              # the int8_matmul path, which calls the rounding
+    e = _w8a8_engine()
+    real_fn = quantization.quantize_activations
+    quantization.quantize_activations = lambda x: fn(x)
     try:
-        want = _w8a8_tokens(prompts, params)
-        quantization.quantize_activations = lambda x: fn(x)
-        got = _w8a8_tokens(prompts, params)
+        got = _generate_tokens(e["w8a8"], e["w8a8_prompts"], e["w8a8_params"])
+    except ExerciseFailed:
+        raise
+    except Exception as exc:
+        _ENGINE.pop("w8a8")                                    # a step failed midway: the next run builds anew
+        raise ExerciseFailed(f"inside the engine, a linear layer failed on your (q, s): {type(exc).__name__}: "
+                             f"{exc}") from None
     finally:
-        quantization.quantize_activations, quantization.own_w8a8_kernel = real_fn, real_own
-    expect_equal(got, want, "greedy tokens of 4 requests with every linear layer rounding x with your function")
+        quantization.quantize_activations = real_fn
+    expect_equal(got, e["w8a8_tokens"], "greedy tokens of 4 requests with every linear layer rounding x with your "
+                                        "function")
     yield "inside the engine (quantization='w8a8_int8' on int8_matmul): minivllm's tokens"
