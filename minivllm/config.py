@@ -10,8 +10,8 @@ is an error rather than silently ignored:
 
 A field becomes a flag by its name and type: `max_num_seqs: int` -> `--max-num-seqs N`; `int | None`
 -> an int flag whose absence means None; a bool that defaults to False -> `--enforce-eager`; a bool
-that defaults to True -> `--no-prefix-caching` (`--no-` plus the name without `enable_`); a `bool | None`
-that defaults to None (the engine decides) -> `--async-scheduling` / `--no-async-scheduling`.
+that defaults to True, or a `bool | None` that defaults to None (the engine decides) -> a pair, as vLLM's
+argparse makes them: `--enable-chunked-prefill` / `--no-enable-chunked-prefill`.
 vLLM spreads these options over several config classes and EngineArgs; minivllm keeps one.
 """
 
@@ -23,6 +23,8 @@ import types
 import typing
 from collections.abc import Iterable
 from dataclasses import dataclass, field, fields
+
+from minivllm.spec_decode.config import SpeculativeConfig      # speculative_config's keys (also minivllm.config's)
 
 
 # On 2 cores a 96-token chunk at 8,000 tokens of context takes 1.4 s (fp32): the longest wait it gives other streams
@@ -66,13 +68,19 @@ class EngineConfig:
     max_num_batched_tokens: int = option(
         8192, "token budget of one step (longer prompts are split across steps: chunked prefill); "
         "at least max_num_seqs")
+    enable_chunked_prefill: bool = option(
+        True, "split a prompt that does not fit in what is left of a step's budget across steps, between other "
+        "requests' decodes (chunked prefill, vLLM's option); off: a prompt's uncached tokens run whole in one step "
+        "or it waits, and max_num_batched_tokens must be at least max_model_len")
     long_prefill_token_threshold: int | None = option(
         None, "most tokens one request's prefill computes in a step, so a long prompt is prefilled in chunks "
         "between other requests' decodes (vLLM's name; 0: no cap); default: 0 on a GPU, "
         "CPU_LONG_PREFILL_TOKEN_THRESHOLD on a CPU, where a step of a long chunk would stall every stream")
     max_model_len: int | None = option(
         None, "longest prompt + output in tokens; default: the model's max_position_embeddings")
-    enable_prefix_caching: bool = option(True, "share the KV blocks of common prompt prefixes across requests")
+    enable_prefix_caching: bool = option(
+        True, "share the KV blocks of common prompt prefixes across requests (the older --no-prefix-caching also "
+        "turns it off)")
     preemption_mode: str = option(
         "recompute", "when KV blocks run out, a preempted request's KV is recomputed later, or swapped to "
         "a CPU pool", ("recompute", "swap"))
@@ -216,10 +224,47 @@ class EngineConfig:
             if self.tensor_parallel_size > 1 or self.pipeline_parallel_size > 1:
                 raise ValueError("kv_transfer_config with tensor_parallel_size or pipeline_parallel_size > 1 is not "
                                  "implemented (blocks move between single-rank instances); use one rank per instance.")
+        self._check_chunked_prefill()
+
+    def _check_chunked_prefill(self) -> None:
+        if not isinstance(self.enable_chunked_prefill, bool):
+            raise ValueError(f"enable_chunked_prefill is {self.enable_chunked_prefill!r}; it must be True or False.")
+        if not self.enable_chunked_prefill and self.long_prefill_token_threshold:
+            raise ValueError(f"long_prefill_token_threshold is {self.long_prefill_token_threshold} but "
+                             "enable_chunked_prefill is False: the threshold caps prefill chunks, and with chunked "
+                             "prefill off a prompt runs whole. Leave long_prefill_token_threshold unset (or 0), or "
+                             "turn chunked prefill on.")
+        if self.max_model_len is not None:
+            self.check_max_model_len(self.max_model_len)
+
+    def max_model_len_for(self, max_position_embeddings: int) -> int:
+        """max_model_len for a model with this many positions (the option, or all of them), checked."""
+        max_model_len = self.max_model_len or max_position_embeddings
+        if max_model_len > max_position_embeddings:
+            raise ValueError(f"max_model_len is {max_model_len}, above the model's max_position_embeddings of "
+                             f"{max_position_embeddings}.")
+        self.check_max_model_len(max_model_len)
+        return max_model_len
+
+    def check_max_model_len(self, max_model_len: int) -> None:
+        """With chunked prefill off a prompt runs whole in one step, so the step's token budget, and a vision-language
+        model's encoder cache (its images are encoded in that step), must hold the longest one (vLLM's rule too)."""
+        if self.enable_chunked_prefill:
+            return
+        for name in ("max_num_batched_tokens", "encoder_cache_size"):
+            value = getattr(self, name)
+            if value < max_model_len and (value or name == "max_num_batched_tokens"):   # encoder cache 0: the budget
+                raise ValueError(f"{name} is {value}, below max_model_len ({max_model_len}), and "
+                                 "enable_chunked_prefill is False: a prompt runs whole in one step, so a longer one "
+                                 f"could never run. Raise {name} to at least {max_model_len}, lower max_model_len to "
+                                 f"{value}, or turn chunked prefill on.")
 
     def long_prefill_token_threshold_on(self, device_type: str) -> int:
         """The option when it is set; unset, CPU_LONG_PREFILL_TOKEN_THRESHOLD on a CPU (docs/benchmarks.md has the
-        inter-token latency it keeps while a long prompt arrives) and 0 (no cap) elsewhere."""
+        inter-token latency it keeps while a long prompt arrives) and 0 (no cap) elsewhere, and always 0 with chunked
+        prefill off (a prompt runs whole)."""
+        if not self.enable_chunked_prefill:
+            return 0
         if self.long_prefill_token_threshold is not None:
             return self.long_prefill_token_threshold
         return CPU_LONG_PREFILL_TOKEN_THRESHOLD if device_type == "cpu" else 0
@@ -241,57 +286,6 @@ class EngineConfig:
     @property
     def speculative(self) -> "SpeculativeConfig | None":
         return None if self.speculative_config is None else SpeculativeConfig.from_dict(self.speculative_config)
-
-
-@dataclass(frozen=True)
-class SpeculativeConfig:
-    """Speculative decoding (vLLM's `speculative_config` keys). method "ngram": propose the k tokens that followed
-    the last n tokens' latest earlier occurrence in the request's own prompt and output (n from prompt_lookup_max
-    down to prompt_lookup_min); method "draft_model": a smaller model with the same tokenizer proposes k tokens
-    (`model`; `draft_num_layers` keeps only its first layers: the target checkpoint cut down is a draft that
-    needs no download)."""
-    method: str
-    num_speculative_tokens: int
-    prompt_lookup_min: int = 1
-    prompt_lookup_max: int = 4
-    model: str | None = None
-    draft_num_layers: int | None = None
-
-    METHODS = ("ngram", "draft_model")
-    MAX_TOKENS = 16
-
-    @classmethod
-    def from_dict(cls, d: dict) -> "SpeculativeConfig":
-        if not isinstance(d, dict):
-            raise ValueError(f"speculative_config is {d!r}; it must be a dict (vLLM's JSON), e.g. "
-                             '{"method": "ngram", "num_speculative_tokens": 4}.')
-        keys = {"method", "num_speculative_tokens", "prompt_lookup_min", "prompt_lookup_max", "model",
-                "draft_num_layers"}
-        unknown = sorted(set(d) - keys)
-        if unknown:
-            raise ValueError(f"speculative_config has unknown key(s) {unknown}; known ones are {sorted(keys)}.")
-        d = dict(d)
-        method = d.pop("method", None) or ("draft_model" if d.get("model") else None)
-        if method not in cls.METHODS:
-            raise ValueError(f"speculative_config method is {method!r}; choose 'ngram', or 'draft_model' with "
-                             "a 'model' path.")
-        k = d.pop("num_speculative_tokens", None)
-        if isinstance(k, bool) or not isinstance(k, int) or not 1 <= k <= cls.MAX_TOKENS:
-            raise ValueError(f"speculative_config num_speculative_tokens is {k!r}; it must be an int in "
-                             f"[1, {cls.MAX_TOKENS}] (tokens proposed per step).")
-        cfg = cls(method, k, **d)
-        if method == "ngram":
-            lo, hi = cfg.prompt_lookup_min, cfg.prompt_lookup_max
-            if any(isinstance(v, bool) or not isinstance(v, int) for v in (lo, hi)) or not 1 <= lo <= hi:
-                raise ValueError(f"speculative_config prompt_lookup_min is {lo!r} and prompt_lookup_max {hi!r}; "
-                                 "they must be ints with 1 <= prompt_lookup_min <= prompt_lookup_max.")
-        if method == "draft_model" and cfg.model is None and cfg.draft_num_layers is None and not d.get("model"):
-            raise ValueError("speculative_config method 'draft_model' needs 'model' (a checkpoint with the target's "
-                             "tokenizer) or 'draft_num_layers' (the target's own first layers).")
-        n = cfg.draft_num_layers
-        if n is not None and (isinstance(n, bool) or not isinstance(n, int) or n < 1):
-            raise ValueError(f"speculative_config draft_num_layers is {n!r}; it must be a positive int.")
-        return cfg
 
 
 @dataclass(frozen=True)
@@ -340,11 +334,13 @@ def choices_of(name: str) -> tuple[str, ...]:
     return next(f.metadata["choices"] for f in fields(EngineConfig) if f.name == name)
 
 
+# Flags kept from before a field took vLLM's pair of flags: field -> the old flag, which still turns it off.
+LEGACY_OFF_FLAGS = {"enable_prefix_caching": "--no-prefix-caching"}
+
+
 def flag_of(name: str) -> str:
-    """The command-line flag of an EngineConfig field: `--max-num-seqs`, `--enforce-eager`, `--no-prefix-caching`."""
-    f = next(f for f in fields(EngineConfig) if f.name == name)
-    if f.default is True:
-        return "--no-" + name.removeprefix("enable_").replace("_", "-")
+    """The command-line flag of an EngineConfig field: `--max-num-seqs`, `--enforce-eager`, `--enable-prefix-caching`
+    (a bool that defaults to True or None also takes `--no-` before its name, as `--no-enable-prefix-caching`)."""
     return "--" + name.replace("_", "-")
 
 
@@ -365,12 +361,11 @@ def add_engine_args(parser: argparse.ArgumentParser, exclude: Iterable[str] = ()
             continue
         help_ = f.metadata["help"].replace("%", "%%")          # argparse formats help with %
         kind = _scalar(types_[f.name])
-        if kind is bool and f.default is None:          # unset means "decide for me": --x / --no-x / neither
-            group.add_argument(flag_of(f.name), dest=f.name, action=argparse.BooleanOptionalAction, default=None,
-                               help=f"{help_} (--no-{f.name.replace('_', '-')}: off)")
-        elif kind is bool and f.default:
-            group.add_argument(flag_of(f.name), dest=f.name, action="store_false",
-                               help=f"{help_}: on by default; this flag turns it off ({f.name}=False)")
+        if kind is bool and f.default is not False:     # --x / --no-x (None: neither given, the engine decides)
+            group.add_argument(flag_of(f.name), dest=f.name, action=argparse.BooleanOptionalAction,
+                               default=f.default, help=f"{help_} (--no-{f.name.replace('_', '-')}: off)")
+            if f.name in LEGACY_OFF_FLAGS:
+                group.add_argument(LEGACY_OFF_FLAGS[f.name], dest=f.name, action="store_false", help=argparse.SUPPRESS)
         elif kind is bool:
             group.add_argument(flag_of(f.name), dest=f.name, action="store_true", help=help_)
         else:

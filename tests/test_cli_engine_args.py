@@ -92,10 +92,12 @@ def config_built_by(command, argv, monkeypatch) -> EngineConfig:
 
 
 # Fields that cannot join the table's values (async scheduling refuses tp 2, pp 2 and speculation; KV transfer
-# refuses tp 2 and pp 2): each has its own flag test below.
+# refuses tp 2 and pp 2; chunked prefill off refuses long_prefill_token_threshold and a budget below max_model_len):
+# each has its own flag test below.
 KV_TRANSFER = {"kv_connector": "TCPConnector", "kv_role": "kv_consumer", "kv_port": 14580}
 ALONE = {"async_scheduling": [(True, ["--async-scheduling"]), (False, ["--no-async-scheduling"])],
-         "kv_transfer_config": [(KV_TRANSFER, ["--kv-transfer-config", json.dumps(KV_TRANSFER)])]}
+         "kv_transfer_config": [(KV_TRANSFER, ["--kv-transfer-config", json.dumps(KV_TRANSFER)])],
+         "enable_chunked_prefill": [(False, ["--no-enable-chunked-prefill"])]}
 
 
 def test_the_table_covers_every_field_with_a_value_other_than_its_default():
@@ -136,6 +138,44 @@ def test_a_bad_engine_flag_is_a_usage_error(command, argv, message, monkeypatch,
     assert exc.value.code == 2
     err = capsys.readouterr().err
     assert "usage:" in err and message in err
+
+
+@pytest.mark.parametrize("argv, want", [
+    ([], dict(enable_chunked_prefill=True, enable_prefix_caching=True)),
+    (["--no-enable-chunked-prefill"], dict(enable_chunked_prefill=False)),
+    (["--no-enable-chunked-prefill", "--enable-chunked-prefill"], dict(enable_chunked_prefill=True)),
+    (["--no-enable-prefix-caching"], dict(enable_prefix_caching=False)),
+    (["--enable-prefix-caching"], dict(enable_prefix_caching=True)),
+    (["--no-prefix-caching"], dict(enable_prefix_caching=False)),          # the older flag still works
+])
+def test_a_bool_that_defaults_to_true_takes_vllms_pair_of_flags(argv, want):
+    parser = argparse.ArgumentParser()
+    add_engine_args(parser)
+    assert EngineConfig.from_cli_args(parser.parse_args(argv)) == EngineConfig(**want)
+
+
+@pytest.mark.parametrize("kwargs, message", [
+    (dict(enable_chunked_prefill=False, max_model_len=4096, max_num_batched_tokens=2048),
+     r"max_num_batched_tokens is 2048, below max_model_len \(4096\), and enable_chunked_prefill is False.*Raise "
+     r"max_num_batched_tokens to at least 4096, lower max_model_len to 2048, or turn chunked prefill on"),
+    (dict(enable_chunked_prefill=False, long_prefill_token_threshold=64),
+     r"long_prefill_token_threshold is 64 but enable_chunked_prefill is False"),
+    (dict(enable_chunked_prefill=False, max_model_len=512, encoder_cache_size=256),
+     r"encoder_cache_size is 256, below max_model_len \(512\)"),
+    (dict(enable_chunked_prefill="no"), r"enable_chunked_prefill is 'no'; it must be True or False"),
+])
+def test_chunked_prefill_off_refuses_a_step_that_cannot_hold_a_whole_prompt(kwargs, message):
+    with pytest.raises(ValueError, match=message):
+        EngineConfig.from_kwargs(**kwargs)
+
+
+def test_chunked_prefill_off_checks_the_models_own_max_model_len_too():
+    config = EngineConfig.from_kwargs(enable_chunked_prefill=False, max_num_batched_tokens=1024)   # unset: later
+    with pytest.raises(ValueError, match=r"max_num_batched_tokens is 1024, below max_model_len \(8192\)"):
+        config.max_model_len_for(8192)                  # what the engine asks once it has read the model
+    assert config.max_model_len_for(1024) == 1024
+    assert EngineConfig(enable_chunked_prefill=False).long_prefill_token_threshold_on("cpu") == 0
+    assert EngineConfig().long_prefill_token_threshold_on("cpu") > 0
 
 
 def test_add_engine_args_excludes_what_it_is_told_and_refuses_unknown_names():

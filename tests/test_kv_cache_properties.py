@@ -282,9 +282,16 @@ class CoreModel(RuleBasedStateMachine):
         self.sched.finish_request(self.live.pop(rid), RequestStatus.FINISHED_ABORTED)
 
     @rule()
-    def evict_prefix_cache(self):
-        self.kv.reset_prefix_cache()
-        assert not self.kv.block_pool.cached_free
+    def reset_prefix_cache(self):
+        """vLLM's rule: the cache is forgotten only while no request holds a block; otherwise nothing changes."""
+        pool = self.kv.block_pool
+        in_use, before = pool.num_free_blocks < pool.num_blocks, core_state(self.sched)
+        assert self.kv.reset_prefix_cache() is not in_use
+        if in_use:
+            assert core_state(self.sched) == before
+        else:
+            assert not pool.cached_free and not pool.hash_to_block
+            assert all(b.block_hash is None for b in pool.blocks)
 
     @invariant()
     def integrity(self):
@@ -373,6 +380,37 @@ def test_evicts_least_recently_freed_and_tail_blocks_first():
     sched.add_request(b)
     step(sched)                                          # takes the clean blocks, then evicts block 1
     assert b.block_table == [3, 2, 1] and pool.num_evictions == 1 and list(pool.cached_free) == [0]
+
+
+def test_reset_prefix_cache_refuses_while_blocks_are_held_and_forgets_everything_once_free(caplog):
+    """vLLM's BlockPool.reset_prefix_cache: False (a warning, nothing changed) while a request holds a block, shared
+    or not; True once every block is free, and then no block keeps a hash, nothing hits, and AllBlocksCleared."""
+    kv, sched = make_core(12, 4)
+    pool = kv.block_pool
+    a, b = request("a", list(range(9))), request("b", list(range(9)) + [50, 51])
+    for r in (a, b):
+        sched.add_request(r)
+    step(sched)                                          # b shares a's two full blocks: hashed, ref count 2
+    pool.pop_events()
+    before = core_state(sched)
+    assert kv.reset_prefix_cache() is False
+    assert core_state(sched) == before and pool.hash_to_block and not pool.events.kv_cache
+    assert "Failed to reset prefix cache because some blocks (4) are not freed yet" in caplog.text
+    sched.finish_request(a, RequestStatus.FINISHED_ABORTED)
+    assert kv.reset_prefix_cache() is False              # b still holds the shared blocks and its own
+    sched.finish_request(b, RequestStatus.FINISHED_ABORTED)
+    assert len(pool.cached_free) == 2
+    assert kv.reset_prefix_cache() is True
+    assert not pool.hash_to_block and not pool.cached_free and all(x.block_hash is None for x in pool.blocks)
+    assert pool.events.kv_cache[-1] == ("AllBlocksCleared",) and kv.num_free_blocks == kv.num_blocks
+    assert kv.get_computed_blocks(request("c", list(range(9)))) == []
+    sched.check_integrity()
+    with pytest.raises(AssertionError, match="between steps"):      # never inside a step
+        sched.begin_step()
+        try:
+            kv.reset_prefix_cache()
+        finally:
+            sched.rollback_step()
 
 
 def test_same_step_sharing_and_uncomputed_blocks_are_never_cached():

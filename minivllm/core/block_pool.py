@@ -22,10 +22,13 @@ Every change is recorded in the step journal (journal.py), so a failed step can 
 
 from __future__ import annotations
 
+import logging
 from collections import OrderedDict, deque
 from dataclasses import dataclass, field
 
 from minivllm.core.journal import Journaled, StepJournal, journaled, journaled_fields
+
+logger = logging.getLogger(__name__)
 
 ROOT_HASH = 0   # the "parent hash" of a sequence's first block
 
@@ -209,12 +212,18 @@ class BlockPool(Journaled):
             self.clean_free.append(block_id)
             self.journal.record(self.clean_free.pop)
 
-    def reset_prefix_cache(self) -> None:
-        """Forget every cached-free block (the KV stays, but nobody can hit it any more)."""
+    def reset_prefix_cache(self) -> bool:
+        """Forget every cached block (its KV stays, but nobody can hit it any more) and return True; as vLLM's, only
+        when no block is in use: otherwise warn, change nothing and return False (a held block would keep its hash,
+        and later requests would still hit it: the reset would be partial)."""
+        num_used = self.num_blocks - self.num_free_blocks
+        if num_used:
+            logger.warning("Failed to reset prefix cache because some blocks (%d) are not freed yet", num_used)
+            return False
         while self.cached_free:
             self.drop_cached(next(iter(self.cached_free)))
-        if not self.hash_to_block:
-            self.events.kv_cache.append(("AllBlocksCleared",))
+        self.events.kv_cache.append(("AllBlocksCleared",))
+        return True
 
     def snapshot(self) -> PoolSnapshot:
         return PoolSnapshot(tuple(b.ref_count for b in self.blocks), frozenset(self.cached_free))

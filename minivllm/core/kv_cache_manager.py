@@ -217,8 +217,11 @@ class KVCacheManager(Journaled):
         """Drop a swapped request's CPU blocks (it was aborted while swapped out)."""
         self.swap_space.release(request.request_id)
 
-    def reset_prefix_cache(self) -> None:
-        self.block_pool.reset_prefix_cache()
+    def reset_prefix_cache(self) -> bool:
+        """Forget the prefix cache: True once done; False, changing nothing, while a request holds blocks (vLLM's
+        rule; BlockPool.reset_prefix_cache). Between steps only."""
+        assert not self.journal.is_open, "the prefix cache is reset between steps, not inside one"
+        return self.block_pool.reset_prefix_cache()
 
     # ------------------------------------------------------------------ after a failed step
     def distrust(self, written: set[int], requests: list[Request]) -> dict[Request, int]:

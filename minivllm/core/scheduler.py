@@ -1,25 +1,25 @@
 """Scheduler: which requests run this step, and how many tokens each (vLLM v1's unified scheduler).
 
 Owns: the waiting and running queues, request status, and `num_computed_tokens`: it is the only writer of that
-field, as in vLLM v1. It asks the KV cache manager for blocks and never touches ref counts itself. It never runs
-the model. It also owns the step's transaction: `begin_step()` opens the journal, `commit_step()` keeps what the
-step did, `rollback_step()` undoes all of it (see journal.py).
+field, as in vLLM v1. It asks the KV cache manager for blocks and never touches ref counts itself, nor runs the
+model. It owns the step's transaction: `begin_step()` opens the journal, `commit_step()` keeps what the step did,
+`rollback_step()` undoes all of it (see journal.py).
 
 There is no separate "prefill phase": every step, each scheduled request gets
     num_new_tokens = num_tokens - num_computed_tokens   (capped by the budget left and long_prefill_token_threshold)
-which is the whole prompt for a new request, a chunk of it when a cap is lower (chunked prefill), and 1 for a
-request that is decoding. So one flat batch mixes prefills and decodes.
+which is the whole prompt for a new request, a chunk of it when a cap is lower (chunked prefill; with it off,
+a prompt that does not fit whole waits), and 1 for a request that is decoding: one flat batch mixes both.
 
 Order within a step:
   1. running requests, decodes first, then unfinished prefill chunks;
      a request that needs a block when none is free preempts the lowest-priority running request, and among
      equals the latest to arrive (possibly itself), as vLLM does;
-  2. waiting requests by (priority, arrival), while the token budget, max_num_seqs and the free blocks
-     allow; skipped in a step that preempted (the pool is full, admitting more would thrash).
-     Preempted requests re-enter this queue by their original arrival, so they come back first.
+  2. waiting requests by (priority, arrival), while the token budget, max_num_seqs and the free blocks allow;
+     none in a step that preempted (the pool is full, admitting more would thrash). Preempted requests re-enter
+     this queue by their original arrival, so they come back first.
 
-A step's life: begin_step -> schedule -> (model forward, sampling: not here) -> update_from_output
-               -> finish_request for stop strings -> commit_step        (or rollback_step if anything raised)
+A step: begin_step -> schedule -> (model, sampler: not here) -> update_from_output -> finish_request (stop strings)
+        -> commit_step, or rollback_step if anything raised
 
 Other modes plug in at named seams and cost this file nothing when they are off:
     batches in flight (async scheduling, pipeline parallelism)   AsyncScheduler, a subclass (async_scheduler.py)
@@ -28,6 +28,7 @@ Other modes plug in at named seams and cost this file nothing when they are off:
     swap preemption (recompute drops the KV; swap copies it to a CPU pool and back)  _preempt, _swap_in
     KV transfer between instances (prefill/decode disaggregation)  `connector` (kv_transfer/)
     images (a vision-language model's encoder cache)               `encoder_cache_manager`, in _chunk
+    chunked prefill off (a prompt runs whole or waits)             `enable_chunked_prefill`, in _chunk
 """
 
 from __future__ import annotations
@@ -55,24 +56,22 @@ class Scheduler(Journaled):
     in_flight: Mapping[Request, int] = MappingProxyType({})
     connector = None         # KV transfer's scheduler side (kv_transfer/base.py), set by the engine; None: no transfer
     encoder_cache_manager = None    # images: the encoder cache (encoder_cache_manager.py), set by the engine for a VLM
+    enable_chunked_prefill = True   # False (set by the engine): a prompt runs whole in one step or waits (_chunk)
 
     def __init__(self, kv_cache_manager: KVCacheManager, max_num_seqs: int, max_num_batched_tokens: int,
                  max_model_len: int, preemption_mode: str = "recompute", long_prefill_token_threshold: int = 0):
         if preemption_mode not in ("recompute", "swap"):
             raise ValueError(f"preemption_mode is {preemption_mode!r}; choose 'recompute' or 'swap'.")
         self.kv_cache_manager = kv_cache_manager
-        self.journal = kv_cache_manager.journal
-        self.block_size = kv_cache_manager.block_size
+        self.journal, self.block_size = kv_cache_manager.journal, kv_cache_manager.block_size
         self.max_num_seqs, self.max_num_batched_tokens = max_num_seqs, max_num_batched_tokens
         self.long_prefill_token_threshold = long_prefill_token_threshold     # 0: a prefill takes what the budget has
         self.max_model_len, self.preemption_mode = max_model_len, preemption_mode
         self.waiting: list[Request] = []     # sorted by (priority, arrival_time, admission order)
-        self.running: list[Request] = []
-        self.num_preemptions = 0
-        self.num_drafts = self.num_draft_tokens = self.num_accepted_tokens = 0
+        self.running: list[Request] = []     # in admission order
+        self.num_preemptions = self.num_drafts = self.num_draft_tokens = self.num_accepted_tokens = 0
         self.num_accepted_tokens_per_pos: list[int] = []
-        self._order = itertools.count()
-        self._keys: dict[str, tuple] = {}
+        self._order, self._keys = itertools.count(), {}    # admissions counted; request_id -> (priority, arrival, n)
         self._events_at_begin: tuple[int, ...] = ()
 
     # ------------------------------------------------------------------ queues
@@ -192,11 +191,12 @@ class Scheduler(Journaled):
 
     def _chunk(self, req: Request, num_tokens_left: int, budget: int, out: SchedulerOutput) -> int:
         """What it has left, within the budget and (vLLM's rule) long_prefill_token_threshold when that is set;
-        with images, up to the first one whose encoder output can be neither had nor made room for (0: none)."""
+        with images, up to the first one whose encoder output can be neither had nor made room for (0: none).
+        With chunked prefill off, all it has left or nothing."""
         n = min(num_tokens_left, budget, self.long_prefill_token_threshold or num_tokens_left)
-        if self.encoder_cache_manager is None or not req.mm_features:
-            return n
-        return self.encoder_cache_manager.fit(req, req.num_tokens - num_tokens_left, n, out)
+        if self.encoder_cache_manager is not None and req.mm_features:
+            n = self.encoder_cache_manager.fit(req, req.num_tokens - num_tokens_left, n, out)
+        return n if self.enable_chunked_prefill or n == num_tokens_left else 0
 
     def _drafts_to_verify(self, req: Request, n: int, budget: int) -> list[int]:
         """Speculative decoding: a decoding request's drafts, verified with its last token, as the budget allows."""

@@ -28,7 +28,8 @@ from minivllm.core.scheduler import Scheduler, SchedulerOutput
 from minivllm.core.structured_output import StructuredOutputManager
 from minivllm.engine.kv_events import make_kv_event_publisher
 from minivllm.engine.trace import PipelineTrace, StepTrace, StepTracer, record_traces
-from minivllm.engine.engine_stats import EngineQueues, EngineStats, QueuedRequest, encoder_cache_stats
+from minivllm.engine.engine_stats import (EngineQueues, EngineStats, QueuedRequest, RequestHistograms,
+                                          encoder_cache_stats)
 from minivllm.engine.input_processor import InputProcessor, ProcessedRequest, PromptType
 from minivllm.engine.output_processor import OutputProcessor
 from minivllm.engine.parallel_sampling import ParentRequest
@@ -65,10 +66,7 @@ class LLMEngine:
         check_checkpoint_files(self.model_path)
         self.device = resolve_device(config.device)
         self.tokenizer = load_tokenizer(self.model_path)
-        self.max_model_len = config.max_model_len or self.model_config.max_position_embeddings
-        if self.max_model_len > self.model_config.max_position_embeddings:
-            raise ValueError(f"max_model_len is {self.max_model_len}, above the model's "
-                             f"max_position_embeddings of {self.model_config.max_position_embeddings}.")
+        self.max_model_len = config.max_model_len_for(self.model_config.max_position_embeddings)
         check_tp_size(self.model_config, config.tensor_parallel_size)
         pp_layer_partition(self.model_config.num_hidden_layers, config.pipeline_parallel_size)   # raises if bad
         # Rank 0's ModelRunner lives here; the executor starts the other ranks, if any (executor.py).
@@ -94,6 +92,7 @@ class LLMEngine:
             self.scheduler = Scheduler(self.kv_cache_manager, config.max_num_seqs, config.max_num_batched_tokens,
                                        self.max_model_len, config.preemption_mode, threshold)
             self.step_fn = self.execute_step
+        self.scheduler.enable_chunked_prefill = config.enable_chunked_prefill
         if config.kv_transfer is not None:          # prefill/decode disaggregation: KV from or to other instances
             self.scheduler.connector, self.model_runner.kv_connector = make_kv_connectors(
                 config.kv_transfer, self.model_path, self.model_runner, self.journal)
@@ -107,9 +106,10 @@ class LLMEngine:
                                                                  self.eos_token_ids)
         self.requests: dict[str, Request] = {}
         self._ids = itertools.count()
-        self.num_steps = self.num_failed_steps = 0
+        self.num_steps = self.num_failed_steps = self.num_prompt_tokens_computed = self.num_generated_tokens = 0
         self.failed_request_ids: list[str] = []    # the requests of the last step that raised
-        self.num_prompt_tokens_computed = self.num_generated_tokens = 0
+        self.request_histograms = RequestHistograms.empty(self.max_model_len)     # vLLM's, for /metrics
+        self._scheduled_at = 0.0                   # when the step under way scheduled: first_scheduled_time
         self.trace_listeners: list[Callable[[StepTrace], None]] = []
         self._tracer = StepTracer()
         self._sigint = SigintGuard()
@@ -128,11 +128,10 @@ class LLMEngine:
 
     def add_request(self, prompt: PromptType | ProcessedRequest, sampling_params: SamplingParams | None = None,
                     request_id: str | None = None, priority: int = 0) -> Request | ParentRequest:
-        """Check and queue a request. All or nothing: if it raises, the engine holds no trace of it.
-        A ProcessedRequest (InputProcessor.process_inputs, as LLM.generate makes them) is queued without being
-        checked again: its parameters and priority are its own.
-        With `n > 1` the request fans out into n core requests (parallel_sampling.py); the ParentRequest returned
-        carries the id its outputs come back under."""
+        """Check and queue a request. All or nothing: if it raises, the engine holds no trace of it. A ProcessedRequest
+        (InputProcessor.process_inputs, as LLM.generate makes them) is queued without being checked again: its
+        parameters and priority are its own. With `n > 1` the request fans out into n core requests
+        (parallel_sampling.py); the ParentRequest returned carries the id its outputs come back under."""
         if not isinstance(prompt, ProcessedRequest):
             prompt = self.input_processor.process_inputs(prompt, sampling_params or SamplingParams(), priority)
         text, token_ids, params, priority = prompt.prompt, prompt.prompt_token_ids, prompt.params, prompt.priority
@@ -206,6 +205,7 @@ class LLMEngine:
         scheduler = self.scheduler
         sched, batch, rng_state = None, None, None
         scheduler.begin_step()
+        self._scheduled_at = time.time()
         try:
             sched = scheduler.schedule()
             if sched.is_empty:
@@ -237,6 +237,7 @@ class LLMEngine:
         sched, issued, batch, rng_state = None, None, None, None
         core_outputs, update = [], None
         scheduler.begin_step()
+        self._scheduled_at = time.time()
         try:
             if len(queue) < self.max_concurrent_batches and (ahead or not queue):
                 sched = scheduler.schedule()
@@ -289,9 +290,8 @@ class LLMEngine:
         return core_outputs, update
 
     def _fail_step(self, rng_state, issued: InFlightBatch | None, blamed: list[Request] | None) -> None:
-        """A step raised: undo the core, put back the random state, drain the batch it issued from the ranks, and
-        name the requests it was working on (if the plan itself failed, what it was planning: no caller retries
-        forever)."""
+        """A step raised: undo the core, put back the random state, drain the batch it issued from the ranks, and name
+        the requests it was working on (if the plan itself failed, what it was planning: no caller retries forever)."""
         self.scheduler.rollback_step()
         if rng_state is not None:
             self.model_runner.set_rng_state(rng_state)
@@ -311,15 +311,19 @@ class LLMEngine:
         """Committed: the front end's share of the step (timestamps, the outputs, the request table, counters)."""
         now = time.time()
         if issued is not None:
-            self.output_processor.mark_scheduled(issued.sched.scheduled, now)
+            self.output_processor.mark_scheduled(issued.sched.scheduled, self._scheduled_at)
         outputs, finished = [], []
         if batch is not None:
+            states = self.output_processor.states      # (a finished request's state leaves it in apply)
+            ended = [states[co.request.request_id] for co in core_outputs if co.request.is_finished]
             outputs = self.output_processor.apply(update, now)
-            finished = [co.request for co in core_outputs if co.request.is_finished]
+            finished = [st.request for st in ended]
             for req in finished:
                 del self.requests[req.request_id]
+            num_generated = sum(len(co.new_token_ids) for co in core_outputs)
             self.num_prompt_tokens_computed += batch.sched.num_prefill_tokens
-            self.num_generated_tokens += sum(len(co.new_token_ids) for co in core_outputs)
+            self.num_generated_tokens += num_generated
+            self.request_histograms.observe_step(batch.sched.num_prefill_tokens + num_generated, ended)
         self.num_steps += 1
         return _StepRecord(outputs, issued, batch, pipe, core_outputs, finished,
                            self.kv_cache_manager.block_pool.pop_events())
@@ -350,27 +354,27 @@ class LLMEngine:
 
     # ------------------------------------------------------------------ introspection
     def get_stats(self) -> EngineStats:
-        kv = self.kv_cache_manager
+        kv, sched = self.kv_cache_manager, self.scheduler
         return EngineStats(
-            num_running=len(self.scheduler.running), num_waiting=len(self.scheduler.waiting),
-            num_kv_blocks=kv.num_blocks, num_free_blocks=kv.num_free_blocks, kv_usage=kv.usage,
-            prefix_cache_hit_rate=kv.prefix_cache_hit_rate, prefix_cache_hits=kv.prefix_cache_hits,
-            prefix_cache_queries=kv.prefix_cache_queries, num_preemptions=self.scheduler.num_preemptions,
-            num_swapped=self.scheduler.num_swapped, num_steps=self.num_steps,
+            num_running=len(sched.running), num_waiting=len(sched.waiting), num_kv_blocks=kv.num_blocks,
+            num_free_blocks=kv.num_free_blocks, kv_usage=kv.usage, prefix_cache_hit_rate=kv.prefix_cache_hit_rate,
+            prefix_cache_hits=kv.prefix_cache_hits, prefix_cache_queries=kv.prefix_cache_queries,
+            num_preemptions=sched.num_preemptions, num_swapped=sched.num_swapped, num_steps=self.num_steps,
             num_prompt_tokens_computed=self.num_prompt_tokens_computed, num_generated_tokens=self.num_generated_tokens,
             num_failed_steps=self.num_failed_steps, num_batches_in_flight=len(self.batch_queue),
-            num_spec_drafts=self.scheduler.num_drafts, num_spec_draft_tokens=self.scheduler.num_draft_tokens,
-            num_spec_accepted_tokens=self.scheduler.num_accepted_tokens,
-            num_spec_accepted_tokens_per_pos=tuple(self.scheduler.num_accepted_tokens_per_pos),
-            **encoder_cache_stats(self.scheduler.encoder_cache_manager))
+            num_spec_drafts=sched.num_drafts, num_spec_draft_tokens=sched.num_draft_tokens,
+            num_spec_accepted_tokens=sched.num_accepted_tokens,
+            num_spec_accepted_tokens_per_pos=tuple(sched.num_accepted_tokens_per_pos),
+            **encoder_cache_stats(sched.encoder_cache_manager), histograms=self.request_histograms.copy())
 
     def get_queues(self) -> EngineQueues:
         """The running and waiting queues, copied (O(live requests)); taken with get_stats, they agree."""
         return EngineQueues.of(self.scheduler.running, self.scheduler.waiting, self.output_processor.external_id)
 
-    def reset_prefix_cache(self) -> None:
-        """Forget every cached-free block (vLLM's `reset_prefix_cache`). Between steps only."""
-        self.kv_cache_manager.reset_prefix_cache()
+    def reset_prefix_cache(self) -> bool:
+        """Forget the prefix cache (vLLM's): True once done; False, with a warning and nothing changed, while any
+        request holds blocks (running, or in a batch in flight). Between steps only."""
+        return self.kv_cache_manager.reset_prefix_cache()
 
     def shutdown(self) -> None:
         """Stop the workers and connectors; safe to call twice (also at exit). No steps afterwards."""
@@ -385,9 +389,8 @@ class LLMEngine:
         self.scheduler.check_integrity()
         ahead: dict = collections.Counter()       # request -> its tokens in the batches of the queue
         for b in self.batch_queue:
-            for r in b.sched.scheduled:
-                if not r.is_finished:
-                    ahead[r] += b.sched.num_scheduled_tokens[r.request_id]
+            num = b.sched.num_scheduled_tokens
+            ahead.update({r: num[r.request_id] for r in b.sched.scheduled if not r.is_finished})
         assert ahead == self.scheduler.in_flight, "the requests in flight and the batches in the queue disagree"
         if not self.async_scheduling:       # only async scheduling puts a request in two batches at once
             in_queue = [r for b in self.batch_queue for r in b.sched.scheduled if not r.is_finished]

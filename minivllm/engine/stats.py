@@ -8,12 +8,12 @@ It never calls the engine: the async engine hands it what the engine returned.
 
 from __future__ import annotations
 
-import bisect
 import collections
 import threading
 from dataclasses import dataclass, field
 
 from minivllm.core.block_pool import PoolSnapshot
+from minivllm.engine.engine_stats import Histogram
 from minivllm.engine.trace import StepTrace
 from minivllm.engine.llm_engine import EngineQueues, EngineStats
 from minivllm.outputs import RequestOutput
@@ -23,27 +23,6 @@ TTFT_BUCKETS = (0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 0.75, 1.0, 2.5, 5.0, 10.0, 20
 ITL_BUCKETS = (0.005, 0.01, 0.025, 0.05, 0.075, 0.1, 0.15, 0.2, 0.3, 0.5, 0.75, 1.0, 2.5, 5.0)
 E2E_BUCKETS = (0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 20.0, 40.0, 80.0, 160.0)
 RECENT_REQUESTS = 1000        # finished requests (reason, preemption steps) remembered for the dashboard
-
-
-@dataclass
-class Histogram:
-    """Prometheus-style: `counts[i]` observations <= buckets[i] (not cumulative), the last one for +Inf."""
-    buckets: tuple[float, ...]
-    counts: list[int] = field(default_factory=list)
-    sum: float = 0.0
-    count: int = 0
-
-    def __post_init__(self) -> None:
-        if not self.counts:
-            self.counts = [0] * (len(self.buckets) + 1)
-
-    def observe(self, value: float) -> None:
-        self.counts[bisect.bisect_left(self.buckets, value)] += 1
-        self.sum += value
-        self.count += 1
-
-    def copy(self) -> Histogram:
-        return Histogram(self.buckets, list(self.counts), self.sum, self.count)
 
 
 @dataclass(frozen=True)

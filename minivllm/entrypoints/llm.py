@@ -136,6 +136,11 @@ class LLM:
     def get_stats(self) -> EngineStats:
         return self.llm_engine.get_stats()
 
+    def reset_prefix_cache(self) -> bool:
+        """Forget the prefix cache, as vLLM's `LLM.reset_prefix_cache` (after new weights, or before a benchmark
+        round): True once done, False (and a warning) while a request holds blocks (LLMEngine.reset_prefix_cache)."""
+        return self.llm_engine.reset_prefix_cache()
+
     def shutdown(self) -> None:
         """Stop the tensor-parallel worker processes now (otherwise on garbage collection or at exit)."""
         self.llm_engine.shutdown()

@@ -1,12 +1,14 @@
 """GET /metrics: the engine's counters and latency histograms in Prometheus' text format (version 0.0.4).
 
-Owns: turning an EngineSnapshot into exposition text, with vLLM's metric names where vLLM has the same
-metric (`vllm:num_requests_running`, `vllm:time_to_first_token_seconds`, ...) and a `model_name` label on
-every sample. A pure function of the snapshot: it reads nothing else.
+Owns: turning an EngineSnapshot into exposition text, with vLLM's metric names, types, units and (for the
+per-request histograms) bucket bounds where vLLM has the same metric (`vllm:num_requests_running`,
+`vllm:request_queue_time_seconds`, ...; vLLM's v1/metrics/loggers.py), so a vLLM Grafana board reads it unchanged,
+and a `model_name` label on every sample. A pure function of the snapshot: it reads nothing else.
 """
 
 from __future__ import annotations
 
+from minivllm.engine.engine_stats import RequestHistograms
 from minivllm.engine.stats import EngineSnapshot, Histogram
 
 
@@ -34,7 +36,7 @@ def render_metrics(snap: EngineSnapshot, model_name: str) -> str:
         lines.append(f"# HELP {name} {help}")
         lines.append(f"# TYPE {name} histogram")
         cumulative = 0
-        for bound, count in zip([*map(_number, h.buckets), "+Inf"], h.counts):
+        for bound, count in zip([*(_number(float(b)) for b in h.buckets), "+Inf"], h.counts):   # le="1.0", as vLLM
             cumulative += count
             lines.append(f'{name}_bucket{{{label},le="{bound}"}} {cumulative}')
         lines.append(f"{name}_sum{{{label}}} {_number(h.sum)}")
@@ -78,7 +80,28 @@ def render_metrics(snap: EngineSnapshot, model_name: str) -> str:
     histogram("vllm:inter_token_latency_seconds", "Time between two consecutive output tokens of a request.",
               snap.itl)
     histogram("vllm:e2e_request_latency_seconds", "Time from arrival to finish (stop or length).", snap.e2e)
+    if s.histograms is not None:           # vLLM's per-request histograms (engine_stats.RequestHistograms)
+        for name, help, h in _request_histograms(s.histograms):
+            histogram(name, help, h)
     return "\n".join(lines) + "\n"
+
+
+def _request_histograms(r: RequestHistograms) -> list[tuple[str, str, Histogram]]:
+    """vLLM's names and help texts; the requests are those that finished by stop or length."""
+    return [
+        ("vllm:request_queue_time_seconds", "Histogram of time spent in WAITING phase for request.", r.queue_time),
+        ("vllm:request_prefill_time_seconds", "Histogram of time spent in PREFILL phase for request.", r.prefill_time),
+        ("vllm:request_decode_time_seconds", "Histogram of time spent in DECODE phase for request.", r.decode_time),
+        ("vllm:request_inference_time_seconds", "Histogram of time spent in RUNNING phase for request.",
+         r.inference_time),
+        ("vllm:request_time_per_output_token_seconds", "Histogram of time_per_output_token_seconds per request.",
+         r.time_per_output_token),
+        ("vllm:request_prompt_tokens", "Number of prefill tokens processed.", r.prompt_tokens),
+        ("vllm:request_generation_tokens", "Number of generation tokens processed.", r.generation_tokens),
+        ("vllm:request_params_max_tokens", "Histogram of the max_tokens request parameter.", r.max_tokens),
+        ("vllm:request_params_n", "Histogram of the n request parameter.", r.n),
+        ("vllm:iteration_tokens_total", "Histogram of number of tokens per engine_step.", r.iteration_tokens),
+    ]
 
 
 def _number(value: float) -> str:
