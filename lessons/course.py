@@ -17,8 +17,12 @@ Where the pieces live (one concept each):
                                  with known answers (and, where it makes sense, inside the real engine) and
                                  raises ExerciseFailed naming the case, the expected and the actual value
     lessons/solutions/sNN_*.py   each lesson's solutions, out of the learner's sight: `<name>(...)`
-    tests/test_course_*.py       that each check passes the solution and rejects an empty and a plausible but
-                                 wrong answer (so no check can pass whatever it is given)
+    tests/test_course_*.py       that each check passes the solution (in a list or a tuple, where the answer is a
+                                 sequence) and refuses an empty answer and at least three plausible wrong ones
+                                 (so no check can pass whatever it is given)
+
+A check that needs an engine builds one small engine per lesson, once, and keeps it in its module (`_ENGINE`),
+so that every `check()` after the first answers in a few seconds.
 
 CI runs every lesson with the solutions filled in: with MINIVLLM_LESSON_SOLUTIONS=1 in the environment (the
 repository's conftest.py sets it for nbval), `@exercise` hands the lesson the solution instead of the cell's
@@ -103,7 +107,40 @@ def release_cached() -> None:
                 value.cache_clear()
 
 
+def a_kind(value) -> str:
+    """The kind of `value` in words, for messages: "an int", "a generator"."""
+    name = type(value).__name__
+    return f"{'an' if name[0].lower() in 'aeiou' else 'a'} {name}"
+
+
+def _is_sequence(x) -> bool:
+    return isinstance(x, (list, tuple))
+
+
+def same_answer(actual, expected) -> bool:
+    """Equal as answers: lists and tuples (named tuples too) with equal items are the same answer, at any depth,
+    and so are dicts with equal keys and values; everything else compares with ==."""
+    if _is_sequence(expected) and _is_sequence(actual):
+        return len(actual) == len(expected) and all(same_answer(a, e) for a, e in zip(actual, expected))
+    if isinstance(expected, dict) and isinstance(actual, dict):
+        return actual.keys() == expected.keys() and all(same_answer(actual[k], expected[k]) for k in expected)
+    if _is_sequence(expected) != _is_sequence(actual):
+        return False
+    try:
+        return bool(actual == expected)
+    except (TypeError, ValueError, RuntimeError):       # e.g. a tensor of several elements against a number
+        return False
+
+
 def expect_equal(actual, expected, what: str) -> None:
-    """The checks' one comparison: raises ExerciseFailed saying what was compared, what came and what was due."""
-    if actual != expected:
-        raise ExerciseFailed(f"{what}: expected {expected!r}, got {actual!r}")
+    """The checks' one comparison: raises ExerciseFailed saying what was compared, what came and what was due. A
+    list where a tuple is due (or the reverse) is the same answer; an answer of another kind is told so first."""
+    if same_answer(actual, expected):
+        return
+    if _is_sequence(expected) and not _is_sequence(actual):
+        raise ExerciseFailed(f"expected a list (or a tuple), got {a_kind(actual)}: {what}: expected "
+                             f"{expected!r}, got {actual!r}")
+    if isinstance(expected, dict) and not isinstance(actual, dict):
+        raise ExerciseFailed(f"expected a dict, got {a_kind(actual)}: {what}: expected {expected!r}, "
+                             f"got {actual!r}")
+    raise ExerciseFailed(f"{what}: expected {expected!r}, got {actual!r}")

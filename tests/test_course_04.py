@@ -1,6 +1,8 @@
 """Lesson 04's exercise check (lessons/checks/c04_preemption.py) passes the solution, rejects the rest."""
 
-from tests.course_helpers import empty, passes, rejects
+import pytest
+
+from tests.course_helpers import answering_in, empty, passes, rejects, solution
 
 NAME = "04.preempt"
 
@@ -36,20 +38,48 @@ def keeps_computed_tokens(running, waiting):
             list(reversed(victim.block_table)))
 
 
+def empty_list_block_table(running, waiting):
+    """The solution with `block_table=[]` for the victim instead of `()`: the same answer."""
+    victim = max(running, key=lambda s: (s.priority, s.arrival))
+    back = victim._replace(status="preempted", num_computed_tokens=0, block_table=[])
+    return ([s for s in running if s.request_id != victim.request_id], _back_in_place(waiting, back),
+            list(reversed(victim.block_table)))
+
+
 def test_the_solution_passes():
     passes(NAME)
+
+
+def test_block_table_as_an_empty_list_passes():
+    passes(NAME, empty_list_block_table)
+
+
+def test_the_solution_passes_answering_in_lists_or_tuples():
+    passes(NAME, answering_in(list, solution(NAME)))
+    passes(NAME, answering_in(tuple, solution(NAME)))
 
 
 def test_an_empty_answer_is_told_to_write_code():
     rejects(empty, NAME, "not written yet")
 
 
-def test_plausible_wrong_answers_are_rejected_with_the_case():
-    rejects(latest_arrival_only, NAME, r"A has priority 1: the lowest priority goes first.*the running queue "
-                                       r"after: expected \[B\(.*\), C\(.*\)\], got \[A\(.*\), B\(.*\)\]")
-    rejects(back_of_the_queue, NAME, r"C \(arrival 2\) goes back between W1 \(arrival 1\) and W5 .*"
-                                     r"the waiting queue after: expected \[W1\(.*\), C\(.*\), W5\(.*\)\], "
-                                     r"got \[W1\(.*\), W5\(.*\), C\(.*\)\]")
-    rejects(keeps_computed_tokens, NAME, r"equal priorities: the latest arrival, C, goes.*the waiting queue "
-                                         r"after: expected \[C\(priority 0, arrival 2, preempted, computed 0, "
-                                         r"blocks \(\)\)\], got \[C\(priority 0, arrival 2, preempted, computed 5,")
+WRONG_ANSWERS = [      # (a plausible wrong answer, what the check must say about it)
+    (latest_arrival_only, r"A has priority 1: the lowest priority goes first.*the running queue "
+                          r"after: expected \[B\(.*\), C\(.*\)\], got \[A\(.*\), B\(.*\)\]"),
+    (back_of_the_queue, r"C \(arrival 2\) goes back between W1 \(arrival 1\) and W5 .*"
+                        r"the waiting queue after: expected \[W1\(.*\), C\(.*\), W5\(.*\)\], "
+                        r"got \[W1\(.*\), W5\(.*\), C\(.*\)\]"),
+    (keeps_computed_tokens, r"equal priorities: the latest arrival, C, goes.*the waiting queue "
+                            r"after: expected \[C\(priority 0, arrival 2, preempted, computed 0, "
+                            r"blocks \(\)\)\], got \[C\(priority 0, arrival 2, preempted, computed 5,"),
+]
+
+
+@pytest.mark.parametrize("wrong, message", WRONG_ANSWERS,
+                         ids=[wrong.__name__ for wrong, _ in WRONG_ANSWERS])
+def test_plausible_wrong_answers_are_rejected_with_the_case(wrong, message):
+    rejects(wrong, NAME, message)
+
+
+def test_at_least_three_plausible_wrong_answers():
+    assert len(WRONG_ANSWERS) >= 3

@@ -2,7 +2,7 @@
 
 import pytest
 
-from tests.course_helpers import empty, passes, rejects
+from tests.course_helpers import answering_in, empty, passes, rejects, solution
 
 NAME = "05.slot_mapping"
 
@@ -34,13 +34,29 @@ def test_the_solution_passes():
     passes(NAME)
 
 
+@pytest.mark.slow
+def test_the_solution_passes_answering_in_a_tuple():
+    passes(NAME, answering_in(tuple, solution(NAME)))
+
+
 def test_an_empty_answer_is_told_to_write_code():
     rejects(empty, NAME, "not written yet")
 
 
-def test_plausible_wrong_answers_are_rejected_with_the_case():
-    rejects(no_block_table, NAME, r"a 3-token prompt in block 7 .*expected \[28, 29, 30\], got \[0, 1, 2\]")
-    rejects(block_id_not_scaled, NAME, r"a 3-token prompt in block 7 .*expected \[28, 29, 30\], got \[7, 8, 9\]")
-    rejects(contiguous_from_first_slot, NAME,
-            r"positions 2\.\.5 run from block 7 into block 2 .*expected \[30, 31, 8, 9\], got \[30, 31, 32, 33\]")
-    rejects(end_inclusive, NAME, r"a 3-token prompt in block 7 .*expected \[28, 29, 30\], got \[28, 29, 30, 31\]")
+WRONG_ANSWERS = [      # (a plausible wrong answer, what the check must say about it)
+    (no_block_table, r"a 3-token prompt in block 7 .*expected \[28, 29, 30\], got \[0, 1, 2\]"),
+    (block_id_not_scaled, r"a 3-token prompt in block 7 .*expected \[28, 29, 30\], got \[7, 8, 9\]"),
+    (contiguous_from_first_slot,
+     r"positions 2\.\.5 run from block 7 into block 2 .*expected \[30, 31, 8, 9\], got \[30, 31, 32, 33\]"),
+    (end_inclusive, r"a 3-token prompt in block 7 .*expected \[28, 29, 30\], got \[28, 29, 30, 31\]"),
+]
+
+
+@pytest.mark.parametrize("wrong, message", WRONG_ANSWERS,
+                         ids=[wrong.__name__ for wrong, _ in WRONG_ANSWERS])
+def test_plausible_wrong_answers_are_rejected_with_the_case(wrong, message):
+    rejects(wrong, NAME, message)
+
+
+def test_at_least_three_plausible_wrong_answers():
+    assert len(WRONG_ANSWERS) >= 3

@@ -62,8 +62,22 @@ def test_an_empty_answer_is_told_to_write_code():
     rejects(empty, NAME, "not written yet")
 
 
-def test_plausible_wrong_answers_are_rejected_with_the_case():
-    rejects(ignores_block_table, NAME, r"^a scrambled block table \(block table \[5, 2, 7\].*max error")
-    rejects(whole_last_block, NAME, r"^a partial last block \(block table \[0, 1, 2\], seq_len 10.*max error")
-    rejects(forgets_the_scale, NAME, r"^a single block .*max error .*expected \[.*got \[")
-    rejects(gqa_by_modulo, NAME, r"^GQA \(block table \[1, 6, 4\].*4 query heads over 2 KV heads\): max error")
+WRONG_ANSWERS = [      # (a plausible wrong answer, what the check must say about it)
+    (ignores_block_table, r"^a scrambled block table \(block table \[5, 2, 7\].*max error"),
+    (whole_last_block, r"^a partial last block \(block table \[0, 1, 2\], seq_len 10.*max error"),
+    (forgets_the_scale, r"^a single block .*max error .*expected \[.*got \[.*\(it equals attention "
+                        r"without the scale: multiply q \. k by scale\)$"),
+    (gqa_by_modulo, r"^GQA \(block table \[1, 6, 4\].*4 query heads over 2 KV heads\): max error .*"
+                    r"\(it equals query head h reading KV head h % 2: with GQA, query head h reads KV "
+                    r"head h // 2 \(repeat_interleave, not repeat\)\)$"),
+]
+
+
+@pytest.mark.parametrize("wrong, message", WRONG_ANSWERS,
+                         ids=[wrong.__name__ for wrong, _ in WRONG_ANSWERS])
+def test_plausible_wrong_answers_are_rejected_with_the_case(wrong, message):
+    rejects(wrong, NAME, message)
+
+
+def test_at_least_three_plausible_wrong_answers():
+    assert len(WRONG_ANSWERS) >= 3

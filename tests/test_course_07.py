@@ -1,9 +1,10 @@
 """Lesson 07's exercise check (lessons/checks/c07_tensor_parallel.py) passes the solution, rejects the rest."""
 
+import pytest
 import torch
 import torch.nn.functional as F
 
-from tests.course_helpers import empty, passes, rejects
+from tests.course_helpers import answering_in, empty, passes, rejects, solution
 
 NAME = "07.tp_linear"
 
@@ -58,20 +59,36 @@ def test_the_solution_passes():
     passes(NAME)
 
 
+def test_the_solution_passes_answering_in_lists_or_tuples():
+    passes(NAME, answering_in(list, solution(NAME)))
+    passes(NAME, answering_in(tuple, solution(NAME)))
+
+
 def test_an_empty_answer_is_told_to_write_code():
     rejects(empty, NAME, "not written yet")
 
 
-def test_plausible_wrong_answers_are_rejected_with_the_case():
-    rejects(swapped_dimensions, NAME,
-            r"column parallel, tp 2, W \(8, 6\): rank 0's shard: expected rows 0\.\.3, all 6 columns of W \(4, 6\), "
-            r"got all 8 rows, columns 0\.\.2 of W \(8, 3\)")
-    rejects(concatenates_row_partials, NAME,
-            r"row parallel, tp 2, W \(5, 8\): y, the combined result: expected x @ W\.T of shape \(4, 5\), "
-            r"got shape \(4, 10\)")
-    rejects(interleaved, NAME,
-            r"column parallel, tp 2, W \(8, 6\): rank 0's shard: expected rows 0\.\.3, all 6 columns of W \(4, 6\), "
-            r"got rows \[0, 2, 4, 6\], all 6 columns of W \(4, 6\)")
-    rejects(chunk_without_check, NAME,
-            r"column parallel, tp 3, W \(10, 6\) \(10 output features do not split into 3 equal shards\): "
-            r"expected ValueError, got shards of shapes \[\(4, 6\), \(4, 6\), \(2, 6\)\]")
+WRONG_ANSWERS = [      # (a plausible wrong answer, what the check must say about it)
+    (swapped_dimensions,
+     r"column parallel, tp 2, W \(8, 6\): rank 0's shard: expected rows 0\.\.3, all 6 columns of W \(4, 6\), "
+     r"got all 8 rows, columns 0\.\.2 of W \(8, 3\)"),
+    (concatenates_row_partials,
+     r"row parallel, tp 2, W \(5, 8\): y, the combined result: expected x @ W\.T of shape \(4, 5\), "
+     r"got shape \(4, 10\)"),
+    (interleaved,
+     r"column parallel, tp 2, W \(8, 6\): rank 0's shard: expected rows 0\.\.3, all 6 columns of W \(4, 6\), "
+     r"got rows \[0, 2, 4, 6\], all 6 columns of W \(4, 6\)"),
+    (chunk_without_check,
+     r"column parallel, tp 3, W \(10, 6\) \(10 output features do not split into 3 equal shards\): "
+     r"expected ValueError, got shards of shapes \[\(4, 6\), \(4, 6\), \(2, 6\)\]"),
+]
+
+
+@pytest.mark.parametrize("wrong, message", WRONG_ANSWERS,
+                         ids=[wrong.__name__ for wrong, _ in WRONG_ANSWERS])
+def test_plausible_wrong_answers_are_rejected_with_the_case(wrong, message):
+    rejects(wrong, NAME, message)
+
+
+def test_at_least_three_plausible_wrong_answers():
+    assert len(WRONG_ANSWERS) >= 3

@@ -2,7 +2,7 @@
 
 import pytest
 
-from tests.course_helpers import empty, passes, rejects
+from tests.course_helpers import answering_in, empty, passes, rejects, solution
 
 NAME = "09.stream_deltas"
 
@@ -57,12 +57,28 @@ def test_the_solution_passes():
     passes(NAME)
 
 
+@pytest.mark.slow
+def test_the_solution_passes_answering_in_a_tuple():
+    passes(NAME, answering_in(tuple, solution(NAME)))
+
+
 def test_an_empty_answer_is_told_to_write_code():
     rejects(empty, NAME, "not written yet")
 
 
-def test_plausible_wrong_answers_are_rejected_with_the_case():
-    rejects(no_holdback, NAME, r"stop=\['END'\], which never comes.*expected \['a', 'bc', 'd', 'efg'\], got "
-                               r"\['abc', 'de', 'f', 'g'\]")
-    rejects(searches_the_new_piece_only, NAME, r"a stop string split across two pieces")
-    rejects(holds_back_a_whole_stop_string, NAME, r"stop=\['END'\], which never comes.*expected \['a', 'bc'")
+WRONG_ANSWERS = [      # (a plausible wrong answer, what the check must say about it)
+    (no_holdback, r"stop=\['END'\], which never comes.*expected \['a', 'bc', 'd', 'efg'\], got "
+                  r"\['abc', 'de', 'f', 'g'\]"),
+    (searches_the_new_piece_only, r"a stop string split across two pieces"),
+    (holds_back_a_whole_stop_string, r"stop=\['END'\], which never comes.*expected \['a', 'bc'"),
+]
+
+
+@pytest.mark.parametrize("wrong, message", WRONG_ANSWERS,
+                         ids=[wrong.__name__ for wrong, _ in WRONG_ANSWERS])
+def test_plausible_wrong_answers_are_rejected_with_the_case(wrong, message):
+    rejects(wrong, NAME, message)
+
+
+def test_at_least_three_plausible_wrong_answers():
+    assert len(WRONG_ANSWERS) >= 3

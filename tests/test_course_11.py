@@ -1,8 +1,8 @@
-"""Lesson 11's exercise check (lessons/checks/c11_beyond_the_floor.py) passes the solution, rejects the rest."""
+"""Lesson 11's exercise check (lessons/checks/c11_cuda_graphs_async.py) passes the solution, rejects the rest."""
 
 import pytest
 
-from tests.course_helpers import empty, passes, rejects
+from tests.course_helpers import answering_in, empty, passes, rejects, solution
 
 NAME = "11.pad_decode_batch"
 
@@ -37,16 +37,33 @@ def test_the_solution_passes():
     passes(NAME)
 
 
+@pytest.mark.slow
+def test_the_solution_passes_answering_in_lists_or_tuples():
+    passes(NAME, answering_in(list, solution(NAME)))
+    passes(NAME, answering_in(tuple, solution(NAME)))
+
+
 def test_an_empty_answer_is_told_to_write_code():
     rejects(empty, NAME, "not written yet")
 
 
-def test_plausible_wrong_answers_are_rejected_with_the_case():
-    rejects(largest_size, NAME, r"a batch of 1: no padding: size: expected 1, got 16")
-    rejects(pads_slot_zero, NAME, r"a batch of 3 runs the graph of 4: slot_mapping: expected \[37, 17, 10, -1\], "
-                                  r"got \[37, 17, 10, 0\]")
-    rejects(pads_context_zero, NAME, r"a batch of 3 runs the graph of 4: seq_lens: expected \[10, 5, 3, 1\], "
-                                     r"got \[10, 5, 3, 0\]")
+WRONG_ANSWERS = [      # (a plausible wrong answer, what the check must say about it)
+    (largest_size, r"a batch of 1: no padding: size: expected 1, got 16"),
+    (pads_slot_zero, r"a batch of 3 runs the graph of 4: slot_mapping: expected \[37, 17, 10, -1\], "
+                     r"got \[37, 17, 10, 0\]"),
+    (pads_context_zero, r"a batch of 3 runs the graph of 4: seq_lens: expected \[10, 5, 3, 1\], "
+                        r"got \[10, 5, 3, 0\]"),
+]
+
+
+@pytest.mark.parametrize("wrong, message", WRONG_ANSWERS,
+                         ids=[wrong.__name__ for wrong, _ in WRONG_ANSWERS])
+def test_plausible_wrong_answers_are_rejected_with_the_case(wrong, message):
+    rejects(wrong, NAME, message)
+
+
+def test_at_least_three_plausible_wrong_answers():
+    assert len(WRONG_ANSWERS) >= 3
 
 
 # ---------------------------------------------------------------------- 11.plan_ahead (async scheduling)
@@ -64,18 +81,43 @@ def ignores_in_flight(num_tokens, num_computed_tokens, num_in_flight):
     return num_computed_tokens, num_tokens - num_computed_tokens
 
 
+def placeholder_whenever_in_flight(num_tokens, num_computed_tokens, num_in_flight):
+    """Counts the sampled token's placeholder whenever something is in flight, also a chunk that stops short of
+    the prompt's end (it samples nothing)."""
+    start = num_computed_tokens + num_in_flight
+    return start, num_tokens - start + (1 if num_in_flight else 0)
+
+
 @pytest.mark.slow
 def test_plan_ahead_solution_passes():
     passes(PLAN)
+
+
+@pytest.mark.slow
+def test_plan_ahead_solution_passes_answering_in_a_list():
+    passes(PLAN, answering_in(list, solution(PLAN)))
 
 
 def test_plan_ahead_empty_answer_is_told_to_write_code():
     rejects(empty, PLAN, "not written yet")
 
 
-def test_plan_ahead_wrong_answers_are_rejected_with_the_case():
-    rejects(no_placeholder, PLAN, r"a chunk of 6 in flight: it samples, 1 left: expected \(10, 1\), got \(10, 0\)")
-    rejects(ignores_in_flight, PLAN, r"a chunk of 6 in flight: it samples, 1 left: expected \(10, 1\), got \(4, 6\)")
+PLAN_WRONG_ANSWERS = [      # (a plausible wrong answer, what the check must say about it)
+    (no_placeholder, r"a chunk of 6 in flight: it samples, 1 left: expected \(10, 1\), got \(10, 0\)"),
+    (ignores_in_flight, r"a chunk of 6 in flight: it samples, 1 left: expected \(10, 1\), got \(4, 6\)"),
+    (placeholder_whenever_in_flight, r"a chunk of 3 in flight: the rest of the prompt: expected \(7, 3\), "
+                                     r"got \(7, 4\)"),
+]
+
+
+@pytest.mark.parametrize("wrong, message", PLAN_WRONG_ANSWERS,
+                         ids=[wrong.__name__ for wrong, _ in PLAN_WRONG_ANSWERS])
+def test_plan_ahead_wrong_answers_are_rejected_with_the_case(wrong, message):
+    rejects(wrong, PLAN, message)
+
+
+def test_plan_ahead_has_at_least_three_wrong_answers():
+    assert len(PLAN_WRONG_ANSWERS) >= 3
 
 
 # ---------------------------------------------------------------------- 11.quantize_activations (W8A8)
@@ -99,16 +141,52 @@ def one_scale_for_all(x):
     return torch.round(xf / s[:, None]).to(torch.int8), s
 
 
+def no_floor_under_the_scale(x):
+    """s = max|x| / 127 with no floor: a row of zeros divides by zero."""
+    import torch
+    xf = x.float()
+    s = xf.abs().amax(dim=-1) / 127
+    return torch.round(xf / s[:, None]).nan_to_num(0).to(torch.int8), s
+
+
+def truncates(x):
+    """Casts x / s to int8 without rounding: 2.5 -> 2 but -3.5 -> -3 (toward zero), and 126.9 -> 126."""
+    import torch
+    xf = x.float()
+    s = (xf.abs().amax(dim=-1) / 127).clamp(min=1e-12)
+    return (xf / s[:, None]).to(torch.int8), s
+
+
 @pytest.mark.slow
 def test_quantize_activations_solution_passes():
     passes(QUANT)
+
+
+@pytest.mark.slow
+def test_quantize_activations_solution_passes_answering_in_a_list():
+    passes(QUANT, answering_in(list, solution(QUANT)))
 
 
 def test_quantize_activations_empty_answer_is_told_to_write_code():
     rejects(empty, QUANT, "not written yet")
 
 
-def test_quantize_activations_wrong_answers_are_rejected_with_the_case():
-    rejects(half_away_from_zero, QUANT, r"ties go to the even integer, as torch.round: expected \[127, 2, -4, 0, 2, 0, "
-                                        r"0, 126\], got \[127, 3, -4, 1, 2, -1, 0, 127\]")
-    rejects(one_scale_for_all, QUANT, r"a row of its own scale \(max \|x\| = 2\): expected \[-127, 64, 16")
+QUANT_WRONG_ANSWERS = [      # (a plausible wrong answer, what the check must say about it)
+    (half_away_from_zero, r"ties go to the even integer, as torch.round: expected \[127, 2, -4, 0, 2, 0, "
+                          r"0, 126\], got \[127, 3, -4, 1, 2, -1, 0, 127\]"),
+    (one_scale_for_all, r"a row of its own scale \(max \|x\| = 2\): expected \[-127, 64, 16"),
+    (no_floor_under_the_scale, r"a row of zeros: q all 0, s the floor 1e-12 \(no division by zero\): "
+                               r"expected .*, got \(\[\[0, .*\]\], 0\.0\)"),
+    (truncates, r"ties go to the even integer, as torch.round: expected \[127, 2, -4, 0, 2, 0, 0, 126\], "
+                r"got \[127, 2, -3, 0, 1, 0, 0, 126\]"),
+]
+
+
+@pytest.mark.parametrize("wrong, message", QUANT_WRONG_ANSWERS,
+                         ids=[wrong.__name__ for wrong, _ in QUANT_WRONG_ANSWERS])
+def test_quantize_activations_wrong_answers_are_rejected_with_the_case(wrong, message):
+    rejects(wrong, QUANT, message)
+
+
+def test_quantize_activations_has_at_least_three_wrong_answers():
+    assert len(QUANT_WRONG_ANSWERS) >= 3

@@ -37,6 +37,14 @@ def first_row_top_p_for_all(logits, top_p):
     return _filter(logits, lambda probs: probs.cumsum(-1) - probs < p)
 
 
+def not_scattered_back(logits, top_p):
+    """Filters the sorted row right, but returns it sorted (most likely first) instead of in vocabulary order."""
+    sorted_logits, _ = logits.sort(dim=-1, descending=True)
+    probs = sorted_logits.softmax(dim=-1)
+    p = torch.tensor(top_p, dtype=logits.dtype)[:, None]
+    return sorted_logits.masked_fill(probs.cumsum(-1) - probs >= p, float("-inf"))
+
+
 @pytest.mark.slow
 def test_the_solution_passes():
     passes(NAME)
@@ -46,10 +54,22 @@ def test_an_empty_answer_is_told_to_write_code():
     rejects(empty, NAME, "not written yet")
 
 
-def test_plausible_wrong_answers_are_rejected_with_the_case():
-    rejects(drops_the_crossing_token, NAME,
-            r"top_p=1.0 .*expected \[\[0, 1, 2, 3, 4\]\], got \[\[0, 1, 2, 3\]\]")
-    rejects(sorts_ascending, NAME, r"top_p=1e-6 .*expected \[\[0\]\], got \[\[4\]\]")
-    rejects(first_row_top_p_for_all, NAME,
-            r"a batch of 3 rows with top_p \[0.3, 0.9, 1.0\].*expected \[\[0\], \[1, 2, 3, 4\], \[0, 1, 2, 3, 4\]\], "
-            r"got \[\[0\], \[4\], \[0(, 1)?\]\]")     # the third row's cut rounds per CPU: [0, 1] AVX-512, [0] AVX2
+WRONG_ANSWERS = [      # (a plausible wrong answer, what the check must say about it)
+    (drops_the_crossing_token, r"top_p=1.0 .*expected \[\[0, 1, 2, 3, 4\]\], got \[\[0, 1, 2, 3\]\]"),
+    (sorts_ascending, r"top_p=1e-6 .*expected \[\[0\]\], got \[\[4\]\]"),
+    (not_scattered_back, r"^top_p=0.8, shuffled: row 0 is not in the original \(vocabulary\) order but "
+                         r"sorted, most likely first: did you scatter the filtered logits back"),
+    (first_row_top_p_for_all,
+     r"a batch of 3 rows with top_p \[0.3, 0.9, 1.0\].*expected \[\[0\], \[1, 2, 3, 4\], \[0, 1, 2, 3, 4\]\], "
+     r"got \[\[0\], \[4\], \[0(, 1)?\]\]"),
+]
+
+
+@pytest.mark.parametrize("wrong, message", WRONG_ANSWERS,
+                         ids=[wrong.__name__ for wrong, _ in WRONG_ANSWERS])
+def test_plausible_wrong_answers_are_rejected_with_the_case(wrong, message):
+    rejects(wrong, NAME, message)
+
+
+def test_at_least_three_plausible_wrong_answers():
+    assert len(WRONG_ANSWERS) >= 3

@@ -2,7 +2,7 @@
 
 import pytest
 
-from tests.course_helpers import empty, passes, rejects
+from tests.course_helpers import answering_in, empty, passes, rejects, solution
 
 NAME = "13.ngram_propose"
 
@@ -43,12 +43,28 @@ def test_the_solution_passes():
     passes(NAME)
 
 
+@pytest.mark.slow
+def test_the_solution_passes_answering_in_a_tuple():
+    passes(NAME, answering_in(tuple, solution(NAME)))
+
+
 def test_an_empty_answer_is_told_to_write_code():
     rejects(empty, NAME, "not written yet")
 
 
-def test_plausible_wrong_answers_are_rejected_with_the_case():
-    rejects(first_occurrence, NAME, r"the latest occurrence wins .*expected \[2, 7\], got \[1, 7\]")
-    rejects(matches_the_suffix_itself, NAME, r"\[7, 8\] occurred at the start .*expected \[9, 7, 8\], got \[\]")
-    rejects(only_max_n, NAME, r"no 3-token match, so n=2.*expected \[1, 9\], got \[\]")
-    rejects(shortest_n_first, NAME, r"the longest n wins .*expected \[9, 9\], got \[1, 5\]")
+WRONG_ANSWERS = [      # (a plausible wrong answer, what the check must say about it)
+    (first_occurrence, r"the latest occurrence wins .*expected \[2, 7\], got \[1, 7\]"),
+    (matches_the_suffix_itself, r"\[7, 8\] occurred at the start .*expected \[9, 7, 8\], got \[\]"),
+    (only_max_n, r"no 3-token match, so n=2.*expected \[1, 9\], got \[\]"),
+    (shortest_n_first, r"the longest n wins .*expected \[9, 9\], got \[1, 5\]"),
+]
+
+
+@pytest.mark.parametrize("wrong, message", WRONG_ANSWERS,
+                         ids=[wrong.__name__ for wrong, _ in WRONG_ANSWERS])
+def test_plausible_wrong_answers_are_rejected_with_the_case(wrong, message):
+    rejects(wrong, NAME, message)
+
+
+def test_at_least_three_plausible_wrong_answers():
+    assert len(WRONG_ANSWERS) >= 3

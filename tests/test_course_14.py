@@ -57,10 +57,21 @@ def test_an_empty_answer_is_told_to_write_code():
     rejects(empty, NAME, "not written yet")
 
 
-def test_plausible_wrong_answers_are_rejected_with_the_case():
-    rejects(counts_a_hit_after_a_miss, NAME, r"block 1 is missing: block 2 after it cannot be used .*expected 4, got 6")
-    rejects(returns_all_tokens, NAME, r"block 0 is already computed here .*expected 6, got 10")
-    rejects(includes_the_last_prompt_token, NAME, r"the last one partial .*expected 10, got 8")
-    rejects(ignores_the_partial_last_block, NAME, r"the last one partial .*expected 10, got 8")
-    rejects(subtracts_after_counting_from_block_0, NAME,
-            r"block 0 is computed here but not in the store; blocks 1 and 2 are .*expected 6, got 0")
+WRONG_ANSWERS = [      # (a plausible wrong answer, what the check must say about it)
+    (counts_a_hit_after_a_miss, r"block 1 is missing: block 2 after it cannot be used .*expected 4, got 6"),
+    (returns_all_tokens, r"block 0 is already computed here .*expected 6, got 10"),
+    (includes_the_last_prompt_token, r"the last one partial .*expected 10, got 8"),
+    (ignores_the_partial_last_block, r"the last one partial .*expected 10, got 8"),
+    (subtracts_after_counting_from_block_0,
+     r"block 0 is computed here but not in the store; blocks 1 and 2 are .*expected 6, got 0"),
+]
+
+
+@pytest.mark.parametrize("wrong, message", WRONG_ANSWERS,
+                         ids=[wrong.__name__ for wrong, _ in WRONG_ANSWERS])
+def test_plausible_wrong_answers_are_rejected_with_the_case(wrong, message):
+    rejects(wrong, NAME, message)
+
+
+def test_at_least_three_plausible_wrong_answers():
+    assert len(WRONG_ANSWERS) >= 3

@@ -1,5 +1,7 @@
 """Lesson 15's exercise check (lessons/checks/c15_multimodal.py) passes the solution, rejects the rest."""
 
+import pytest
+
 from minivllm.core.encoder_cache_manager import EncoderCacheManager
 from tests.course_helpers import check, empty, passes, rejects
 
@@ -81,16 +83,26 @@ def test_an_empty_answer_is_told_to_write_code():
     rejects(empty, NAME, "not written yet")
 
 
-def test_plausible_wrong_answers_are_rejected_with_the_case():
-    rejects(never_cuts, NAME, r"another request holds owl, which fills the cache: .*expected 3, got 25")
-    rejects(cuts_after_the_image, NAME, r"another request holds owl, which fills the cache: .*expected 3, got 11")
-    rejects(returns_zero_at_an_image_that_does_not_fit, NAME,
-            r"another request holds owl, which fills the cache: .*expected 3, got 0")
-    rejects(ignores_what_the_plan_needs, NAME, r"a cache of 8 rows: cat fits, then dog does not .*expected 14, got 25")
-    rejects(does_not_plan_kept_outputs, NAME,
-            r"another request holds cat: it costs no room, and it is planned .*images planned for 'r'.*"
-            r"expected \['cat@3'\], got \[\]")
-    rejects(counts_the_plans_of_unscheduled_requests, NAME,
-            r"request b planned owl but was not scheduled .*expected 25, got 14")
-    rejects(counts_pinned_freeable_outputs_as_evictable, NAME,
-            r"cat's output is freeable: r takes it without room, which pins it.*expected 14, got 25")
+WRONG_ANSWERS = [      # (a plausible wrong answer, what the check must say about it)
+    (never_cuts, r"another request holds owl, which fills the cache: .*expected 3, got 25"),
+    (cuts_after_the_image, r"another request holds owl, which fills the cache: .*expected 3, got 11"),
+    (returns_zero_at_an_image_that_does_not_fit,
+     r"another request holds owl, which fills the cache: .*expected 3, got 0"),
+    (ignores_what_the_plan_needs, r"a cache of 8 rows: cat fits, then dog does not .*expected 14, got 25"),
+    (does_not_plan_kept_outputs,
+     r"another request holds cat: it costs no room, and it is planned .*images planned for 'r'.*"
+     r"expected \['cat@3'\], got \[\]"),
+    (counts_the_plans_of_unscheduled_requests, r"request b planned owl but was not scheduled .*expected 25, got 14"),
+    (counts_pinned_freeable_outputs_as_evictable,
+     r"cat's output is freeable: r takes it without room, which pins it.*expected 14, got 25"),
+]
+
+
+@pytest.mark.parametrize("wrong, message", WRONG_ANSWERS,
+                         ids=[wrong.__name__ for wrong, _ in WRONG_ANSWERS])
+def test_plausible_wrong_answers_are_rejected_with_the_case(wrong, message):
+    rejects(wrong, NAME, message)
+
+
+def test_at_least_three_plausible_wrong_answers():
+    assert len(WRONG_ANSWERS) >= 3

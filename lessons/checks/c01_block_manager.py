@@ -2,7 +2,7 @@
 
 import random
 
-from course import ExerciseFailed, expect_equal
+from course import ExerciseFailed, expect_equal, same_answer
 from minivllm.core.block_pool import ROOT_HASH, hash_block_tokens
 from minivllm.core.journal import StepJournal
 from minivllm.core.kv_cache_manager import KVCacheManager
@@ -10,8 +10,9 @@ from minivllm.core.request import Request
 from minivllm.core.sampling_params import SamplingParams
 
 
-def _cache_of(prompts, block_size):
-    """A lookup over the chained hashes of every full block of `prompts`, block ids 0, 1, ... in order."""
+def _cache_of(prompts, block_size, evicted=()):
+    """A lookup over the chained hashes of every full block of `prompts`, block ids 0, 1, ... in order; the block
+    ids in `evicted` were evicted since (their hashes no longer answer, the blocks after them still do)."""
     table = {}
     for tokens in prompts:
         parent = ROOT_HASH
@@ -19,6 +20,7 @@ def _cache_of(prompts, block_size):
             chunk = tuple(tokens[i * block_size:(i + 1) * block_size])
             parent = hash_block_tokens(parent, chunk)
             table.setdefault(parent, (len(table), chunk))
+    table = {h: entry for h, entry in table.items() if entry[0] not in evicted}
     return lambda h, chunk: table[h][0] if h in table and table[h][1] == chunk else None
 
 
@@ -44,6 +46,9 @@ def check_longest_cached_prefix(fn):
                  "two cached prompts that share their first block")
     expect_equal(fn([1, 2, 3, 4, 99, 99, 99, 99, 9, 10, 11, 12, 13], bs, two), [0],
                  "a miss in the middle (a prefix ends at its first miss, even if later blocks look cached)")
+    expect_equal(fn(list(range(1, 14)), bs, _cache_of(cached, bs, evicted={1})), [0],
+                 "block 1 was evicted, blocks 0 and 2 are still cached: a hit after a miss does not count (the "
+                 "prefix ends at its first miss: stop there, do not skip past it)")
     yield "hashes chain: a block is a hit only after the same whole prefix"
     # The real KVCacheManager: requests computed and committed through it, then random prompts compared with
     # its own get_computed_blocks, with your function reading the real pool's hash map.
@@ -60,7 +65,7 @@ def check_longest_cached_prefix(fn):
         prompt = system[:rng.randrange(0, 11)] + [rng.randrange(1000) for _ in range(rng.randrange(1, 9))]
         expected = kv.get_computed_blocks(Request(f"probe{i}", prompt, params))
         actual = fn(prompt, bs, kv.block_pool.lookup)
-        if actual != expected:
+        if not same_answer(actual, expected):
             raise ExerciseFailed(f"against the real KVCacheManager, prompt {prompt}: expected the blocks "
                                  f"{expected}, got {actual}")
     yield "30 random prompts against the real KVCacheManager's get_computed_blocks"

@@ -34,6 +34,12 @@ def _compare(actual, expected, what):
                              f"{_fmt(expected[h, :4].float())}, got {_fmt(actual[h, :4].detach().float())}")
 
 
+def _near(actual, other):
+    if not (isinstance(actual, torch.Tensor) and actual.shape == other.shape):
+        return False
+    return (actual.detach().double() - other).abs().nan_to_num(float("inf")).max().item() <= TOL
+
+
 def _case(fn, what, num_heads, num_kv_heads, head_dim, block_size, num_blocks, table, seq_len, seed):
     """A pool of random values (slots the sequence does not own hold finite garbage, as a used cache does) with
     the sequence's K/V written at its slots through `table`; the answer is computed from K/V kept contiguous."""
@@ -47,13 +53,28 @@ def _case(fn, what, num_heads, num_kv_heads, head_dim, block_size, num_blocks, t
         key_cache[table[t // block_size], t % block_size] = K[t]
         value_cache[table[t // block_size], t % block_size] = V[t]
     scale = head_dim ** -0.5
-    expected = F.scaled_dot_product_attention(                          # in fp64: the answer, not an estimate
-        q[:, None].double(), K.transpose(0, 1).double(), V.transpose(0, 1).double(), scale=scale,
-        enable_gqa=True)[:, 0]                                          # (heads, 1, d) -> (heads, d)
+
+    def dense(K, V, scale):                                             # in fp64: the answer, not an estimate
+        return F.scaled_dot_product_attention(q[:, None].double(), K.transpose(0, 1).double(),
+                                              V.transpose(0, 1).double(), scale=scale,
+                                              enable_gqa=True)[:, 0]   # (heads, 1, d) -> (heads, d)
+
+    expected = dense(K, V, scale)
     caches = (key_cache.clone(), value_cache.clone())
     actual = fn(q.clone(), caches[0], caches[1], torch.tensor(table, dtype=torch.int32), seq_len, scale)
-    _compare(actual, expected, f"{what} (block table {table}, seq_len {seq_len}, block_size {block_size}, "
-                               f"{num_heads} query heads over {num_kv_heads} KV heads)")
+    try:
+        _compare(actual, expected, f"{what} (block table {table}, seq_len {seq_len}, block_size {block_size}, "
+                                   f"{num_heads} query heads over {num_kv_heads} KV heads)")
+    except ExerciseFailed as failed:                                   # a known slip? say which
+        group = num_heads // num_kv_heads
+        for other, hint in [
+                (dense(K, V, 1.0), "it equals attention without the scale: multiply q . k by scale"),
+                (dense(K.repeat(1, group, 1), V.repeat(1, group, 1), scale),
+                 f"it equals query head h reading KV head h % {num_kv_heads}: with GQA, query head h reads KV head "
+                 f"h // {group} (repeat_interleave, not repeat)")]:
+            if _near(actual, other):
+                raise ExerciseFailed(f"{failed} ({hint})") from None
+        raise
     if not (torch.equal(caches[0], key_cache) and torch.equal(caches[1], value_cache)):
         raise ExerciseFailed(f"{what}: your function changed the KV cache; it must only read it")
 

@@ -3,7 +3,7 @@ strings (RequestOutputKind.DELTA)."""
 
 import functools
 
-from course import ExerciseFailed, expect_equal
+from course import ExerciseFailed, expect_equal, same_answer
 
 
 @functools.cache
@@ -30,6 +30,28 @@ def _run(engine, requests):
         for rid in requests:
             engine.abort_request(rid)
     return got
+
+
+@functools.cache
+def _streams():
+    """The requests ({id: (prompt, stop)}) and what the engine streamed for each ({id: (the detokenizer's pieces,
+    the deltas)}), run once: greedy, so every run of the check would see the same."""
+    engine = _engine()
+    prompts = {"fr": "The capital of France is", "py": "def fibonacci(n):", "story": "Once upon a time",
+               "chat": engine.tokenizer.apply_chat_template([{"role": "user", "content": "What is the capital of "
+                                                             "France?"}], tokenize=False, add_generation_prompt=True)}
+    plain = _run(engine, {name: (p, []) for name, p in prompts.items()})
+    requests = {}
+    for name, prompt in prompts.items():
+        pieces = _pieces(engine.tokenizer, plain[name][0])
+        text, boundary = "".join(pieces), len("".join(pieces[:3]))
+        across = text[boundary - 2:boundary + 2]                  # the end of token 3 and the start of token 4
+        inside = pieces[4][1:-1] or pieces[4]                     # inside token 5
+        for i, stop in enumerate(([across], [inside], ["zebra crossing"], ["zebra crossing", inside, across])):
+            requests[f"{name}-{i}"] = (prompt, stop)
+    streamed = {rid: (_pieces(engine.tokenizer, token_ids), deltas)
+                for rid, (token_ids, deltas) in _run(engine, requests).items()}
+    return requests, streamed
 
 
 def _pieces(tokenizer, token_ids):
@@ -71,25 +93,11 @@ def check_stream_deltas(fn):
     # The real engine: greedy completions of a few prompts, first without stop strings, then with stop strings cut
     # from their own text (one inside a token, one across two tokens, one that never comes, and two at once); your
     # deltas, from the detokenizer's pieces of each request's tokens, must be the deltas the engine streamed.
-    engine = _engine()
-    prompts = {"fr": "The capital of France is", "py": "def fibonacci(n):", "story": "Once upon a time",
-               "chat": engine.tokenizer.apply_chat_template([{"role": "user", "content": "What is the capital of "
-                                                             "France?"}], tokenize=False, add_generation_prompt=True)}
-    plain = _run(engine, {name: (p, []) for name, p in prompts.items()})
-    requests = {}
-    for name, prompt in prompts.items():
-        pieces = _pieces(engine.tokenizer, plain[name][0])
-        text, boundary = "".join(pieces), len("".join(pieces[:3]))
-        across = text[boundary - 2:boundary + 2]                  # the end of token 3 and the start of token 4
-        inside = pieces[4][1:-1] or pieces[4]                     # inside token 5
-        for i, stop in enumerate(([across], [inside], ["zebra crossing"], ["zebra crossing", inside, across])):
-            requests[f"{name}-{i}"] = (prompt, stop)
-    streamed = _run(engine, requests)
+    requests, streamed = _streams()
     for rid, (prompt, stop) in requests.items():
-        token_ids, expected = streamed[rid]
-        pieces = _pieces(engine.tokenizer, token_ids)
-        actual = fn(pieces, stop)
-        if actual != expected:
+        pieces, expected = streamed[rid]
+        actual = fn(list(pieces), list(stop))
+        if not same_answer(actual, expected):
             raise ExerciseFailed(f"against the real engine, prompt {prompt!r} with stop={stop!r}: the detokenizer's "
                                  f"pieces {pieces}; the engine streamed {expected}, your function gives {actual}")
     yield f"{len(requests)} streams of the real engine (DELTA, with stop strings): your deltas are its deltas"

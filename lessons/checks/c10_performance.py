@@ -6,21 +6,36 @@ import dataclasses
 from course import ExerciseFailed
 from minivllm.bench import roofline
 
+_ENGINE = {}          # the default model's config and its parameter bytes, read from one small engine, once
+
+
+def _default_model():
+    if not _ENGINE:
+        from minivllm import LLM
+        llm = LLM(num_kv_blocks=16)
+        _ENGINE.update(cfg=llm.llm_engine.model_config,
+                       param_bytes=sum(p.numel() for p in llm.llm_engine.model_runner.model.parameters()) * 4)
+    return _ENGINE["cfg"], _ENGINE["param_bytes"]
+
 
 def _close(actual, expected, what):
-    if not isinstance(actual, (int, float)) or abs(actual - expected) > 1e-9 * max(1.0, abs(expected)):
-        raise ExerciseFailed(f"{what}: expected {expected!r} ms, got {actual!r}")
+    def near(x):
+        return abs(x - expected) <= 1e-9 * max(1.0, abs(expected))
+    if not isinstance(actual, (int, float)) or isinstance(actual, bool):
+        raise ExerciseFailed(f"expected a number of milliseconds (a float), got {actual!r}: {what}")
+    if not near(actual):
+        hint = " (that is the time in seconds: the answer is in milliseconds)" if near(actual * 1e3) else ""
+        raise ExerciseFailed(f"{what}: expected {expected!r} ms, got {actual!r}{hint}")
 
 
 def check_decode_memory_floor_ms(fn, cfg=None, model=None):
     if cfg is None:
-        from minivllm import LLM
-        llm = LLM(num_kv_blocks=16)
-        cfg, model = llm.llm_engine.model_config, llm.llm_engine.model_runner.model
+        cfg, param_bytes = _default_model()
+    else:
+        param_bytes = sum(p.numel() for p in model.parameters()) * 4
     gb = 1e9
     # The weights alone (no context): the bytes of the model's own parameters. Tied embeddings are one tensor
     # (the LM head), so counting each parameter once counts exactly what a decode step reads.
-    param_bytes = sum(p.numel() for p in model.parameters()) * 4
     _close(fn(cfg, 4, 1, 0, 10 * gb), param_bytes / (10 * gb) * 1e3,
            f"the default model in fp32, batch 1, no context, 10 GB/s (its parameters are {param_bytes:,} bytes)")
     _close(fn(cfg, 2, 1, 0, 10 * gb), param_bytes / 2 / (10 * gb) * 1e3, "the same in bf16 (2 bytes a weight)")

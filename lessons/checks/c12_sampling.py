@@ -19,7 +19,16 @@ def _kept(fn, logits, top_p, what):
                              f"{getattr(out, 'shape', type(out).__name__)}")
     finite = torch.isfinite(out)
     if not torch.equal(out[finite], logits[finite]):
-        raise ExerciseFailed(f"{what}: a kept token's logit changed; top-p only drops tokens (sets them to -inf)")
+        for r in range(logits.shape[0]):
+            row = out[r][finite[r]]
+            if torch.equal(row, logits[r][finite[r]]):
+                continue
+            if torch.equal(row, logits[r].sort(descending=True).values[:row.numel()]):
+                raise ExerciseFailed(f"{what}: row {r} is not in the original (vocabulary) order but sorted, most "
+                                     f"likely first: did you scatter the filtered logits back (scatter with the "
+                                     f"indices the sort gave)?")
+            raise ExerciseFailed(f"{what}: row {r}: a kept token's logit changed; top-p only drops tokens (sets "
+                                 f"them to -inf) and leaves the others as they were")
     if not torch.all(out[~finite] == float("-inf")):
         raise ExerciseFailed(f"{what}: a dropped token must be -inf (NaN or +inf found)")
     return [sorted(torch.nonzero(row).flatten().tolist()) for row in finite]
@@ -42,11 +51,23 @@ def _hf_kept(logits, top_p):
     return rows
 
 
+PROMPTS = ["Once upon a time", "The three best things about the sea are", "A recipe for pancakes:"]
+TOP_P = [0.5, 0.9, 0.97]
+
+
+def _params():
+    from minivllm import SamplingParams
+    return [SamplingParams(temperature=1.0, top_p=p, max_tokens=12, seed=7 + i, ignore_eos=True)
+            for i, p in enumerate(TOP_P)]
+
+
 def _engine():
+    """The engine, and the tokens it samples for PROMPTS with its own filter (seeded: the same every run)."""
     if not _ENGINE:
         from minivllm import LLM
-        _ENGINE["llm"] = LLM(device="cpu", dtype="float32", num_kv_blocks=64, seed=0)
-    return _ENGINE["llm"]
+        llm = LLM(device="cpu", dtype="float32", num_kv_blocks=64, seed=0)
+        _ENGINE.update(llm=llm, expected=_sample(llm, PROMPTS, _params()))
+    return _ENGINE
 
 
 def _sample(llm, prompts, params):
@@ -83,12 +104,8 @@ def check_top_p_filter(fn):
     yield "30 random batches keep what Hugging Face's TopPLogitsWarper keeps"
 
     import minivllm.worker.sampler as sampler
-    from minivllm import SamplingParams
-    llm = _engine()
-    prompts = ["Once upon a time", "The three best things about the sea are", "A recipe for pancakes:"]
-    params = [SamplingParams(temperature=1.0, top_p=p, max_tokens=12, seed=7 + i, ignore_eos=True)
-              for i, p in enumerate([0.5, 0.9, 0.97])]
-    expected = _sample(llm, prompts, params)
+    e = _engine()
+    llm, prompts, params, expected = e["llm"], PROMPTS, _params(), e["expected"]
     real = sampler.apply_top_k_top_p
     calls = []
 
@@ -100,11 +117,17 @@ def check_top_p_filter(fn):
     sampler.apply_top_k_top_p = yours
     try:
         actual = _sample(llm, prompts, params)
+    except ExerciseFailed:
+        raise
+    except Exception as exc:
+        _ENGINE.clear()                                       # a step failed midway: the next run builds anew
+        raise ExerciseFailed(f"inside the engine, a step failed with your filter: {type(exc).__name__}: "
+                             f"{exc}") from None
     finally:
         sampler.apply_top_k_top_p = real
     if not calls:
         raise ExerciseFailed("the engine never called the top-p filter (a bug of the check, not yours)")
-    for prompt, p, a, e in zip(prompts, [0.5, 0.9, 0.97], actual, expected):
-        expect_equal(a, e, f"the engine sampling {prompt!r} at temperature 1, top_p {p}, seed fixed: its tokens "
+    for prompt, p, a, want in zip(prompts, TOP_P, actual, expected):
+        expect_equal(a, want, f"the engine sampling {prompt!r} at temperature 1, top_p {p}, seed fixed: its tokens "
                            f"with your filter")
     yield f"inside the engine: {sum(calls)} rows filtered over {len(calls)} steps, the same sampled tokens"

@@ -4,7 +4,7 @@ yours, the greedy output must not change and the drafts proposed and accepted mu
 
 import random
 
-from course import ExerciseFailed, expect_equal
+from course import ExerciseFailed, a_kind, expect_equal
 
 _ENGINE = {}
 SPEC = {"method": "ngram", "num_speculative_tokens": 4, "prompt_lookup_min": 2, "prompt_lookup_max": 4}
@@ -12,17 +12,30 @@ SPEC = {"method": "ngram", "num_speculative_tokens": 4, "prompt_lookup_min": 2, 
 
 def _case(fn, tokens, k, min_n, max_n, expected, what):
     actual = fn(list(tokens), k, min_n, max_n)
-    if not isinstance(actual, list):
-        raise ExerciseFailed(f"{what}: expected a list of token ids, got {type(actual).__name__}")
+    if not isinstance(actual, (list, tuple)):
+        raise ExerciseFailed(f"expected a list of token ids, got {a_kind(actual)}: {what}")
     expect_equal([int(t) for t in actual], expected,
                  f"{what} (tokens {tokens}, k={k}, n from {max_n} down to {min_n}): the drafts")
 
 
+PASSAGE = ("The quick brown fox jumps over the lazy dog, and the lazy dog sleeps in the warm sun all "
+           "afternoon.")
+
+
 def _engine():
+    """The engine with n-gram speculation, its two chat prompts, and its greedy outputs and speculation counters
+    with its own proposer (greedy: the same every run)."""
     if not _ENGINE:
-        from minivllm import LLM
-        _ENGINE["llm"] = LLM(num_kv_blocks=64, max_num_seqs=4, seed=0, speculative_config=SPEC)
-    return _ENGINE["llm"]
+        from minivllm import LLM, SamplingParams
+        llm = LLM(num_kv_blocks=64, max_num_seqs=4, seed=0, speculative_config=SPEC)
+        tokenizer = llm.get_tokenizer()
+        prompts = [tokenizer.apply_chat_template([{"role": "user", "content": ask}], tokenize=False,
+                                                 add_generation_prompt=True)
+                   for ask in ("Copy this text word for word: " + PASSAGE, "Count from one to twenty in words.")]
+        params = SamplingParams(temperature=0, max_tokens=40)
+        expected, counts = _run(llm, prompts, params)
+        _ENGINE.update(llm=llm, prompts=prompts, params=params, expected=expected, counts=counts)
+    return _ENGINE
 
 
 def _run(llm, prompts, params):
@@ -61,33 +74,31 @@ def check_ngram_propose(fn):
         _case(fn, tokens, k, min_n, max_n, expected, f"random case {i}: as minivllm's NgramProposer")
     yield "300 random token lists propose what minivllm's NgramProposer proposes"
 
-    from minivllm import SamplingParams
-    llm = _engine()
+    e = _engine()
+    llm, prompts, params, expected, counts = e["llm"], e["prompts"], e["params"], e["expected"], e["counts"]
     proposer = llm.llm_engine.model_runner.proposer
-    passage = ("The quick brown fox jumps over the lazy dog, and the lazy dog sleeps in the warm sun all "
-               "afternoon.")
-    tokenizer = llm.get_tokenizer()
-    prompts = [tokenizer.apply_chat_template([{"role": "user", "content": ask}], tokenize=False,
-                                             add_generation_prompt=True)
-               for ask in ("Copy this text word for word: " + passage, "Count from one to twenty in words.")]
-    params = SamplingParams(temperature=0, max_tokens=40)
-    expected, counts = _run(llm, prompts, params)
     real, calls = proposer.propose, []
 
     def yours(token_ids, max_tokens=None):
         k = proposer.k if max_tokens is None else min(proposer.k, max_tokens)
         calls.append(k)
-        return fn(list(token_ids), k, proposer.min_n, proposer.max_n)
+        return [int(t) for t in fn(list(token_ids), k, proposer.min_n, proposer.max_n)]
 
     proposer.propose = yours
     try:
         actual, your_counts = _run(llm, prompts, params)
+    except ExerciseFailed:
+        raise
+    except Exception as exc:
+        _ENGINE.clear()                                       # a step failed midway: the next run builds anew
+        raise ExerciseFailed(f"inside the engine, a step failed with your proposer: {type(exc).__name__}: "
+                             f"{exc}") from None
     finally:
         proposer.propose = real
     if not calls:
         raise ExerciseFailed("the engine never called the proposer (a bug of the check, not yours)")
-    for prompt, a, e in zip(prompts, actual, expected):
-        expect_equal(a, e, f"the engine's greedy output for prompt {prompts.index(prompt)} with your proposer")
+    for prompt, a, want in zip(prompts, actual, expected):
+        expect_equal(a, want, f"the engine's greedy output for prompt {prompts.index(prompt)} with your proposer")
     expect_equal(your_counts, counts, "the engine's (draft tokens verified, drafts accepted) with your proposer")
     yield (f"inside the engine: {len(calls)} proposals, {your_counts[0]} drafts verified, {your_counts[1]} "
            f"accepted, the same greedy output")
