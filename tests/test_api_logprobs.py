@@ -154,8 +154,10 @@ BAD = [
     ("chat", {"messages": CHAT, "logprobs": True, "top_logprobs": 21}, "top_logprobs", "20"),
     ("chat", {"messages": CHAT, "top_logprobs": 2}, "top_logprobs", "'logprobs': true"),
     ("chat", {"messages": CHAT, "logprobs": 3}, "logprobs", "bool"),
-    ("chat", {"messages": CHAT, "echo": True}, "echo", "does not implement"),
-    ("chat", {"messages": CHAT, "prompt_logprobs": 1}, "prompt_logprobs", "does not implement"),
+    ("chat", {"messages": CHAT, "echo": 1}, "echo", "bool"),
+    ("chat", {"messages": CHAT, "prompt_logprobs": 21}, "prompt_logprobs", "20"),
+    ("chat", {"messages": CHAT, "prompt_logprobs": 1, "stream": True}, "prompt_logprobs", "stream"),
+    ("chat", {"messages": CHAT, "logprobs": True, "top_logprobs": -1}, "top_logprobs", "vocabulary"),
 ]
 
 

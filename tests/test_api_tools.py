@@ -2,7 +2,8 @@
 named function) and `parallel_tool_calls`. The forced choices are grammar-constrained, so every answer's arguments
 are checked with `jsonschema`; "auto" reads the model's own format with the hermes parser, unit-tested here on
 literal texts (the small default model does not write tool calls by itself), and end to end with a regex that makes
-it write one. A stream, joined, must be the full answer.
+it write one. A stream, joined, must be the full answer. A conversation goes on after a call (the assistant's
+`tool_calls`, then `role: "tool"` answers), rendered by the chat template as vLLM passes it.
 """
 
 from __future__ import annotations
@@ -245,6 +246,57 @@ def test_tokenize_renders_the_tools_into_the_template(servers, hf_tokenizer):
     assert with_tools["count"] > bare["count"]
     bad = httpx.post(servers[0].url + "/tokenize", json={"model": MODEL, "prompt": "hi", "tools": TOOLS})
     assert bad.status_code == 400 and bad.json()["error"]["param"] == "tools"
+
+
+CALL = {"id": "call_1", "type": "function", "function": {"name": "get_weather",
+                                                         "arguments": '{"city": "Paris", "unit": "celsius"}'}}
+AFTER_A_CALL = CHAT + [{"role": "assistant", "content": None, "tool_calls": [CALL]},
+                       {"role": "tool", "tool_call_id": "call_1", "content": "18 degrees and sunny"}]
+TOOL_USE_TEMPLATE = ("{% for m in messages %}<|{{ m.role }}|>{% if m.tool_calls %}{% for c in m.tool_calls %}"
+                     "<call id={{ c.id }}>{{ c.function.name }}({{ c.function.arguments | tojson }})</call>"
+                     "{% endfor %}{% endif %}{% if m.tool_call_id %}[{{ m.tool_call_id }}] {% endif %}{{ m.content }}\n"
+                     "{% endfor %}<|assistant|>")
+
+
+@pytest.mark.slow
+def test_a_conversation_goes_on_after_a_tool_call(servers, client, hf_tokenizer):
+    """An assistant message with tool_calls and the tool's answer (role "tool", tool_call_id) reach the chat template
+    as vLLM passes them: the call's arguments parsed into an object, the id beside the result."""
+    body = {"model": MODEL, "messages": AFTER_A_CALL, "chat_template": TOOL_USE_TEMPLATE}
+    rendered = hf_tokenizer.decode(httpx.post(servers[0].url + "/tokenize", json=body).json()["tokens"])
+    assert rendered == hf_tokenizer.apply_chat_template(
+        [*CHAT, {"role": "assistant", "content": "", "tool_calls": [
+            {**CALL, "function": {"name": "get_weather", "arguments": {"city": "Paris", "unit": "celsius"}}}]},
+         AFTER_A_CALL[2]], chat_template=TOOL_USE_TEMPLATE, tokenize=False)
+    assert '<call id=call_1>get_weather({"city": "Paris", "unit": "celsius"})</call>' in rendered
+    assert "<|tool|>[call_1] 18 degrees and sunny" in rendered
+    # the model's own template renders the tool's answer too; the server answers the whole conversation
+    out = client.chat.completions.create(model=MODEL, messages=AFTER_A_CALL, tools=TOOLS, max_tokens=8, temperature=0)
+    default = hf_tokenizer.apply_chat_template(AFTER_A_CALL[:1] + [{"role": "assistant", "content": ""},
+                                                                  AFTER_A_CALL[2]], tools=TOOLS, tokenize=False,
+                                               add_generation_prompt=True)
+    assert "<|im_start|>tool\n18 degrees and sunny<|im_end|>" in default
+    assert out.usage.prompt_tokens == len(hf_tokenizer.encode(default, add_special_tokens=False))
+    for bad, param in ((dict(AFTER_A_CALL[1], tool_calls=[{"function": {"arguments": "{}"}}]),
+                        "messages[1].tool_calls[0]"),
+                       (dict(AFTER_A_CALL[1], tool_calls=[dict(CALL, function={"name": "f", "arguments": "{oops"})]),
+                        "messages[1].tool_calls[0].function.arguments"),
+                       (dict(AFTER_A_CALL[2], role="user"), "messages[1].tool_call_id")):
+        messages = [AFTER_A_CALL[0], bad]
+        r = httpx.post(servers[0].url + "/v1/chat/completions", json={"model": MODEL, "messages": messages})
+        assert r.status_code == 400 and r.json()["error"]["param"] == param, r.text
+
+
+@pytest.mark.slow
+def test_streamed_tool_calls_carry_every_token_id_once(client, hf_tokenizer):
+    """return_token_ids with a tool call: the stream holds back text while it reads a call, never the token ids."""
+    kw = dict(model=MODEL, messages=CHAT, tools=TOOLS, tool_choice=NAMED, max_tokens=40, temperature=0,
+              extra_body={"return_token_ids": True})
+    full = client.chat.completions.create(**kw)
+    ids = full.choices[0].model_extra["token_ids"]
+    chunks = list(client.chat.completions.create(**kw, stream=True))
+    assert [t for c in chunks for ch in c.choices for t in (ch.model_extra.get("token_ids") or [])] == ids
+    assert hf_tokenizer.decode(ids, skip_special_tokens=True) == full.choices[0].message.tool_calls[0].function.arguments
 
 
 BAD_TOOL_REQUESTS = [

@@ -7,8 +7,9 @@ serving_models.py's). What a request body may hold is protocol.py's; the /metric
 Nothing here calls the LLMEngine: everything goes through the AsyncLLMEngine's command queue.
 
 Routes: GET /v1/models, POST /v1/completions (one prompt or a list), POST /v1/chat/completions (stream
-true or false, n choices), POST /tokenize, POST /detokenize, GET /version, GET /health, GET /metrics
-(Prometheus text format).
+true or false, n choices), POST /tokenize, POST /detokenize, GET /tokenizer_info (with
+--enable-tokenizer-info-endpoint, as vLLM), GET /version, GET /health, GET /metrics (Prometheus text format).
+The request fields of each route are listed in docs/api.md.
 
 Bad input is always a 400 with OpenAI's error body (protocol.APIError), never a 500 and never a dead
 engine; a field a route does not read is a 400 too (protocol.ACCEPTED_FIELDS), and an unknown model a 404.
@@ -51,7 +52,8 @@ def build_api_server(async_engine: AsyncLLMEngine, served_model_name: str | None
                      api_key: str | None = None, app: FastAPI | None = None,
                      trust_request_chat_template: bool = False, health_step_timeout_s: float = HEALTH_STEP_TIMEOUT_S,
                      allowed_hosts: frozenset[str] | None = None, enable_auto_tool_choice: bool = False,
-                     tool_call_parser: str | None = None, exclude_tools_when_tool_choice_none: bool = False) -> FastAPI:
+                     tool_call_parser: str | None = None, exclude_tools_when_tool_choice_none: bool = False,
+                     return_tokens_as_token_ids: bool = False, enable_tokenizer_info_endpoint: bool = False) -> FastAPI:
     """Add the OpenAI routes, /health and /metrics to `app` (a new FastAPI app by default) and return it.
 
     served_model_name: what /v1/models lists; requests may name it or the model's path. Defaults to the
@@ -64,14 +66,16 @@ def build_api_server(async_engine: AsyncLLMEngine, served_model_name: str | None
     (`app.state.health_step_timeout_s`); a slow step is not a dead one, so the default is generous.
     allowed_hosts: the names a request's Host header may give (utils.HostCheck, for every route); None: any.
     enable_auto_tool_choice, tool_call_parser, exclude_tools_when_tool_choice_none: vLLM's tool flags (ToolConfig).
+    return_tokens_as_token_ids: logprobs tokens written "token_id:N" unless a request says otherwise (vLLM's flag).
+    enable_tokenizer_info_endpoint: serve GET /tokenizer_info (vLLM's flag; off, the route is a 404).
     """
     tool_config = ToolConfig(enable_auto_tool_choice, tool_call_parser, exclude_tools_when_tool_choice_none)
     app = app or FastAPI(title="minivllm", docs_url=None, redoc_url=None)
     models = OpenAIServingModels(async_engine, served_model_name)
     renderer = app.state.renderer = Renderer(async_engine.tokenizer, async_engine.max_model_len,
                                              trust_request_chat_template)
-    completion = OpenAIServingCompletion(async_engine, models, renderer)
-    chat = OpenAIServingChat(async_engine, models, renderer, tool_config=tool_config)
+    completion = OpenAIServingCompletion(async_engine, models, renderer, return_tokens_as_token_ids)
+    chat = OpenAIServingChat(async_engine, models, renderer, return_tokens_as_token_ids, tool_config=tool_config)
     tokenization = OpenAIServingTokenization(async_engine, models, renderer)
     add_exception_handlers(app)
     if allowed_hosts is not None:
@@ -110,7 +114,18 @@ def build_api_server(async_engine: AsyncLLMEngine, served_model_name: str | None
         check_api_key(request)
         return await chat.create_chat_completion(request)
 
-    # vLLM's tokenizer routes
+    add_tokenizer_routes(app, tokenization, check_api_key, enable_tokenizer_info_endpoint)
+
+    @app.get("/version")
+    async def version():
+        return {"version": minivllm.__version__}
+
+    return app
+
+
+def add_tokenizer_routes(app: FastAPI, tokenization: OpenAIServingTokenization, check_api_key,
+                         enable_tokenizer_info_endpoint: bool) -> None:
+    """vLLM's tokenizer routes: POST /tokenize, POST /detokenize, and GET /tokenizer_info if enabled."""
     @app.post("/tokenize")
     async def tokenize(request: Request):
         check_api_key(request)
@@ -121,11 +136,11 @@ def build_api_server(async_engine: AsyncLLMEngine, served_model_name: str | None
         check_api_key(request)
         return await tokenization.create_detokenize(request)
 
-    @app.get("/version")
-    async def version():
-        return {"version": minivllm.__version__}
-
-    return app
+    if enable_tokenizer_info_endpoint:
+        @app.get("/tokenizer_info")
+        async def tokenizer_info(request: Request):
+            check_api_key(request)
+            return tokenization.get_tokenizer_info()
 
 
 def api_key_check(api_key: str | None) -> Callable[[Request], None]:

@@ -17,15 +17,22 @@ A message's content may be a list of parts, as OpenAI's API takes it:
 The chat template gets text: the parts joined with "\\n" in their order, each image part as the model's image
 placeholder ("<image>" for LLaVA), as vLLM lays them out with --interleave-mm-strings (and, for images sent before
 the text, as its default does). The images go to the engine separately, in placeholder order.
+
+A conversation may go on after a tool call, as OpenAI's API and vLLM take it: an assistant message with
+`tool_calls` (its content may be null) and then `role: "tool"` messages with the `tool_call_id` they answer. The
+template gets them as vLLM passes them: `tool_calls` with each call's `arguments` parsed from its JSON string into an
+object (what tool-use templates render), `tool_call_id`, and any message's `name`.
 """
 
 from __future__ import annotations
 
+import json
 from dataclasses import dataclass, field
 
 from minivllm.entrypoints.protocol import APIError, describe, read_field, read_text
 
-CHAT_ROLES = ("system", "developer", "user", "assistant")
+CHAT_ROLES = ("system", "developer", "user", "assistant", "tool")
+TOOL_CALL_SHAPE = '{"id": ..., "type": "function", "function": {"name": ..., "arguments": "<JSON text>"}}'
 IMAGE_PART_TYPES = ("image_url", "image_pil")
 IMAGE_URL_KEYS = {"url", "detail"}
 TEXT_ONLY_MODEL = ("this model takes text only (it is not a vision-language model); send text parts, or serve a "
@@ -79,9 +86,44 @@ def parse_conversation(body: dict, placeholder: str | None, refusal: str = TEXT_
         content = m.get("content")
         if content is None and role == "assistant":
             content = ""
-        out.messages.append({"role": "system" if role == "developer" else role,
-                             "content": message_text(content, where, placeholder, out.images, refusal)})
+        message = {"role": "system" if role == "developer" else role,
+                   "content": message_text(content, where, placeholder, out.images, refusal)}
+        out.messages.append({**message, **tool_message_fields(m, where)})
     return out
+
+
+def tool_message_fields(m: dict, where: str) -> dict:
+    """What a message carries for a tool-use template besides its text (vLLM's): an assistant's `tool_calls` (their
+    arguments parsed into objects; an empty list is dropped), a tool message's `tool_call_id`, any message's `name`."""
+    role, fields = m.get("role"), {}
+    for key in ("name", "tool_call_id"):
+        if m.get(key) is not None:
+            if not isinstance(m[key], str) or (key == "tool_call_id" and role != "tool"):
+                raise APIError(f"{where}.{key} is {describe(m[key])}; it must be a string"
+                               f"{' (on a tool message)' if key == 'tool_call_id' else ''}.", param=f"{where}.{key}")
+            fields[key] = m[key]
+    calls = m.get("tool_calls")
+    if calls is None:
+        return fields
+    if role != "assistant" or not isinstance(calls, list):
+        raise APIError(f"{where}.tool_calls is {describe(calls)}; only an assistant message has tool_calls, a list of "
+                       f"{TOOL_CALL_SHAPE}.", param=f"{where}.tool_calls")
+    parsed = []
+    for j, call in enumerate(calls):
+        here = f"{where}.tool_calls[{j}]"
+        function = call.get("function") if isinstance(call, dict) else None
+        if not isinstance(function, dict) or not isinstance(function.get("name"), str) \
+                or call.get("type", "function") != "function":
+            raise APIError(f"{here} is {describe(call)}; a tool call is {TOOL_CALL_SHAPE}.", param=here)
+        arguments = function.get("arguments") or "{}"
+        if isinstance(arguments, str):
+            try:
+                arguments = json.loads(arguments)
+            except ValueError as e:
+                raise APIError(f"{here}.function.arguments is not JSON ({e}); a call's arguments are a JSON object "
+                               "as text, as the model wrote them.", param=f"{here}.function.arguments") from None
+        parsed.append({**call, "type": "function", "function": {**function, "arguments": arguments}})
+    return {**fields, "tool_calls": parsed} if parsed else fields
 
 
 def message_text(content, where: str, placeholder: str | None, images: list[ImagePart],

@@ -1,12 +1,12 @@
 """The OpenAI API's request bodies and error body (vLLM's entrypoints/openai/protocol.py).
 
 Owns: which fields each route takes, reading a request body (JSON object, field types, ranges, unsupported
-options) into engine terms (prompts and SamplingParams), and the error body every bad request gets. Chat
-messages and the chat template are chat_utils.py's; the response bodies and stream chunks are written by
-the serving modules (serving_engine.py). Pure functions of the body: no engine, no HTTP. Nothing is
-accepted and ignored: a field a route does not read (ACCEPTED_FIELDS) is refused. Anything wrong raises
-APIError naming the field (OpenAI's `param`), which the server turns into a 400 (a 404 for a model not
-served here):
+options) into engine terms (SamplingParams), and the error body every bad request gets. Chat messages and the
+chat template are chat_utils.py's; the prompts, stream options and vLLM's extra fields (priority,
+truncation_side, return_token_ids, ...) are read by request_options.py; the response bodies and stream chunks
+are response_shapes.py's. Pure functions of the body: no engine, no HTTP. Nothing is accepted and ignored: a
+field a route does not read (ACCEPTED_FIELDS; docs/api.md lists them) is refused. Anything wrong raises APIError
+naming the field (OpenAI's `param`), which the server turns into a 400 (a 404 for a model not served here):
 
     {"error": {"message": "temperature is -1; it must be >= 0 (0 means greedy).",
                "type": "invalid_request_error", "param": "temperature", "code": null}}
@@ -24,7 +24,6 @@ from minivllm.core.sampling_params import MAX_LOGPROBS, RequestOutputKind, Sampl
 
 INT64 = (-(2 ** 63), 2 ** 63 - 1)     # torch generators and tensors take no wider ints
 FLOAT_MAX = sys.float_info.max       # a JSON integer beyond it is valid JSON but fits no float
-MAX_PROMPTS = 1024                   # prompts in one /v1/completions request
 
 # What each route reads, field by field. Anything else in a body is a 400 naming the field: a typo, or a
 # field vLLM or OpenAI knows that minivllm does not implement (NOT_IMPLEMENTED says which). Implementing a
@@ -35,27 +34,29 @@ SAMPLING_FIELDS = {"temperature", "top_p", "top_k", "seed", "n", "max_tokens", "
                    "allowed_token_ids", "logit_bias", "truncate_prompt_tokens", "use_beam_search", "length_penalty"}
 STRUCTURED_OUTPUT_FIELDS = {"response_format", "structured_outputs", "guided_json", "guided_regex", "guided_choice",
                             "guided_grammar", "guided_decoding_backend"}
-COMMON_FIELDS = {"model", "stream", "stream_options", "user", "cache_salt"} | SAMPLING_FIELDS | STRUCTURED_OUTPUT_FIELDS
+# vLLM's extra fields, read by request_options.py
+EXTRA_FIELDS = {"priority", "truncation_side", "return_token_ids", "return_tokens_as_token_ids"}
+COMMON_FIELDS = ({"model", "stream", "stream_options", "user", "cache_salt"} | SAMPLING_FIELDS
+                 | STRUCTURED_OUTPUT_FIELDS | EXTRA_FIELDS)
 MAX_USER_CHARS = 256            # OpenAI's `user` is an opaque id: minivllm checks it and does not use it
 CHAT_TEMPLATE_FIELDS = {"add_generation_prompt", "continue_final_message", "chat_template"}
 TOOL_FIELDS = {"tools", "tool_choice", "parallel_tool_calls"}      # read by tool_calls.py
 ACCEPTED_FIELDS = {
     "/v1/completions": COMMON_FIELDS | {"prompt", "logprobs", "echo", "prompt_logprobs"},
     "/v1/chat/completions": COMMON_FIELDS | CHAT_TEMPLATE_FIELDS | TOOL_FIELDS | {"messages", "max_completion_tokens",
-                                                                                   "logprobs", "top_logprobs"},
+                                                                                   "logprobs", "top_logprobs", "echo",
+                                                                                   "prompt_logprobs"},
     "/tokenize": {"model", "prompt", "messages", "add_special_tokens", "tools"} | CHAT_TEMPLATE_FIELDS,
     "/detokenize": {"model", "tokens"},
 }
 # Fields vLLM or OpenAI define that change the answer in ways minivllm does not (yet) implement: refused
 # unless left at a value that means "off" (clients such as vLLM's benchmark send some of them that way).
-# top_logprobs (completions), echo and prompt_logprobs (chat), and the tool fields are implemented on one route only.
+# top_logprobs (completions) and the tool fields are implemented on one route only.
 NOT_IMPLEMENTED = {
-    "top_logprobs": (None, 0), "prompt_logprobs": (None,), "echo": (None, False),
-    "suffix": (None,), "best_of": (None, 1),
+    "top_logprobs": (None, 0), "suffix": (None,), "best_of": (None, 1),
     "guided_whitespace_pattern": (None,), "tools": (None, []),
     "functions": (None, []), "tool_choice": (None, "none"), "parallel_tool_calls": (None,),
-    "truncate_prompt_tokens": (None,), "chat_template_kwargs": (None, {}), "documents": (None,),
-    "spaces_between_special_tokens": (None, True), "return_tokens_as_token_ids": (None, False),
+    "chat_template_kwargs": (None, {}), "documents": (None,), "spaces_between_special_tokens": (None, True),
 }
 
 
@@ -204,8 +205,13 @@ def requested_max_tokens(body: dict, chat: bool) -> tuple[str, int | None]:
 
 
 def read_num_logprobs(body: dict, name: str) -> int | None:
-    """An int field that asks for the k most likely tokens: None, or k in [0, MAX_LOGPROBS]."""
+    """An int field that asks for the k most likely tokens: None, or k in [0, MAX_LOGPROBS]. vLLM's -1 (the whole
+    vocabulary) is refused here as vLLM refuses it under its default --max-logprobs (20, as MAX_LOGPROBS)."""
     value = read_field(body, name, "int")
+    if value == -1:
+        raise APIError(f"'{name}' is -1, which asks for every token of the vocabulary at each position; this server "
+                       f"returns at most {MAX_LOGPROBS} (vLLM's default --max-logprobs refuses -1 too). Send a "
+                       f"number in [0, {MAX_LOGPROBS}].", param=name)
     if value is not None and not 0 <= value <= MAX_LOGPROBS:
         raise APIError(f"'{name}' is {value}; it must be in [0, {MAX_LOGPROBS}] (this server returns at most "
                        f"{MAX_LOGPROBS} most likely tokens per position).", param=name)
@@ -215,9 +221,11 @@ def read_num_logprobs(body: dict, name: str) -> int | None:
 @dataclass(frozen=True)
 class LogprobsRequest:
     """What a body asks for in logprobs, in one shape for both routes. num_logprobs: SamplingParams.logprobs
-    (completions' `logprobs`; chat's `top_logprobs` when `logprobs` is true); prompt_logprobs: what the engine
-    computes (vLLM's `prompt_logprobs`, else `logprobs` with echo); return_prompt_logprobs: the body asked for
-    `choices[i].prompt_logprobs` itself."""
+    (completions' `logprobs`; chat's `top_logprobs` when `logprobs` is true); echo: completions' echo (the prompt's
+    text, tokens and logprobs in front of each choice; chat's echo is text only, serving_chat.py); prompt_logprobs:
+    what the engine computes (vLLM's `prompt_logprobs`, else with echo completions' `logprobs` or chat's
+    `top_logprobs`, 0 by default); return_prompt_logprobs: the answer carries them (completions: in each choice,
+    when the body asked for `prompt_logprobs`; chat: at the top, whenever they were computed, as vLLM)."""
     num_logprobs: int | None = None
     echo: bool = False
     echo_only: bool = False                 # echo with max_tokens 0: the prompt alone, no output token
@@ -226,7 +234,11 @@ class LogprobsRequest:
 
 
 def read_logprobs_request(body: dict, chat: bool) -> LogprobsRequest:
-    stream = body.get("stream") is True
+    echo = read_field(body, "echo", "bool", False)
+    prompt_k = read_num_logprobs(body, "prompt_logprobs")
+    if prompt_k and body.get("stream") is True:
+        raise APIError(f"'prompt_logprobs' is {prompt_k}; prompt logprobs are not available when 'stream' is true "
+                       "(as vLLM). Use echo with logprobs to stream the prompt's logprobs.", param="prompt_logprobs")
     if chat:
         wanted = read_field(body, "logprobs", "bool", False)
         top = read_num_logprobs(body, "top_logprobs")
@@ -234,13 +246,10 @@ def read_logprobs_request(body: dict, chat: bool) -> LogprobsRequest:
             raise APIError(f"'top_logprobs' is {top} but 'logprobs' is not true; set 'logprobs': true to get "
                            "log-probabilities (top_logprobs says how many alternatives each token lists).",
                            param="top_logprobs")
-        return LogprobsRequest(num_logprobs=(top or 0) if wanted else None)
+        prompt_k = prompt_k if prompt_k is not None else ((top or 0) if echo else None)
+        return LogprobsRequest(num_logprobs=(top or 0) if wanted else None, prompt_logprobs=prompt_k,
+                               return_prompt_logprobs=prompt_k is not None)
     k = read_num_logprobs(body, "logprobs")
-    echo = read_field(body, "echo", "bool", False)
-    prompt_k = read_num_logprobs(body, "prompt_logprobs")
-    if prompt_k and stream:
-        raise APIError(f"'prompt_logprobs' is {prompt_k}; prompt logprobs are not available when 'stream' is true "
-                       "(as vLLM). Use echo with logprobs to stream the prompt's logprobs.", param="prompt_logprobs")
     return LogprobsRequest(k, echo, echo and requested_max_tokens(body, chat)[1] == 0,
                            prompt_k if prompt_k is not None else (k if echo else None), prompt_k is not None)
 
@@ -358,43 +367,3 @@ def sampling_params_from_body(body: dict, chat: bool, default_max_tokens: int) -
         field_name = str(e).split(" ", 1)[0]
         raise APIError(str(e), param=max_tokens_name if field_name == "max_tokens"
                        else field_name if field_name in kwargs else None) from None
-
-
-def parse_stream(body: dict) -> tuple[bool, bool]:
-    """(stream, include_usage). stream_options is only allowed with stream=true, as in OpenAI's API."""
-    stream = read_field(body, "stream", "bool", False)
-    options = read_field(body, "stream_options", "object")
-    if options is None:
-        return stream, False
-    if not stream:
-        raise APIError("'stream_options' is only allowed when 'stream' is true.", param="stream_options")
-    return stream, read_field(options, "include_usage", "bool", False)
-
-
-def parse_prompt(body: dict) -> list[str | list[int]]:
-    """Completion prompts: a string, a list of token ids, or a list of those (a batch: one choice each)."""
-    prompt = body.get("prompt")
-    if prompt is None:
-        raise APIError("'prompt' is required: a string, a list of token ids, or a list of those.", param="prompt")
-    if isinstance(prompt, str) or is_token_ids(prompt):
-        prompt = [prompt]
-    if not isinstance(prompt, list) or not prompt or not all(isinstance(p, str) or is_token_ids(p) for p in prompt):
-        raise APIError(f"'prompt' is {describe(prompt)}; it must be a string, a list of token ids, or a "
-                       "non-empty list of those.", param="prompt")
-    if len(prompt) > MAX_PROMPTS:
-        raise APIError(f"'prompt' holds {len(prompt)} prompts; one request takes at most {MAX_PROMPTS}. "
-                       "Split it into several requests.", param="prompt")
-    return [read_text(p, "prompt") if isinstance(p, str) else list(p) for p in prompt]
-
-
-def is_token_ids(value) -> bool:
-    return isinstance(value, list) and all(isinstance(t, int) and not isinstance(t, bool) for t in value)
-
-
-def parse_token_ids(body: dict, name: str, vocab_size: int) -> list[int]:
-    """body[name] as a list of token ids, each in [0, vocab_size)."""
-    ids = body.get(name)
-    if not is_token_ids(ids) or not all(0 <= t < vocab_size for t in ids):
-        raise APIError(f"'{name}' is {'missing' if ids is None else describe(ids)}; it must be a list of token "
-                       f"ids in [0, {vocab_size}).", param=name)
-    return ids

@@ -1,8 +1,11 @@
 """POST /tokenize and POST /detokenize (vLLM's entrypoints/openai/serving_tokenization.py): text or a chat to
-token ids, and back, with the served model's tokenizer.
+token ids, and back, with the served model's tokenizer; and GET /tokenizer_info, the tokenizer's configuration
+(served only with --enable-tokenizer-info-endpoint, as vLLM: it shows the chat template and the checkpoint's path).
 
-Owns: reading those two bodies. The front end's tokenizer does the work (renderer.py: off the event loop and off
-the engine thread, within its limits).
+Owns: reading those two bodies, and the tokenizer info's shape (vLLM's TokenizerInfoResponse: the tokenizer's
+`init_kwargs`, i.e. its tokenizer_config.json as loaded, without file paths, special tokens as their text, plus
+`tokenizer_class`). The front end's tokenizer does the work (renderer.py: off the event loop and off the engine
+thread, within its limits).
 """
 
 from __future__ import annotations
@@ -10,7 +13,8 @@ from __future__ import annotations
 from fastapi import Request
 
 from minivllm.entrypoints.chat_utils import parse_chat_options, parse_messages
-from minivllm.entrypoints.protocol import APIError, check_fields, parse_token_ids, read_field, read_text
+from minivllm.entrypoints.protocol import APIError, check_fields, read_field, read_text
+from minivllm.entrypoints.request_options import parse_token_ids
 from minivllm.entrypoints.serving_engine import OpenAIServing
 from minivllm.entrypoints.tool_calls import read_tools
 
@@ -49,3 +53,21 @@ class OpenAIServingTokenization(OpenAIServing):
         check_fields(body, "/detokenize")
         ids = parse_token_ids(body, "tokens", len(self.async_engine.tokenizer))
         return {"prompt": await self.renderer.decode(ids)}
+
+    def get_tokenizer_info(self) -> dict:
+        """GET /tokenizer_info: the tokenizer's configuration, as vLLM's TokenizerInfo.to_dict writes it."""
+        tokenizer = self.renderer.tokenizer
+        config = {k: v for k, v in (getattr(tokenizer, "init_kwargs", None) or {}).items()
+                  if k not in ("vocab_file", "merges_file")}
+        return {**json_ready(config), "tokenizer_class": type(tokenizer).__name__}
+
+
+def json_ready(value):
+    """A tokenizer config as JSON: special tokens (AddedToken) as their text, dict keys as strings."""
+    if hasattr(value, "content"):
+        return value.content
+    if isinstance(value, dict):
+        return {str(k): json_ready(v) for k, v in value.items()}
+    if isinstance(value, (list, tuple)):
+        return [json_ready(v) for v in value]
+    return value if value is None or isinstance(value, (str, int, float, bool)) else str(value)
