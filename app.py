@@ -55,6 +55,10 @@ def build_parser() -> argparse.ArgumentParser:
                    "--enable-auto-tool-choice (vLLM's names: hermes)")
     p.add_argument("--exclude-tools-when-tool-choice-none", action="store_true", help="with tool_choice 'none', "
                    "leave the request's tools out of the chat template (default: the template gets them, as vLLM)")
+    p.add_argument("--return-tokens-as-token-ids", action="store_true", help="write logprobs tokens as "
+                   "'token_id:N' unless a request's return_tokens_as_token_ids says otherwise (vLLM's flag)")
+    p.add_argument("--enable-tokenizer-info-endpoint", action="store_true", help="serve GET /tokenizer_info, the "
+                   "tokenizer's configuration with its chat template (off by default, as vLLM)")
     p.add_argument("--threads", type=int, default=None, help="torch CPU threads (default: torch's choice)")
     p.add_argument("--warmup-tokens", type=int, default=512, help="a dummy prefill of this many tokens before "
                    "serving, so the first real batch does not pay the first large step's one-time costs (0: off; "
@@ -69,7 +73,8 @@ def build_parser() -> argparse.ArgumentParser:
 def build_app(config: EngineConfig, api_key: str | None = None, served_model_name: str | None = None,
               dashboard: bool = True, warmup_tokens: int = 0, trust_request_chat_template: bool = False,
               allowed_hosts: frozenset[str] | None = None, enable_auto_tool_choice: bool = False,
-              tool_call_parser: str | None = None, exclude_tools_when_tool_choice_none: bool = False):
+              tool_call_parser: str | None = None, exclude_tools_when_tool_choice_none: bool = False,
+              return_tokens_as_token_ids: bool = False, enable_tokenizer_info_endpoint: bool = False):
     """Load the engine (and warm it up with a dummy prefill of `warmup_tokens`, ModelRunner.warm_up) and build
     the app: returns (fastapi_app, async_engine). The app's shutdown shuts the engine down
     (`async_engine.shutdown()` may be called again; the second call does nothing). The tool options are
@@ -100,7 +105,8 @@ def build_app(config: EngineConfig, api_key: str | None = None, served_model_nam
     app = FastAPI(title="minivllm", docs_url=None, redoc_url=None, lifespan=lifespan)
     app = build_api_server(async_engine, served_model_name=served_model_name, api_key=api_key, app=app,
                            trust_request_chat_template=trust_request_chat_template, allowed_hosts=allowed_hosts,
-                           **tools)
+                           return_tokens_as_token_ids=return_tokens_as_token_ids,
+                           enable_tokenizer_info_endpoint=enable_tokenizer_info_endpoint, **tools)
     if dashboard:
         from minivllm.entrypoints.dashboard import mount_dashboard
         app = mount_dashboard(app, async_engine, path="/", api_key=api_key)
@@ -138,7 +144,9 @@ def main(argv: list[str] | None = None) -> int:
                                       allowed_hosts=allowed_hosts_for(args.host, args.allowed_hosts),
                                       enable_auto_tool_choice=args.enable_auto_tool_choice,
                                       tool_call_parser=args.tool_call_parser,
-                                      exclude_tools_when_tool_choice_none=args.exclude_tools_when_tool_choice_none)
+                                      exclude_tools_when_tool_choice_none=args.exclude_tools_when_tool_choice_none,
+                                      return_tokens_as_token_ids=args.return_tokens_as_token_ids,
+                                      enable_tokenizer_info_endpoint=args.enable_tokenizer_info_endpoint)
     except (ValueError, FileNotFoundError) as e:
         parser.error(str(e))
 

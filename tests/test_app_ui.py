@@ -19,14 +19,16 @@ import openai
 import pytest
 
 from minivllm import SamplingParams
+from minivllm.entrypoints.block_grid import PALETTE, RequestPalette
 from minivllm.entrypoints.dashboard import (
     render_block_grid,
     render_block_tables,
     render_event_log,
     render_queues,
-    render_tokens_per_step,
     request_color,
 )
+from minivllm.engine.trace import RequestTrace, StepTrace
+from minivllm.entrypoints.dashboard_colors import SHARED_LABEL_BG, SHARED_LABEL_FG, contrast_ratio, text_color
 from minivllm.entrypoints.dashboard_chat import message_text
 from tests.html_elements import Elements
 
@@ -105,12 +107,21 @@ def test_block_grid_before_any_step_is_all_free():
     assert sorted(cells) == list(range(12)) and {a["data-state"] for a, _ in cells.values()} == {"free"}
 
 
+CHIP = re.compile(r'<span class="mv-chip([^"]*)"( data-shared="(\d+)")? style="([^"]*)"[^>]*><b( style="([^"]*)")?>'
+                  r'([^<]*)</b>')
+
+
+def chips_of(markup: str) -> list[dict]:
+    """Every chip: its classes, holders (data-shared), style, the label's style and text."""
+    return [dict(cls=c.split(), shared=int(n) if n else 1, style=st, label_style=ls, text=html.unescape(t))
+            for c, _, n, st, _, ls, t in CHIP.findall(markup)]
+
+
 def test_block_tables_and_queues_list_every_request(traces):
     both, _, recorded, _ = traces
     table = render_block_tables(both)
     rows = re.findall(r"<tr><td>(.*?)</td>(.*?)</tr>", table)
-    chips = {html.unescape(rid): [int(c) for c in re.findall(r'class="mv-chip"[^>]*>(\d+)<', rest)]
-             for rid, rest in rows}
+    chips = {chips_of(rid)[0]["text"]: [int(c["text"]) for c in chips_of(rest)] for rid, rest in rows}
     assert chips == {r.request_id: list(r.block_table) for r in both.requests}
     assert "<grass>" not in table and "&lt;grass&gt;" in table               # ids are escaped
     queues = render_queues(traces_queues["both"])
@@ -118,24 +129,68 @@ def test_block_tables_and_queues_list_every_request(traces):
     assert re.findall(r'data-request="([^"]+)" data-status="running"', queues) == ["sky", "&lt;grass&gt;"]
 
 
-def test_tokens_per_step_chart_stacks_prefill_on_decode(traces):
-    _, _, recorded, _ = traces
-    svg = render_tokens_per_step(recorded)
-    rects = [a for tag, a, _ in Elements(svg).found if tag == "rect"]
-    prefill = [float(a["height"]) for a in rects if a["data-kind"] == "prefill"]
-    decode = [float(a["height"]) for a in rects if a["data-kind"] == "decode"]
-    assert len(prefill) == len(decode) == len(recorded)
-    tallest = max(t.num_prefill_tokens + t.num_decode_tokens for t in recorded)
-    plot_height = max(p + d for p, d in zip(prefill, decode))                # the tallest bar fills the plot
-    for t, p, d in zip(recorded, prefill, decode):                            # heights are token counts
-        assert p == pytest.approx(plot_height * t.num_prefill_tokens / tallest, abs=0.1)
-        assert d == pytest.approx(plot_height * t.num_decode_tokens / tallest, abs=0.1)
-    assert render_tokens_per_step([]) == '<p class="mv-stats">no steps yet</p>'
+def test_block_tables_mark_shared_blocks_as_the_grid_does(traces):
+    """A block in both requests' tables is hatched in both colours with its holder count, in the tables as in
+    the grid; every other block is in its request's colour."""
+    both, pool_both, _, _ = traces
+    palette = RequestPalette()
+    grid = Elements(render_block_grid(both, both.num_kv_blocks, pool_both, palette=palette)).cells()
+    table = render_block_tables(both, palette.swatch)
+    shared_in_grid = {b for b, (a, _) in grid.items() if a["data-state"] == "shared"}
+    for row in re.findall(r"<tr><td>.*?</td>(.*?)</tr>", table):
+        for c in chips_of(row):
+            b = int(c["text"])
+            if b in shared_in_grid:
+                assert "mv-shared" in c["cls"] and c["shared"] == pool_both.ref_counts[b]
+                assert palette.color("sky") in c["style"] and palette.color("<grass>") in c["style"]
+            else:
+                assert "mv-shared" not in c["cls"]
+    assert shared_in_grid and {int(c["text"]) for c in chips_of(table) if "mv-shared" in c["cls"]} == shared_in_grid
+
+
+def test_chip_text_contrast_and_tones_follow_the_grid():
+    """WCAG 2 contrast of every chip's text on its colour is >= 4.5:1 (white text on yellow, pink or cyan was
+    1.3-2.0:1); past the palette's 12 colours, a chip carries the same tone class as the request's grid cells."""
+    palette = RequestPalette()
+    ids = [f"r{i}" for i in range(2 * len(PALETTE) + 3)]
+    palette.update(ids)
+    reqs = tuple(RequestTrace(rid, "running", 0, 4, 1, 5, 0, 1, "decode", (i,), 0) for i, rid in enumerate(ids))
+    trace = StepTrace(1, 0.01, 0, len(ids), reqs, (), (), (), (), (), (), (), (), 0, len(ids), 0, 64, 64 - len(ids),
+                      0.5, 0.0, 0, {}, (), 0, 0)
+    table = render_block_tables(trace, palette.swatch)
+    grid = Elements(render_block_grid(trace, 64, palette=palette)).cells()
+    for c in chips_of(table):
+        if c["label_style"]:
+            fg = re.search(r"color:(#[0-9a-f]+)", c["label_style"])[1]
+            bg = re.search(r"background:(#[0-9a-f]+)", c["style"])[1]
+        else:                                                           # a shared block: the white label
+            fg, bg = SHARED_LABEL_FG, SHARED_LABEL_BG
+        assert contrast_ratio(fg, bg) >= 4.5, (c, contrast_ratio(fg, bg))
+    for c in chips_of(table):
+        if c["text"].isdigit():                                         # block b is request r{b}'s
+            tone = [k for k in grid[int(c["text"])][0]["class"].split() if k in ("mv-t1", "mv-t2")]
+            assert [k for k in c["cls"] if k in ("mv-t1", "mv-t2")] == tone
+    assert any("mv-t1" in c["cls"] for c in chips_of(table)) and any("mv-t2" in c["cls"] for c in chips_of(table))
+    for color in PALETTE:                                               # the palette itself, either text colour
+        assert contrast_ratio(text_color(color), color) >= 4.5
 
 
 def test_event_log_is_newest_first_and_escaped():
     log = render_event_log(["step 1: admit a", "step 2: finish <b> (length)"])
     assert log.index("finish &lt;b&gt;") < log.index("admit a") and "<b>" not in log
+
+
+def test_event_log_says_whose_blocks_it_lists(traces):
+    """A prefix hit names the requests that hold the blocks after the step, and lists the ids as ranges."""
+    _, _, recorded, _ = traces
+    hit = next(t for t in recorded if t.prefix_hit_blocks)
+    line = f"step {hit.step}: prefix hit on blocks {list(hit.prefix_hit_blocks)}"
+    log = html.unescape(render_event_log([line], traces=recorded))
+    blocks = sorted(hit.prefix_hit_blocks)
+    assert blocks == list(range(blocks[0], blocks[-1] + 1))            # one run of ids: one range
+    assert f"prefix hit on {len(blocks)} block(s) (whose: sky, <grass> {blocks[0]}-{blocks[-1]})" in log, log
+    assert render_event_log([line]) == render_event_log([line], traces=()) and "whose: - " in html.unescape(
+        render_event_log([line]))                                       # the step's trace is gone: unknown
 
 
 def test_message_text_reads_gradio_6_content_blocks():
@@ -274,7 +329,7 @@ def small_pool_app(tmp_path):
 def test_the_dashboard_shows_the_queue_a_preempted_chat_and_the_history(small_pool_app, tmp_path):
     """Issue 19's browser checks: waiting requests listed while paused, shared blocks drawn as shared, the chat
     told it was preempted (it asked for priority 5, so it is the victim), the timelines, plots, step log and
-    histograms populated after the demo traffic, the buttons enabled only when they do something, and no
+    latency percentiles populated after the demo traffic, the buttons enabled only when they do something, and no
     "Use via API" link."""
     if not shutil.which(CHROMIUM):
         pytest.fail(f"{CHROMIUM} is missing: install Debian's chromium (apt-get install -y chromium).")
@@ -329,10 +384,11 @@ def test_the_dashboard_shows_the_queue_a_preempted_chat_and_the_history(small_po
             # Afterwards: the history views are populated.
             page.wait_for_selector('#mv-chat-status [data-state="finished"]', timeout=300_000)
             assert "preempted at step(s)" in page.locator("#mv-chat-status").inner_text()
-            page.wait_for_selector('#mv-hists svg[data-hist="TTFT"]', timeout=30_000)
+            page.wait_for_selector('#mv-latency tr[data-metric="TTFT"][data-p50]', timeout=30_000)
             assert page.locator('#mv-timelines rect[data-phase="decode"]').count() > 0
             assert page.locator('#mv-timelines rect[data-phase="preempted"]').count() > 0
-            assert page.locator("#mv-plots polyline").count() == 4                  # tokens/s, KV, running, waiting
+            for plot in ("#mv-throughput", "#mv-kv-plot", "#mv-queue-plot"):     # Gradio's LinePlot (Vega-Lite)
+                page.wait_for_selector(f"{plot} .vega-embed", timeout=30_000)
             assert int(page.locator("#mv-steplog pre").get_attribute("data-lines")) > 0
             keep_screenshot(page, tmp_path, "dashboard_demo.png")
         finally:

@@ -1,7 +1,8 @@
-"""The dashboard's truth and history (issue 19), without a browser: its panels read one snapshot of a live
-AsyncLLMEngine, list the waiting queue while the engine is paused, tell a preempted chat why, and draw each
-step, each request's life and the latency histograms from the real engine's traces. The browser half is in
-tests/test_app_ui.py."""
+"""The dashboard's truth and history (issues 19 and 43), without a browser: its panels read one snapshot of a live
+AsyncLLMEngine, list the waiting queue while the engine is paused, tell a preempted chat why, draw each step and
+each request's life (in runs of steps) from the real engine's traces, give latency percentiles that numpy
+computes alike from the requests' own timings, read the published snapshot without waiting for a step, and
+resend only what changed. The browser half is in tests/test_app_ui.py and tests/test_dashboard_layout.py."""
 
 from __future__ import annotations
 
@@ -22,8 +23,8 @@ from minivllm.entrypoints.dashboard import render_queues, render_stats
 from minivllm.entrypoints.dashboard_chat import render_chat_status, request_status
 from minivllm.entrypoints.dashboard_history import (
     PHASE_COLORS,
-    render_histogram,
-    render_plots,
+    num_scheduled,
+    phase_runs,
     render_step_log,
     render_timelines,
     request_phases,
@@ -175,9 +176,11 @@ def check_history_views(async_engine: AsyncLLMEngine, first_token_with_the_prefi
 
     line = step_summary(traces[0])
     t0 = traces[0]
-    assert line.startswith(f"step {t0.step} | running {t0.num_running}, waiting {t0.num_waiting} | "
+    # running: the requests the step ran, counted as it began (one that finished in the step counts)
+    assert line.startswith(f"step {t0.step} | running {num_scheduled(t0)}, waiting {t0.num_waiting} | "
                            f"{t0.num_prefill_tokens + t0.num_decode_tokens} tokens ({t0.num_prefill_tokens} "
                            f"prefill + {t0.num_decode_tokens} decode) | KV {100 * t0.kv_usage:.1f}%")
+    assert all(num_scheduled(t) > 0 for t in traces if t.num_prefill_tokens + t.num_decode_tokens)
     log = render_step_log(traces)
     assert log.index(f"step {traces[-1].step} |") < log.index(f"step {traces[0].step} |")      # newest first
 
@@ -190,19 +193,21 @@ def check_history_views(async_engine: AsyncLLMEngine, first_token_with_the_prefi
         assert seen.count("decode") + seen.count("finished") == 4 + 2 * i - first_token_with_the_prefill
         assert seen[-1] == "finished" and set(seen) <= set(PHASE_COLORS)
     svg = render_timelines(traces)
-    cells = re.findall(r'data-request="(h\d)" data-step="(\d+)" data-phase="(\w+)"', svg)
-    assert {(rid, int(step), p) for rid, step, p in cells} == {
-        (rid, step, p) for rid, seen in phases.items() if rid.startswith("h") for step, p in seen}
+    runs = re.findall(r'data-request="(h\d)" data-first="(\d+)" data-last="(\d+)" data-phase="(\w+)"', svg)
+    drawn = [(rid, step, p) for rid, a, z, p in runs for step in range(int(a), int(z) + 1)]
+    assert sorted(drawn) == sorted((rid, step, p) for rid, seen in phases.items() if rid.startswith("h")
+                                   for step, p in seen)                 # every step of every request, once
+    for rid in ("h0", "h1", "h2"):                                       # one bar per run: neighbours differ
+        mine = [(int(a), int(z), p) for r, a, z, p in runs if r == rid]
+        assert all(p != q or z + 1 != a for (_, z, p), (a, _, q) in zip(mine, mine[1:]))
+        assert len(mine) < len(phases[rid])                             # decode steps were merged
 
-    plots = render_plots(traces)
-    assert [m for m in re.findall(r'data-plot="(\w+)"', plots)] == ["throughput", "kv", "queues"]
-    for points in re.findall(r'points="([^"]+)"', plots):
-        assert len(points.split()) == len(traces)
 
-    hist = render_histogram("TTFT", snap.ttft)              # FINAL_ONLY outputs: one TTFT per request, no ITL
-    counts = [int(c) for c in re.findall(r'data-count="(\d+)"><title>', hist)]
-    assert sum(counts) == snap.ttft.count >= 3 and len(counts) == len(snap.ttft.buckets) + 1
-    assert "no observations yet" in render_histogram("TTFT", type(snap.ttft)(snap.ttft.buckets))
+def test_phase_runs_merge_consecutive_steps_of_one_phase():
+    seen = [(3, "waiting"), (4, "prefill"), (5, "decode"), (6, "decode"), (7, "decode"), (9, "decode"),
+            (10, "finished")]
+    assert phase_runs(seen) == [(3, 3, "waiting"), (4, 4, "prefill"), (5, 7, "decode"), (9, 9, "decode"),
+                                (10, 10, "finished")]                   # step 8 missing: a new run
 
 
 async def collect(ae: AsyncLLMEngine, request_id: str, n: int):

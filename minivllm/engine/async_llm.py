@@ -12,7 +12,7 @@ LLMEngine is not thread-safe, so nothing but the engine thread ever calls it:
     add_request() ── command ──> command queue ──────> engine.add_request(...)
     stream <── RequestOutput ── loop.call_soon_threadsafe <── engine.step() outputs
     client gone: stream closed ── command ─────────────> engine.abort_request(id)
-    dashboard timer <── snapshot() <── lock ──────────── a StepTrace per step, stats after every change
+    dashboard timer <── snapshot(), live <── lock ─── a StepTrace per step, stats after every change
 
 A command is a function of the engine, run between two steps; its result (or exception) comes back through a
 concurrent.futures.Future. The loop runs commands, then one step, and sleeps when there is nothing to step.
@@ -34,6 +34,7 @@ from typing import Any
 
 from minivllm.config import EngineConfig
 from minivllm.core.sampling_params import RequestOutputKind, SamplingParams
+from minivllm.engine.live_view import LiveView
 from minivllm.engine.llm_engine import LLMEngine, PromptType
 from minivllm.engine.request_stream import RequestStream
 from minivllm.engine.stats import EngineSnapshot, StatsRecorder
@@ -69,6 +70,7 @@ class _Command:
 class _Tracked:
     """The engine thread's record of a request it streams: its stream and its timing so far."""
     stream: RequestStream
+    delta: bool                                       # its outputs carry only the new tokens
     last_token_time: float | None = None
 
 
@@ -85,13 +87,13 @@ class AsyncLLMEngine:
         self._wakeup = threading.Condition()          # guards _commands; the engine thread sleeps on it
         # Engine-thread state: only _run_loop and the commands it runs touch these.
         self._tracked: dict[str, _Tracked] = {}
-        self._paused = False
-        self._steps_allowed = 0                       # single steps granted while paused
+        self._paused, self._steps_allowed = False, 0  # and the single steps granted while paused
         self._stopping, self._shutdown_engine = False, True
         self._step_started: float | None = None       # time.monotonic() when the step under way began
         # What snapshot() copies, written only by the engine thread (and the trace listener it runs).
         self._recorder = StatsRecorder(engine.get_stats(), engine.get_queues(), trace_history, event_history)
         engine.add_trace_listener(self._recorder.on_trace)
+        self.live = LiveView(engine)                  # what a live page reads without waiting for a step
         self._thread = threading.Thread(target=self._run_loop, name="minivllm-engine", daemon=True)
         self._thread.start()
 
@@ -117,8 +119,7 @@ class AsyncLLMEngine:
 
     def chat_prompt(self, messages: list[dict], add_generation_prompt: bool = True) -> str:
         """The chat template applied to messages, as text (as LLM.chat does): any thread may call it."""
-        return self.tokenizer.apply_chat_template(messages, tokenize=False,
-                                                  add_generation_prompt=add_generation_prompt)
+        return self.tokenizer.apply_chat_template(messages, tokenize=False, add_generation_prompt=add_generation_prompt)
 
     # ------------------------------------------------------------------ talking to the engine thread
     def call(self, fn: Callable[[LLMEngine], Any]) -> concurrent.futures.Future:
@@ -165,9 +166,9 @@ class AsyncLLMEngine:
             try:
                 for new, request in zip(news, processed):
                     req = self.engine.add_request(request, request_id=new.request_id)
-                    streams.append(RequestStream(req.request_id, loop, self.abort,
-                                                 delta=new.params.output_kind is RequestOutputKind.DELTA))
-                    self._tracked[req.request_id] = _Tracked(streams[-1])
+                    delta = new.params.output_kind is RequestOutputKind.DELTA
+                    streams.append(RequestStream(req.request_id, loop, self.abort, delta=delta))
+                    self._tracked[req.request_id] = _Tracked(streams[-1], delta)
                     num_prompt_tokens += req.num_prompt_tokens
             except BaseException:
                 for stream in streams:                   # the ones added before the failure: gone again
@@ -227,14 +228,12 @@ class AsyncLLMEngine:
 
     # ------------------------------------------------------------------ what the UI and /metrics read
     def snapshot(self, with_pool: bool = False, timeout: float = 10.0) -> EngineSnapshot:
-        """A consistent copy of what the dashboard and /metrics show. with_pool=True adds the whole KV pool's
-        picture, taken on the engine thread between two steps (O(num_blocks): on a refresh, never per step)."""
-        pool = None
-        if with_pool and threading.current_thread() is not self._thread:
-            try:
-                pool = self.call(lambda e: e.kv_cache_manager.block_pool.snapshot()).result(timeout)
-            except (RequestError, concurrent.futures.TimeoutError):
-                pool = None                       # shut down, or a very long step: draw without it
+        """A consistent copy of what the dashboard and /metrics show. with_pool=True adds the KV pool's picture as
+        the engine thread last published it (self.live, after each step while watched): it never waits for a step."""
+        pool = self.live.watch() if with_pool else None
+        if with_pool and pool is None and threading.current_thread() is not self._thread:
+            with contextlib.suppress(RequestError, concurrent.futures.TimeoutError):    # shut down, or a long step
+                pool = self.call(self.live.publish_pool).result(timeout)             # none yet: ask for one
         return self._recorder.snapshot(self._paused, self._thread.is_alive(), len(self._tracked), pool)
 
     def finish_reason_of(self, request_id: str) -> str | None:
@@ -254,8 +253,7 @@ class AsyncLLMEngine:
         """Finish every open request with a RequestError, stop the loop, and (unless shutdown_engine=False,
         to wrap the engine again later) shut the engine down."""
         with self._wakeup:
-            self._stopping = True
-            self._shutdown_engine = shutdown_engine
+            self._stopping, self._shutdown_engine = True, shutdown_engine
             self._wakeup.notify()
         self._thread.join(timeout)
 
@@ -274,6 +272,7 @@ class AsyncLLMEngine:
             self._fail(request_id, "the server is shutting down.", EngineShutdownError)
         self._cancel_commands()
         self.engine.remove_trace_listener(self._recorder.on_trace)
+        self.live.close()
         shutdown = getattr(self.engine, "shutdown", None)   # tensor-parallel workers, where there are any
         if shutdown is not None and self._shutdown_engine:
             try:
@@ -360,6 +359,7 @@ class AsyncLLMEngine:
         if tracked is None:                          # added behind our back (engine used directly): not ours
             return False
         tracked.last_token_time = self._recorder.observe_latency(tracked.last_token_time, out, now)
+        self.live.observe(out, tracked.delta)
         if out.finished:
             del self._tracked[out.request_id]
             self._recorder.record_finish(out.request_id, out.outputs[0].finish_reason)
@@ -395,5 +395,6 @@ class AsyncLLMEngine:
                 tracked.stream.put(error(f"request {request_id}: {message}"))
 
     def _publish_stats(self) -> None:
-        """After every step and every batch of commands: the counts and the queues, taken together."""
+        """After every step and every batch of commands: the pool's picture (if watched), the counts and the queues."""
+        self.live.publish_pool(self.engine)
         self._recorder.publish(self.engine.get_stats(), self.engine.get_queues())

@@ -21,8 +21,8 @@ and what the latest step did to it, as markings on top of the state:
 A large pool (more blocks shown than `max_cells`, or markup over `max_bytes`) is drawn in groups of consecutive
 blocks, each coloured by its mix of states (a bar: used, shared, cached, free from the bottom up), its title
 counting them. `window` zooms in on a range of blocks, at one cell per block when that fits. The page re-sends
-the grid twice a second, so its size is budgeted (MAX_BYTES): a 190,000-block pool with every group mixed comes
-to about 500 groups of about 400 blocks.
+the grid after every step it sees, so its size is budgeted (max_bytes; the page passes a smaller budget than
+MAX_BYTES): a 190,000-block pool with every group mixed comes to about 500 groups of about 400 blocks.
 """
 
 from __future__ import annotations
@@ -65,7 +65,7 @@ GROUP_COLORS = {"used": "#4f5d75", "shared": "#c0842d", "cached": "#bdbdbd", "fr
 STATES = ("used", "shared", "cached", "free")
 FREE, USED, SHARED, CACHED = 0, 1, 2, 3          # a block's state as one byte (see _state_codes)
 LEGEND_REQUESTS = 24                             # request chips in the legend; the rest are counted
-MAX_BYTES = 100_000                              # the grid is re-sent on every refresh (twice a second)
+MAX_BYTES = 100_000                              # the grid is re-sent whenever a step changed it
 
 GRID_CSS = f"""
 .mv-sw {{ display: inline-block; width: 12px; height: 12px; border-radius: 2px; margin-right: 3px;
