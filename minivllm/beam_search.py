@@ -23,7 +23,9 @@ from dataclasses import dataclass, field
 from minivllm.core.sampling_params import MAX_LOGPROBS, SAMPLING_EPS, RequestOutputKind, SamplingParams
 from minivllm.outputs import Logprob, RequestOutput
 
-MAX_BEAM_WIDTH = MAX_LOGPROBS // 2      # each step asks for 2 * beam_width logprobs; the engine returns at most 20
+# Each step asks for 2 * beam_width logprobs: vLLM's default max_logprobs (20) allows 10 beams. The cap stays 10 when
+# an engine allows more; an engine that allows fewer refuses wider beams (check_prompts).
+MAX_BEAM_WIDTH = MAX_LOGPROBS // 2
 MAX_LENGTH_PENALTY = 10.0              # (10 ** 7 tokens) ** 10 is still a float; the useful range is about 0..2
 
 
@@ -51,8 +53,8 @@ class BeamSearchParams:
         _check_int("beam_width", self.beam_width)
         if not 1 <= self.beam_width <= MAX_BEAM_WIDTH:
             raise ValueError(f"beam_width is {self.beam_width}; it must be in [1, {MAX_BEAM_WIDTH}] (each step asks "
-                             f"the engine for the 2 * beam_width most likely tokens, and it returns at most "
-                             f"{MAX_LOGPROBS}).")
+                             f"the engine for the 2 * beam_width most likely tokens, at most {MAX_LOGPROBS} under "
+                             "vLLM's default max_logprobs).")
         _check_int("max_tokens", self.max_tokens)
         if self.max_tokens < 1:
             raise ValueError(f"max_tokens is {self.max_tokens}; it must be >= 1.")
@@ -264,6 +266,11 @@ def check_prompts(engine, prompts: list, params: BeamSearchParams) -> list[tuple
     naming the prompt). `engine` is an LLMEngine; call it on the thread that owns the engine."""
     checked = []
     sp = SamplingParams(max_tokens=params.max_tokens, logprobs=2 * params.beam_width)
+    limit = engine.input_processor.max_logprobs
+    if limit != -1 and sp.logprobs > limit:
+        raise ValueError(f"beam_width is {params.beam_width}; each step asks for the 2 * beam_width = {sp.logprobs} "
+                         f"most likely tokens, and this engine's max_logprobs is {limit}. Lower beam_width to at most "
+                         f"{limit // 2}, or raise max_logprobs (--max-logprobs).")
     for i, prompt in enumerate(prompts):
         try:
             if isinstance(prompt, dict) and "multi_modal_data" in prompt:

@@ -24,6 +24,7 @@ import typing
 from collections.abc import Iterable
 from dataclasses import dataclass, field, fields
 
+from minivllm.core.sampling_params import MAX_LOGPROBS
 from minivllm.spec_decode.config import SpeculativeConfig      # speculative_config's keys (also minivllm.config's)
 
 
@@ -113,6 +114,9 @@ class EngineConfig:
         "one rank, no speculative decoding. Unset (the default, as in vLLM): on where it works and pays, CUDA with "
         "one rank and no speculative decoding; off on a CPU, which runs the forward in the host's own thread")
     seed: int = option(0, "seed of the sampler for requests without a seed of their own")
+    max_logprobs: int = option(
+        MAX_LOGPROBS, "most logprobs a request may ask for per token (logprobs, prompt_logprobs; the API's "
+        "top_logprobs), as vLLM's; -1: no limit, and a request's -1 returns the whole vocabulary at each position")
     speculative_config: dict | None = option(
         None, "speculative decoding, as vLLM's JSON: {\"method\": \"ngram\", \"num_speculative_tokens\": 4, "
         "\"prompt_lookup_min\": 2, \"prompt_lookup_max\": 4} or {\"model\": PATH, \"num_speculative_tokens\": 4} "
@@ -183,15 +187,11 @@ class EngineConfig:
         if self.quantization is not None and self.quantization not in choices_of("quantization"):
             raise ValueError(f"quantization is {self.quantization!r}; choose one of "
                              f"{', '.join(choices_of('quantization'))}, or leave it unset (None) for full weights.")
-        if self.kv_cache_dtype not in choices_of("kv_cache_dtype"):
-            raise ValueError(f"kv_cache_dtype is {self.kv_cache_dtype!r}; choose one of "
-                             f"{', '.join(choices_of('kv_cache_dtype'))} (auto: the model's dtype).")
-        if self.data_parallel_backend not in choices_of("data_parallel_backend"):
-            raise ValueError(f"data_parallel_backend is {self.data_parallel_backend!r}; choose mp or ray.")
-        backends = choices_of("distributed_executor_backend")
-        if self.distributed_executor_backend not in backends:
-            raise ValueError(f"distributed_executor_backend is {self.distributed_executor_backend!r}; "
-                             f"choose one of {', '.join(backends)}.")
+        for name in ("kv_cache_dtype", "data_parallel_backend", "distributed_executor_backend"):
+            if getattr(self, name) not in choices_of(name):
+                raise ValueError(f"{name} is {getattr(self, name)!r}; choose one of {', '.join(choices_of(name))}.")
+        if isinstance(self.max_logprobs, bool) or not isinstance(self.max_logprobs, int) or self.max_logprobs < -1:
+            raise ValueError(f"max_logprobs is {self.max_logprobs!r}; it must be an int >= 0, or -1 (no limit).")
         if not isinstance(self.enforce_eager, bool):
             raise ValueError(f"enforce_eager is {self.enforce_eager!r}; it must be True or False.")
         if self.async_scheduling is not None and not isinstance(self.async_scheduling, bool):

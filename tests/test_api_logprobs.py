@@ -145,8 +145,9 @@ def test_streamed_chat_logprobs_add_up_to_the_full_answer(client):
 
 
 BAD = [
-    ("completions", {"prompt": "hi", "logprobs": 21}, "logprobs", "20"),
-    ("completions", {"prompt": "hi", "logprobs": -1}, "logprobs", "20"),
+    ("completions", {"prompt": "hi", "logprobs": 21}, "logprobs", "at most 20 logprobs per token (--max-logprobs 20)"),
+    ("completions", {"prompt": "hi", "logprobs": -1}, "logprobs", "start the server with --max-logprobs -1"),
+    ("completions", {"prompt": "hi", "prompt_logprobs": -1}, "prompt_logprobs", "--max-logprobs -1"),
     ("completions", {"prompt": "hi", "prompt_logprobs": 21}, "prompt_logprobs", "20"),
     ("completions", {"prompt": "hi", "prompt_logprobs": 1, "stream": True}, "prompt_logprobs", "stream"),
     ("completions", {"prompt": "hi", "max_tokens": 0}, "max_tokens", "echo"),

@@ -312,7 +312,8 @@ def test_a_client_that_hangs_up_stops_the_search(server):
 
 
 REFUSED = [("stream", True), ("temperature", 0.7), ("top_p", 0.5), ("stop", ["."]), ("seed", 1),
-           ("presence_penalty", 0.5), ("min_tokens", 2), ("n", 11), ("response_format", {"type": "json_object"})]
+           ("presence_penalty", 0.5), ("min_tokens", 2), ("n", 11), ("response_format", {"type": "json_object"}),
+           ("priority", 1), ("return_token_ids", True), ("return_tokens_as_token_ids", True)]
 
 
 @pytest.mark.slow
@@ -339,3 +340,13 @@ def test_length_penalty_without_beam_search_is_a_400(client):
     off = client.completions.create(model=MODEL, prompt="hi", max_tokens=2, temperature=0, top_p=1, stream=False,
                                     logprobs=None, echo=False, extra_body={"use_beam_search": True, "best_of": 1})
     assert len(off.choices) == 1                                       # fields left at "off" are accepted
+
+
+@pytest.mark.slow
+def test_vllms_extra_fields_at_their_off_values_are_accepted(client):
+    """priority, return_token_ids, return_tokens_as_token_ids and truncation_side, as clients send them by default."""
+    off = {"priority": 0, "return_token_ids": False, "return_tokens_as_token_ids": False, "truncation_side": "left"}
+    for create, kwargs in ((client.completions.create, dict(prompt="hi")),
+                           (client.chat.completions.create, dict(messages=[{"role": "user", "content": "hi"}]))):
+        out = create(model=MODEL, max_tokens=2, n=2, extra_body={"use_beam_search": True, **off}, **kwargs)
+        assert len(out.choices) == 2

@@ -56,3 +56,32 @@ def test_bad_template_options_are_refused_by_name(llm):
     with pytest.raises(ValueError, match="chat template rejected"):
         llm.chat(conv, GREEDY, chat_template="{{ raise_exception('no') }}", use_tqdm=False)
     assert not llm.llm_engine.has_unfinished_requests()
+
+
+TOOL_TEMPLATE = ("{% for m in messages %}{{ m['role'] }}: {{ m['content'] }}{% for c in m.get('tool_calls', []) %}"
+                 "[{{ c['function']['name'] }}(city={{ c['function']['arguments']['city'] }})]{% endfor %}"
+                 "{% if m.get('tool_call_id') %} ({{ m['tool_call_id'] }}){% endif %}\n{% endfor %}assistant:")
+
+
+def test_tool_call_arguments_reach_the_template_as_objects_as_the_server_passes_them(llm, tokenizer):
+    """As vLLM's LLM.chat (and minivllm's server, chat_utils.parse_conversation): an assistant's tool-call arguments,
+    sent as JSON text, reach the template parsed into an object; a tool message keeps its tool_call_id."""
+    from minivllm.entrypoints.chat_utils import apply_chat_template, parse_conversation
+
+    call = {"id": "call_1", "type": "function", "function": {"name": "get_weather", "arguments": '{"city": "Paris"}'}}
+    conv = [{"role": "user", "content": "Weather in Paris?"},
+            {"role": "assistant", "content": None, "tool_calls": [call]},
+            {"role": "tool", "tool_call_id": "call_1", "content": "18 C"}]
+    out = llm.chat(conv, GREEDY, chat_template=TOOL_TEMPLATE, use_tqdm=False)[0]
+    as_objects = [conv[0], {"role": "assistant", "content": "", "tool_calls": [
+        {**call, "function": {"name": "get_weather", "arguments": {"city": "Paris"}}}]}, conv[2]]
+    want = tokenizer.apply_chat_template(as_objects, tokenize=False, chat_template=TOOL_TEMPLATE,
+                                         add_generation_prompt=True)
+    assert out.prompt == want and "[get_weather(city=Paris)]" in want and "18 C (call_1)" in want
+    served = parse_conversation({"messages": conv}, None).messages          # what the server renders
+    assert apply_chat_template(tokenizer, served, {"add_generation_prompt": True, "chat_template": TOOL_TEMPLATE}) \
+        == out.prompt
+    call["function"]["arguments"] = "{not json"
+    with pytest.raises(ValueError, match=r"conversation 0: messages\[1\]\.tool_calls\[0\]\.function\.arguments is "
+                                         "not JSON"):
+        llm.chat(conv, GREEDY, chat_template=TOOL_TEMPLATE, use_tqdm=False)

@@ -66,6 +66,9 @@ def test_delta_outputs_carry_each_tokens_logprobs_once(llm):
 
 
 def test_logprobs_are_checked():
-    for bad in (-1, 21, 1.5, True):
+    for bad in (-2, 1.5, True):
         with pytest.raises(ValueError, match="logprobs is"):
             SamplingParams(logprobs=bad)
+    # -1 (the whole vocabulary) and any k are a request's to make: the engine's max_logprobs bounds them
+    # (test_full_vocab_logprobs.py)
+    assert SamplingParams(logprobs=-1, prompt_logprobs=21).logprobs == -1

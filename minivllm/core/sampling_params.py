@@ -90,9 +90,10 @@ class SamplingParams:
     top_k: keep the k most likely tokens; -1 (or 0) keeps all.
     seed: a per-request seed: the same seed gives the same tokens whatever else is in the batch.
     n: how many completions to generate for the prompt (parallel sampling: the prompt's KV blocks are shared).
-    logprobs: None, or k in [0, 20]: each output token's log-probability and rank, and the k most likely tokens
-        (the model's log-softmax, before penalties, temperature and top-k/top-p, as vLLM's default).
-    prompt_logprobs: None, or k in [0, 20]: the same for every prompt token after the first (the first has none).
+    logprobs: None, or k >= 0: each output token's log-probability and rank, and the k most likely tokens (the
+        model's log-softmax, before penalties, temperature and top-k/top-p, as vLLM's default); -1: every token of
+        the vocabulary. The engine refuses more than its max_logprobs (EngineConfig; 20 by default, as vLLM's).
+    prompt_logprobs: None, or k >= 0 (or -1): the same for every prompt token after the first (the first has none).
     max_tokens: the most tokens to generate (the output may stop earlier on EOS or a stop string).
     stop: strings that end generation; the stop string itself is not included in the text.
     stop_token_ids: token ids that end generation (kept in token_ids, like EOS, but not in the text).
@@ -172,9 +173,10 @@ class SamplingParams:
             value = getattr(self, name)
             if value is not None:
                 _check_number(name, value, (int,))
-                if not 0 <= value <= MAX_LOGPROBS:
-                    raise ValueError(f"{name} is {value}; it must be in [0, {MAX_LOGPROBS}] (how many of the most "
-                                     f"likely tokens to return beside the actual one), or None for no {name}.")
+                if value < -1:
+                    raise ValueError(f"{name} is {value}; it must be >= 0 (how many of the most likely tokens to "
+                                     f"return beside the actual one), -1 (the whole vocabulary), or None for no "
+                                     f"{name}.")
         if not isinstance(self.output_kind, RequestOutputKind):
             raise ValueError(f"output_kind is {self.output_kind!r}; use a RequestOutputKind "
                              f"({', '.join(k.name for k in RequestOutputKind)}).")
@@ -270,7 +272,32 @@ class SamplingParams:
 
 INT64_MAX = 2 ** 63 - 1
 MAX_N = 128                 # completions per prompt: each is a sequence in the batch
-MAX_LOGPROBS = 20           # vLLM's default max_logprobs
+MAX_LOGPROBS = 20           # vLLM's default max_logprobs (EngineConfig.max_logprobs)
+
+
+def logprobs_over_limit(name: str, value: int | None, max_logprobs: int, vocab_size: int | None,
+                        where: str = "engine") -> str | None:
+    """Why a request may not ask for `value` logprobs per token (vLLM's processor check), or None if it may: the
+    engine returns at most max_logprobs of them (-1: no limit), and a request's -1 counts as the vocabulary's size
+    (vocab_size; None: not known here, so -1 passes only without a limit). None and 0 (the actual token alone) always
+    pass. `where`: "engine" or "server", whose fix the message names (max_logprobs, or the server's --max-logprobs)."""
+    if not value:
+        return None
+    if vocab_size is not None and value > vocab_size:
+        return f"{name} is {value}; the vocabulary has {vocab_size} tokens. Ask for at most that, or -1 for all."
+    asked = vocab_size if value == -1 else value
+    if max_logprobs == -1 or (asked is not None and asked <= max_logprobs):
+        return None
+    what = f"{name} is {value}"
+    if value == -1:
+        what += (", which asks for every token of the vocabulary" + (f" ({vocab_size})" if vocab_size else "")
+                 + " at each position")
+    raise_to = "-1 (no limit)" if value == -1 else f"{value} or more (-1: no limit)"
+    fix = (f"start the server with --max-logprobs {raise_to}" if where == "server" else
+           f"set the engine's max_logprobs to {raise_to}: LLM(max_logprobs=...), or --max-logprobs on the command line")
+    setting = f"--max-logprobs {max_logprobs}" if where == "server" else f"max_logprobs={max_logprobs}"
+    return (f"{what}; this {where} returns at most {max_logprobs} logprobs per token ({setting}). Ask for at most "
+            f"{max_logprobs}, or {fix}.")
 
 
 def _check_number(name: str, value, types: tuple) -> None:

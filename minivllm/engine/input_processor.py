@@ -10,7 +10,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from minivllm.core.kv_cache_manager import KVCacheManager
-from minivllm.core.sampling_params import SamplingParams
+from minivllm.core.sampling_params import MAX_LOGPROBS, SamplingParams, logprobs_over_limit
 
 PromptType = str | dict | list
 
@@ -30,10 +30,12 @@ class ProcessedRequest:
 class InputProcessor:
     mm_processor = None         # images: multimodal/processor.py, set by the engine for a vision-language model
 
-    def __init__(self, tokenizer, vocab_size: int, max_model_len: int, kv_cache_manager: KVCacheManager):
+    def __init__(self, tokenizer, vocab_size: int, max_model_len: int, kv_cache_manager: KVCacheManager,
+                 max_logprobs: int = MAX_LOGPROBS):
         self.tokenizer = tokenizer
         self.vocab_size = vocab_size
         self.max_model_len = max_model_len
+        self.max_logprobs = max_logprobs               # EngineConfig.max_logprobs (-1: the whole vocabulary)
         self.kv_cache_manager = kv_cache_manager       # read only: the pool's size bounds a request
 
     def process_inputs(self, prompt: PromptType, params: SamplingParams, priority: int = 0) -> ProcessedRequest:
@@ -95,6 +97,10 @@ class InputProcessor:
             outside = [t for t in ids or () if t >= vocab]
             if outside:
                 raise ValueError(f"{name} has token id(s) {outside[:3]}; token ids must be in [0, {vocab}).")
+        for name in ("logprobs", "prompt_logprobs"):         # vLLM's processor check (-1 counts as the vocabulary)
+            error = logprobs_over_limit(name, getattr(params, name), self.max_logprobs, vocab)
+            if error:
+                raise ValueError(error)
         if n >= self.max_model_len:
             raise ValueError(f"prompt has {n} tokens; max_model_len is {self.max_model_len}, which leaves no "
                              f"room for output. Shorten the prompt or raise max_model_len.")

@@ -97,7 +97,7 @@ class LLMEngine:
             self.scheduler.connector, self.model_runner.kv_connector = make_kv_connectors(
                 config.kv_transfer, self.model_path, self.model_runner, self.journal)
         self.input_processor = InputProcessor(self.tokenizer, self.model_config.vocab_size, self.max_model_len,
-                                              self.kv_cache_manager)
+                                              self.kv_cache_manager, config.max_logprobs)
         self.input_processor.mm_processor, self.scheduler.encoder_cache_manager = make_multimodal(
             config, self.model_path, self.model_config, self.journal)      # images: (None, None) for a text model
         self.output_processor = OutputProcessor(self.tokenizer)

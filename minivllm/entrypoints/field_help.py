@@ -56,8 +56,10 @@ FIELD_HELP = {
     "length_penalty": "vLLM's: with use_beam_search, how a beam's length weighs in its score",
     # logprobs
     "logprobs": "completions: the k most likely tokens at each position, with the chosen one's log-probability "
-                "(0 to 20); chat: true to return log-probabilities",
-    "top_logprobs": "chat: with logprobs true, how many of the most likely tokens each position lists (0 to 20)",
+                "(0 to --max-logprobs, 20 by default; -1: the whole vocabulary, with --max-logprobs -1); chat: true to "
+                "return log-probabilities",
+    "top_logprobs": "chat: with logprobs true, how many of the most likely tokens each position lists (0 to "
+                    "--max-logprobs, 20 by default; -1: the whole vocabulary, with --max-logprobs -1)",
     "echo": "completions: the prompt in front of each choice's text (and of its logprobs); chat (vLLM's): the last "
             "message's text in front of each choice when it has the answer's role, e.g. a continued message",
     "prompt_logprobs": "vLLM's: the log-probability of every prompt token and of its k most likely alternatives "

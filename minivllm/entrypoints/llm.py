@@ -13,8 +13,8 @@ from minivllm.beam_search import BeamSearchOutput, BeamSearchParams, run_beam_se
 from minivllm.config import EngineConfig
 from minivllm.engine.input_processor import ProcessedRequest
 from minivllm.engine.llm_engine import EngineStats, LLMEngine, PromptType
-from minivllm.entrypoints.chat_utils import (ImagePart, apply_chat_template, image_placeholder, load_images,
-                                             message_text, parse_chat_options)
+from minivllm.entrypoints.chat_utils import (apply_chat_template, image_placeholder, load_images, parse_chat_options,
+                                             parse_conversation)
 from minivllm.entrypoints.protocol import APIError
 from minivllm.outputs import RequestOutput
 from minivllm.core.sampling_params import RequestOutputKind, SamplingParams
@@ -80,9 +80,10 @@ class LLM:
              chat_template: str | None = None, tools: list[dict] | None = None,
              chat_template_kwargs: dict | None = None) -> list[RequestOutput]:
         """Apply the tokenizer's chat template (or `chat_template`) to one conversation (a list of messages) or to a
-        list of them, as vLLM's LLM.chat. A message's content may be a list of parts, as the server takes them
-        (chat_utils.py): text, image_url (a data URI, or a local file under allowed_local_media_path) and image_pil
-        (a PIL image). `continue_final_message` leaves the last (assistant) message open for the model to continue
+        list of them, as vLLM's LLM.chat. Messages are read as the server reads them (chat_utils.parse_conversation):
+        a content may be a list of parts, text, image_url (a data URI, or a local file under
+        allowed_local_media_path) and image_pil (a PIL image); an assistant's tool_calls reach the template with
+        their arguments parsed into objects, a tool message's tool_call_id as it is. `continue_final_message` leaves the last (assistant) message open for the model to continue
         (with add_generation_prompt=False, as in vLLM); `tools` (OpenAI function definitions) and
         `chat_template_kwargs` go to the template as they are."""
         conversations = [messages] if messages and isinstance(messages[0], dict) else list(messages)
@@ -93,15 +94,10 @@ class LLM:
         placeholder = image_placeholder(tokenizer, mm_processor)
         prompts = []
         for i, conv in enumerate(conversations):
-            if not conv or not all(isinstance(m, dict) and "role" in m and "content" in m for m in conv):
-                raise ValueError(f"conversation {i} must be a non-empty list of {{'role': ..., 'content': ...}} "
-                                 "messages.")
-            images: list[ImagePart] = []
             try:
-                conv = [{**m, "content": message_text(m["content"], f"messages[{j}]", placeholder, images)}
-                        if isinstance(m["content"], list) else m for j, m in enumerate(conv)]
-                loaded = load_images(images, mm_processor) if images else []
-                text = apply_chat_template(tokenizer, conv, options)
+                parsed = parse_conversation({"messages": conv}, placeholder)     # the server's reading of messages
+                loaded = load_images(parsed.images, mm_processor) if parsed.images else []
+                text = apply_chat_template(tokenizer, parsed.messages, options)
             except APIError as e:
                 raise ValueError(f"conversation {i}: {e.message}") from None
             prompt = {"prompt": text, "prompt_token_ids": tokenizer.encode(text, add_special_tokens=False)}

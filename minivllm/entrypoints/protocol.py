@@ -20,7 +20,8 @@ import math
 import sys
 from dataclasses import dataclass
 
-from minivllm.core.sampling_params import MAX_LOGPROBS, RequestOutputKind, SamplingParams, StructuredOutputsParams
+from minivllm.core.sampling_params import (MAX_LOGPROBS, RequestOutputKind, SamplingParams, StructuredOutputsParams,
+                                           logprobs_over_limit)
 
 INT64 = (-(2 ** 63), 2 ** 63 - 1)     # torch generators and tensors take no wider ints
 FLOAT_MAX = sys.float_info.max       # a JSON integer beyond it is valid JSON but fits no float
@@ -204,18 +205,25 @@ def requested_max_tokens(body: dict, chat: bool) -> tuple[str, int | None]:
     return name, value
 
 
-def read_num_logprobs(body: dict, name: str) -> int | None:
-    """An int field that asks for the k most likely tokens: None, or k in [0, MAX_LOGPROBS]. vLLM's -1 (the whole
-    vocabulary) is refused here as vLLM refuses it under its default --max-logprobs (20, as MAX_LOGPROBS)."""
-    value = read_field(body, name, "int")
-    if value == -1:
-        raise APIError(f"'{name}' is -1, which asks for every token of the vocabulary at each position; this server "
-                       f"returns at most {MAX_LOGPROBS} (vLLM's default --max-logprobs refuses -1 too). Send a "
-                       f"number in [0, {MAX_LOGPROBS}].", param=name)
-    if value is not None and not 0 <= value <= MAX_LOGPROBS:
-        raise APIError(f"'{name}' is {value}; it must be in [0, {MAX_LOGPROBS}] (this server returns at most "
-                       f"{MAX_LOGPROBS} most likely tokens per position).", param=name)
-    return value
+@dataclass(frozen=True)
+class LogprobsLimit:
+    """The engine's bounds on a field that asks for the k most likely tokens: max_logprobs (EngineConfig's, the
+    server's --max-logprobs; -1: none) and the vocabulary's size, what vLLM's -1 asks for (None: not known, so -1
+    passes only without a limit). The default is vLLM's default server's."""
+    max_logprobs: int = MAX_LOGPROBS
+    vocab_size: int | None = None
+
+    def read(self, body: dict, name: str) -> int | None:
+        """body[name]: None, or k >= 0 within the limit; -1 (the whole vocabulary) comes back as the vocabulary's size,
+        so the answer writes every token."""
+        value = read_field(body, name, "int")
+        if value is not None and value < -1:
+            raise APIError(f"'{name}' is {value}; it must be >= 0 (how many of the most likely tokens to return per "
+                           "position) or -1 (the whole vocabulary).", param=name)
+        error = logprobs_over_limit(f"'{name}'", value, self.max_logprobs, self.vocab_size, where="server")
+        if error:
+            raise APIError(error, param=name)
+        return self.vocab_size if value == -1 and self.vocab_size is not None else value
 
 
 @dataclass(frozen=True)
@@ -233,23 +241,24 @@ class LogprobsRequest:
     return_prompt_logprobs: bool = False
 
 
-def read_logprobs_request(body: dict, chat: bool) -> LogprobsRequest:
+def read_logprobs_request(body: dict, chat: bool, limit: LogprobsLimit = LogprobsLimit()) -> LogprobsRequest:
     echo = read_field(body, "echo", "bool", False)
-    prompt_k = read_num_logprobs(body, "prompt_logprobs")
+    prompt_k = limit.read(body, "prompt_logprobs")
     if prompt_k and body.get("stream") is True:
-        raise APIError(f"'prompt_logprobs' is {prompt_k}; prompt logprobs are not available when 'stream' is true "
-                       "(as vLLM). Use echo with logprobs to stream the prompt's logprobs.", param="prompt_logprobs")
+        raise APIError(f"'prompt_logprobs' is {body['prompt_logprobs']}; prompt logprobs are not available when "
+                       "'stream' is true (as vLLM). Use echo with logprobs to stream the prompt's logprobs.",
+                       param="prompt_logprobs")
     if chat:
         wanted = read_field(body, "logprobs", "bool", False)
-        top = read_num_logprobs(body, "top_logprobs")
+        top = limit.read(body, "top_logprobs")
         if top and not wanted:       # vLLM: top_logprobs 0 without logprobs means off
-            raise APIError(f"'top_logprobs' is {top} but 'logprobs' is not true; set 'logprobs': true to get "
-                           "log-probabilities (top_logprobs says how many alternatives each token lists).",
+            raise APIError(f"'top_logprobs' is {body['top_logprobs']} but 'logprobs' is not true; set 'logprobs': "
+                           "true to get log-probabilities (top_logprobs says how many alternatives each token lists).",
                            param="top_logprobs")
         prompt_k = prompt_k if prompt_k is not None else ((top or 0) if echo else None)
         return LogprobsRequest(num_logprobs=(top or 0) if wanted else None, prompt_logprobs=prompt_k,
                                return_prompt_logprobs=prompt_k is not None)
-    k = read_num_logprobs(body, "logprobs")
+    k = limit.read(body, "logprobs")
     return LogprobsRequest(k, echo, echo and requested_max_tokens(body, chat)[1] == 0,
                            prompt_k if prompt_k is not None else (k if echo else None), prompt_k is not None)
 
@@ -315,13 +324,15 @@ def structured_outputs_param(body: dict) -> str | None:
                  if body.get(name) is not None), None)
 
 
-def sampling_params_from_body(body: dict, chat: bool, default_max_tokens: int) -> SamplingParams:
-    """The request's SamplingParams; raises APIError naming the field for anything wrong or unsupported."""
+def sampling_params_from_body(body: dict, chat: bool, default_max_tokens: int,
+                              limit: LogprobsLimit = LogprobsLimit()) -> SamplingParams:
+    """The request's SamplingParams; raises APIError naming the field for anything wrong or unsupported. `limit`:
+    the engine's bounds on logprobs (vLLM's default, 20, unless the server passes its own)."""
     check_fields(body, "/v1/chat/completions" if chat else "/v1/completions")
     max_tokens_name, max_tokens = requested_max_tokens(body, chat)
     if max_tokens == 0:                           # echo only: one token is sampled and left out of the answer
         max_tokens = 1
-    lp = read_logprobs_request(body, chat)
+    lp = read_logprobs_request(body, chat, limit)
     stop = body.get("stop")
     if stop is not None and not (isinstance(stop, str) or (isinstance(stop, list)
                                                            and all(isinstance(s, str) for s in stop))):

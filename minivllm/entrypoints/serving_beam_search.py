@@ -40,12 +40,14 @@ BEAM_SEARCH_READS = {"model", "user", "use_beam_search", "n", "length_penalty", 
                      "ignore_eos", "include_stop_str_in_output", "cache_salt", "prompt", "messages",
                      "add_generation_prompt", "continue_final_message", "chat_template"}
 # Fields a beam search cannot honour, accepted only at a value that means "off" (null or absent always is; so are
-# the off values of protocol.NOT_IMPLEMENTED, which clients such as vLLM's benchmark send).
+# the off values of protocol.NOT_IMPLEMENTED, which clients such as vLLM's benchmark send). truncation_side changes
+# nothing without truncate_prompt_tokens, which a beam search refuses.
 OFF_VALUES = {"temperature": (0,), "stream": (False,), "top_p": (1,), "top_k": (-1, 0), "min_p": (0,),
               "presence_penalty": (0,), "frequency_penalty": (0,), "repetition_penalty": (1,), "min_tokens": (0,),
               "stop": ([],), "stop_token_ids": ([],), "bad_words": ([],), "skip_special_tokens": (True,),
               "logprobs": (False,), "top_logprobs": (0,), "echo": (False,), "tools": ([],), "tool_choice": ("none",),
-              "response_format": ({"type": "text"},)}
+              "response_format": ({"type": "text"},), "priority": (0,), "return_token_ids": (False,),
+              "return_tokens_as_token_ids": (False,), "truncation_side": ("left", "right")}
 WHY = {"temperature": "it keeps the most likely continuations; leave 'temperature' out, or send 0",
        "stream": "it answers once the whole search is over; send 'stream': false",
        "skip_special_tokens": "its text always leaves special tokens out; leave it out"}
@@ -101,7 +103,8 @@ async def serve_beam_search(serving, request: Request, parsed: ParsedRequest, pa
         checked = await engine.call_async(lambda e: check_prompts(e, prompts, params))
     except ValueError as e:
         max_tokens_name = requested_max_tokens(parsed.body, serving.is_chat)[0]
-        field = "cache_salt" if "cache_salt" in str(e) else max_tokens_name if "max_tokens" in str(e) else None
+        field = ("cache_salt" if "cache_salt" in str(e) else max_tokens_name if "max_tokens" in str(e)
+                 else "n" if str(e).startswith("beam_width ") else None)
         raise APIError(str(e).split(": ", 1)[-1] if len(prompts) == 1 else str(e),
                        param=field or parsed.prompt_param) from None
     except RequestError as e:

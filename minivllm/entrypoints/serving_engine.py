@@ -32,9 +32,9 @@ from starlette.background import BackgroundTask
 from minivllm.core.sampling_params import SamplingParams
 from minivllm.engine.async_llm import AsyncLLMEngine, NewRequest, RequestError
 from minivllm.engine.request_stream import RequestStream
-from minivllm.entrypoints.protocol import (SAMPLING_FIELDS, APIError, check_json_content_type, parse_json_body,
-                                           read_logprobs_request, requested_max_tokens, sampling_params_from_body,
-                                           structured_outputs_param)
+from minivllm.entrypoints.protocol import (SAMPLING_FIELDS, APIError, LogprobsLimit, check_json_content_type,
+                                           parse_json_body, read_logprobs_request, requested_max_tokens,
+                                           sampling_params_from_body, structured_outputs_param)
 from minivllm.entrypoints.renderer import Renderer
 from minivllm.entrypoints.request_options import OutputOptions
 from minivllm.entrypoints.response_shapes import (ChoiceShape, EchoText, ResponseMeta, end_of, make_choice,
@@ -77,6 +77,8 @@ class OpenAIServing:
         self.models = models
         self.renderer = renderer
         self.tokens_as_token_ids = return_tokens_as_token_ids      # the server's default (vLLM's flag)
+        engine = async_engine.engine                                # read once: fixed when the engine was built
+        self.logprobs_limit = LogprobsLimit(engine.config.max_logprobs, engine.input_processor.vocab_size)
 
     async def read_body(self, request: Request) -> dict:
         """What every POST route checks first (after the API key): a JSON body, a JSON object, a model served here."""
@@ -129,8 +131,8 @@ class OpenAIServing:
         except RequestError as e:
             raise APIError(str(e), status_code=503, type="service_unavailable") from None
         meta = ResponseMeta(request_id, int(time.time()), self.models.name, chat)
-        shape = ChoiceShape(checked.n, read_logprobs_request(parsed.body, chat), echo_texts, parsed.tools,
-                            parsed.options)
+        shape = ChoiceShape(checked.n, read_logprobs_request(parsed.body, chat, self.logprobs_limit), echo_texts,
+                            parsed.tools, parsed.options)
         if parsed.stream:
             # The background task runs once the response is over, even when the client hung up before the
             # first event (the generator never started, so its `async with` never ran).
@@ -144,7 +146,7 @@ class OpenAIServing:
         its last message's text (ParsedRequest.chat_echo)."""
         if parsed.chat_echo is not None:
             return [EchoText(parsed.chat_echo, "")]
-        if not read_logprobs_request(parsed.body, self.is_chat).echo:
+        if not read_logprobs_request(parsed.body, self.is_chat, self.logprobs_limit).echo:
             return []
         decoded = await self.renderer.decode_many([ids for _, ids in tokenized] + [ids[:1] for _, ids in tokenized])
         k = len(tokenized)
@@ -183,7 +185,7 @@ class OpenAIServing:
 
     def sampling_params(self, parsed: ParsedRequest, default_max_tokens: int) -> SamplingParams:
         """The body's SamplingParams, with a forced tool choice's grammar as its structured output."""
-        params = sampling_params_from_body(parsed.body, self.is_chat, default_max_tokens=default_max_tokens)
+        params = sampling_params_from_body(parsed.body, self.is_chat, default_max_tokens, self.logprobs_limit)
         forced = parsed.forced_constraint
         return params if forced is None else replace(params, structured_outputs=forced)
 

@@ -11,6 +11,10 @@ Sample logprobs score the token each sampling row drew. Prompt logprobs score th
 position p scores prompt token p + 1, so a prompt of P tokens gets P - 1 entries (the first token has none),
 computed chunk by chunk as the prompt is prefilled (`PromptLogprobsSpan` says which rows a request has this step).
 
+A request's k of -1 asks for the whole vocabulary (vLLM's): `num_top` makes it the logits' width before anything is
+scored, so the rows of that step are sorted whole (topk of the vocabulary) and the host copies vocab floats per row;
+a step where no request asks for -1 keeps its small topk.
+
 Every step takes one path (ModelRunner.sample_tokens): `score_step` right after sampling, on the logits' device and
 without waiting for it, then `StepScores.read` on the host. Under async scheduling the scores' tensors are copied to
 the host with the batch's sampled tokens in between; otherwise `read` follows at once. `compute_logprobs` is the
@@ -88,6 +92,11 @@ def score_rows(logits: torch.Tensor, tokens: torch.Tensor, k: int) -> RowScores:
     return RowScores(chosen[:, 0], ranks, top_lp, top_ids)
 
 
+def num_top(k: int, vocab_size: int) -> int:
+    """A request's k as a count of top entries: -1 (the whole vocabulary) is vocab_size."""
+    return vocab_size if k == -1 else k
+
+
 def unpack_scores(scores: RowScores, tokens: list[int], num_logprobs: list[int]) -> list[SampleLogprobs]:
     """Row i of `scores` as SampleLogprobs for tokens[i], with its num_logprobs[i] most likely tokens (.tolist():
     waits for the device if the scores are still there)."""
@@ -101,6 +110,7 @@ def _score(logits: torch.Tensor, tokens: list[int], num_logprobs: list[int]) -> 
     """Every row of logits (rows, vocab) scored at tokens[i], with its num_logprobs[i] most likely tokens."""
     if not tokens:
         return []
+    num_logprobs = [num_top(k, logits.shape[-1]) for k in num_logprobs]
     scores = score_rows(logits, torch.tensor(tokens, device=logits.device), max(num_logprobs))
     return unpack_scores(scores, tokens, num_logprobs)
 
@@ -189,7 +199,7 @@ def score_step(logits: torch.Tensor | None, tokens: torch.Tensor | None, request
         if k is not None:
             rows += range(first, first + n)
             owners += [req.request_id] * n
-            ks += [k] * n
+            ks += [num_top(k, logits.shape[-1])] * n
         first += len(d) + 1
     if not rows and not spans:
         return None
@@ -202,7 +212,7 @@ def score_step(logits: torch.Tensor | None, tokens: torch.Tensor | None, request
         by_id = {r.request_id: r for r in scheduled}
         prompt_tokens, prompt_ks = prompt_targets(
             spans, [by_id[s.request_id].prompt_token_ids for s in spans],
-            [by_id[s.request_id].sampling_params.prompt_logprobs for s in spans])
+            [num_top(by_id[s.request_id].sampling_params.prompt_logprobs, prompt_logits.shape[-1]) for s in spans])
         targets = torch.tensor(prompt_tokens).to(prompt_logits.device, non_blocking=True)     # (prompt rows,)
         prompt = score_rows(prompt_logits, targets, max(prompt_ks))
     return StepScores(rows, owners, ks, sample, spans, prompt_tokens, prompt_ks, prompt)
