@@ -162,17 +162,21 @@ def test_failed_steps_leave_the_encoder_cache_as_it_was_and_everything_is_free_a
         images = list({h: n for h, n in images}.items())          # one size per hash, as real images have
         sched.add_request(image_request(f"r{i}", [(h, 8) for h, _ in images], max_tokens=rng.randint(1, 6),
                                         priority=rng.randint(-1, 1)))
-    for _ in range(400):
+    worker: set[str] = set()     # the outputs the worker holds, as encoder_runner.py keeps them (a failed step's
+    for _ in range(400):         # forward ran its encoder too: the failure came after it)
         if not sched.has_unfinished_requests():
             break
         if rng.random() < 0.3:
             before = (copy.deepcopy(ecm.cached), dict(ecm.freeable), list(ecm.freeable), dict(ecm.sizes),
                       ecm.num_free_slots, ecm.evicted, ecm.num_encoder_inputs_scheduled)
-            step(sched, fail=True)
+            out = step(sched, fail=True)
             after = (ecm.cached, dict(ecm.freeable), list(ecm.freeable), ecm.sizes, ecm.num_free_slots, ecm.evicted,
                      ecm.num_encoder_inputs_scheduled)
             assert after == before
         else:
-            step(sched)
+            out = step(sched)
+        worker = (worker - set(out.free_encoder_hashes)) | {f.mm_hash for f in out.encoder_inputs}
+        to_drop = set(ecm.evicted) | set(ecm.orphans)          # what the next step tells the worker to drop
+        assert set(ecm.sizes) <= worker <= set(ecm.sizes) | to_drop, "the worker holds an output nobody counts"
     assert not sched.has_unfinished_requests()
     assert ecm.cached == {} and ecm.num_free_slots + sum(ecm.freeable.values()) == ecm.cache_size

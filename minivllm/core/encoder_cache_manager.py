@@ -14,7 +14,9 @@ An output is encoded once and shared: a second request with the same image (same
 request preempted and recomputed finds it again unless it was evicted meanwhile. Eviction takes the least recently
 freed outputs first, only when a new output needs the room. Evictions reach the worker with the next step
 (`free_encoder_hashes`): a step that fails and is rolled back may have evicted, and the worker must not have dropped
-what the rolled-back state still counts on. Every change is journaled (core/journal.py).
+what the rolled-back state still counts on. The other way round, a rolled-back step's forward may have run the
+encoder for outputs the restored state does not count (`orphans`): those go to the worker with the next step's
+frees too, so a failed step leaves no tensor behind. Every change is journaled (core/journal.py).
 """
 
 from __future__ import annotations
@@ -34,6 +36,7 @@ class EncoderCacheManager(Journaled):
         self.freeable: dict[str, int] = {}         # mm_hash -> rows: kept, needed by nobody (oldest first)
         self.sizes: dict[str, int] = {}            # every kept output -> its rows
         self.evicted: tuple[str, ...] = ()         # evicted by committed steps, not yet sent to the worker
+        self.orphans: list[str] = []               # encoded by steps that were rolled back: the worker may hold them
         self.num_encoder_inputs_scheduled = 0      # images sent to the encoder, over the engine's life
 
     # ------------------------------------------------------------------ planning (inside schedule())
@@ -64,13 +67,17 @@ class EncoderCacheManager(Journaled):
     def schedule_encoder(self, scheduled: list[Request], plan: dict[str, list]) -> tuple[list, list[str]]:
         """Take the references the plan needs, for the requests still scheduled: (features to encode this step,
         hashes whose outputs the worker drops first: those evicted by steps before this one)."""
-        to_free, self.evicted = list(self.evicted), ()
+        to_free, self.evicted = list(self.evicted) + self.orphans, ()
+        taken, self.orphans = self.orphans, []
+        self.journal.record(lambda: self.orphans.extend(taken))     # the step fails: still to be sent
         wanted = [(req.request_id, f) for req in scheduled for f in plan.get(req.request_id, ())]
         for request_id, f in wanted:        # kept outputs first: a reference keeps them from the evictions below
             if f.mm_hash in self.sizes:
                 self._acquire(request_id, f.mm_hash, f.length)
         to_encode = [f for request_id, f in wanted if self._acquire(request_id, f.mm_hash, f.length)]
         self.num_encoder_inputs_scheduled += len(to_encode)
+        for f in to_encode:        # the step fails after its forward ran the encoder: the worker drops them next step
+            self.journal.record(lambda h=f.mm_hash: self.orphans.append(h))
         return to_encode, to_free
 
     def _acquire(self, request_id: str, mm_hash: str, rows: int) -> bool:
