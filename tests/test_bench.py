@@ -30,11 +30,11 @@ def test_bench_compare_hf_gives_every_request_its_tokens_in_both_engines(tmp_pat
     # 3 requests of at most 24 tokens in 16-token blocks: utilization = tokens / (blocks * 16) per step
     assert 0.3 < report["minivllm"]["kv_slot_utilization"] <= 1.0
     # The hardware, measured in the same run: the roofline of the run's own steps is at most the matmul
-    # ceiling (memory-bound decode steps only make it slower), and the run is slower than its roofline.
+    # ceiling (memory-bound decode steps only make it slower). Whether the run stays under its roofline is a
+    # measurement, not asserted: on a loaded machine the hardware can measure slower than it runs.
     hw = report["hardware"]
     assert hw["matmul_flops_per_s"] > 1e9 and hw["copy_bandwidth_bytes_per_s"] > 1e8
     assert 0 < hw["roofline_output_tokens_per_s"] <= hw["matmul_ceiling_output_tokens_per_s"]
-    assert report["minivllm"]["output_tokens_per_s"] < hw["roofline_output_tokens_per_s"]
     assert hw["decode"]["batch"] == 3 and hw["decode"]["median_floor_s"] > 0
 
 

@@ -133,7 +133,7 @@ class AsyncLLMEngine:
         future: concurrent.futures.Future = concurrent.futures.Future()
         with self._wakeup:
             if self._stopping or not self._thread.is_alive():
-                future.set_exception(EngineShutdownError("the engine is shut down."))
+                future.set_exception(EngineShutdownError("the server is shutting down (or has shut down)."))
                 return future
             self._commands.append(_Command(fn, future))
             self._wakeup.notify()
@@ -286,7 +286,7 @@ class AsyncLLMEngine:
             commands, self._commands = list(self._commands), collections.deque()
         for cmd in commands:
             if cmd.future.set_running_or_notify_cancel():
-                cmd.future.set_exception(EngineShutdownError("the engine is shut down."))
+                cmd.future.set_exception(EngineShutdownError("the server is shutting down (or has shut down)."))
 
     def _can_step(self) -> bool:
         if self._paused and self._steps_allowed == 0:
