@@ -90,7 +90,7 @@ def spy_on(engine, spans):
         def timed(*args, _fn=fn, _part=part, _method=method, **kwargs):
             t0 = time.perf_counter()
             result = _fn(*args, **kwargs)
-            if _method == "schedule" and result.is_empty:                    # nothing planned: no batch
+            if _method == "schedule" and not result.scheduled:                  # nothing planned: no batch
                 return result
             if _method != "sample_tokens" or not engine.async_scheduling:   # async: sampled when issued
                 calls[_method] += 1

@@ -30,7 +30,7 @@
 #   │ / temperature, then min_p, top_k and top_p      worker/sampler.py   apply_min_p, apply_top_k_top_p
 #   │ softmax, then one uniform per row: inverse CDF   worker/sampler.py   Sampler.sample, draw_from
 #   ▼
-# token id ──> incremental detokenization ──> text    engine/detokenizer.py  detokenize_incrementally
+# token id ──> incremental detokenization ──> text    engine/output_processor.py  detokenize_incrementally
 # ```
 #
 # We run the real functions on the default model's real logits, then look at logprobs, parallel sampling's
@@ -52,7 +52,7 @@ from minivllm import LLM, SamplingParams, StructuredOutputsParams
 from minivllm.core.request import Request
 from minivllm.core.sampling_params import RequestOutputKind
 from minivllm.core.structured_output import StructuredOutputManager
-from minivllm.engine.detokenizer import DetokState, detokenize_incrementally
+from minivllm.engine.output_processor import DetokState, detokenize_incrementally
 from minivllm.worker.logprobs import compute_logprobs
 from minivllm.worker.sampler import (Sampler, apply_grammar_bitmask, apply_min_p, apply_penalties_and_filters,
                                      apply_top_k_top_p)

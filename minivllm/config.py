@@ -117,6 +117,9 @@ class EngineConfig:
     max_logprobs: int = option(
         MAX_LOGPROBS, "most logprobs a request may ask for per token (logprobs, prompt_logprobs; the API's "
         "top_logprobs), as vLLM's; -1: no limit, and a request's -1 returns the whole vocabulary at each position")
+    disable_log_stats: bool = option(
+        False, "keep no per-request histograms (vLLM's request and iteration histograms on /metrics), as vLLM's "
+        "--disable-log-stats; the offline LLM sets it unless given, as vLLM's LLM does")
     speculative_config: dict | None = option(
         None, "speculative decoding, as vLLM's JSON: {\"method\": \"ngram\", \"num_speculative_tokens\": 4, "
         "\"prompt_lookup_min\": 2, \"prompt_lookup_max\": 4} or {\"model\": PATH, \"num_speculative_tokens\": 4} "
@@ -192,8 +195,9 @@ class EngineConfig:
                 raise ValueError(f"{name} is {getattr(self, name)!r}; choose one of {', '.join(choices_of(name))}.")
         if isinstance(self.max_logprobs, bool) or not isinstance(self.max_logprobs, int) or self.max_logprobs < -1:
             raise ValueError(f"max_logprobs is {self.max_logprobs!r}; it must be an int >= 0, or -1 (no limit).")
-        if not isinstance(self.enforce_eager, bool):
-            raise ValueError(f"enforce_eager is {self.enforce_eager!r}; it must be True or False.")
+        for name in ("enforce_eager", "disable_log_stats"):
+            if not isinstance(getattr(self, name), bool):
+                raise ValueError(f"{name} is {getattr(self, name)!r}; it must be True or False.")
         if self.async_scheduling is not None and not isinstance(self.async_scheduling, bool):
             raise ValueError(f"async_scheduling is {self.async_scheduling!r}; it must be True or False, or None "
                              "(unset: on where it works and pays, see async_scheduling_on).")

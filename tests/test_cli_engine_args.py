@@ -24,7 +24,7 @@ VALUES = dict(model="/tmp/some-checkpoint", dtype="float16", quantization="int8"
               max_concurrent_batches=1,
               distributed_executor_backend="mp",
               attention_backend="torch",
-              enforce_eager=True, seed=7, max_logprobs=-1,
+              enforce_eager=True, seed=7, max_logprobs=-1, disable_log_stats=True,
               speculative_config={"method": "ngram", "num_speculative_tokens": 3},
               limit_mm_per_prompt={"image": 2}, encoder_cache_size=1024, allowed_local_media_path="/tmp/images",
               kv_events_config={"enable_kv_cache_events": True, "publisher": "zmq"})
@@ -38,7 +38,7 @@ ARGV = ["--model", "/tmp/some-checkpoint", "--dtype", "float16", "--quantization
         "--max-concurrent-batches", "1",
         "--distributed-executor-backend", "mp",
         "--attention-backend", "torch",
-        "--enforce-eager", "--seed", "7", "--max-logprobs", "-1",
+        "--enforce-eager", "--seed", "7", "--max-logprobs", "-1", "--disable-log-stats",
         "--speculative-config", '{"method": "ngram", "num_speculative_tokens": 3}',
         "--limit-mm-per-prompt", '{"image": 2}', "--encoder-cache-size", "1024",
         "--allowed-local-media-path", "/tmp/images",

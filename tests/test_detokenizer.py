@@ -6,7 +6,7 @@ import random
 
 import pytest
 
-from minivllm.engine.detokenizer import (DetokState, RustDecoder, detokenize_incrementally, fast_decoder,
+from minivllm.engine.output_processor import (DetokState, RustDecoder, detokenize_incrementally, fast_decoder,
                                          find_stop_string)
 
 

@@ -273,7 +273,8 @@ class FaultInjection(RuleBasedStateMachine):
         front, rng = self.front_end_state(), self.rng_state()
         ids_before, failed_before = set(engine.requests), engine.get_stats().num_failed_steps
         drafts_before = {rid: list(r.spec_token_ids) for rid, r in engine.requests.items()}
-        spec_before = (engine.scheduler.num_draft_tokens, engine.scheduler.num_accepted_tokens)
+        spec = engine.scheduler.spec_decoding_stats
+        spec_before = (spec.num_draft_tokens, spec.num_accepted_tokens)
         self.taken.arm(None)
         undo = []
         if preempt:
@@ -303,7 +304,7 @@ class FaultInjection(RuleBasedStateMachine):
             assert engine.get_stats().num_failed_steps == failed_before + 1
             assert set(engine.failed_request_ids) <= ids_before
             assert {rid: r.spec_token_ids for rid, r in engine.requests.items()} == drafts_before
-            assert (engine.scheduler.num_draft_tokens, engine.scheduler.num_accepted_tokens) == spec_before
+            assert (spec.num_draft_tokens, spec.num_accepted_tokens) == spec_before
             if any(drafts_before.values()):
                 self.count("failed step had drafts")
             return

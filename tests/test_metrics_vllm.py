@@ -36,7 +36,23 @@ def delta(after: Histogram, before: Histogram) -> Histogram:
                      after.count - before.count)
 
 
-def test_the_engine_observes_each_finished_request_from_its_own_times_and_counts(llm):
+@pytest.fixture(scope="module")
+def llm_with_stats(model_dir):
+    """An offline engine that keeps the histograms: vLLM's LLM (and minivllm's) sets disable_log_stats unless asked."""
+    from minivllm import LLM
+    return LLM(str(model_dir), dtype="float32", device="cpu", num_kv_blocks=512, disable_log_stats=False)
+
+
+def test_the_offline_llm_keeps_no_histograms_unless_asked_as_vllms(llm, llm_with_stats):
+    assert llm.llm_engine.config.disable_log_stats and llm.get_stats().histograms is None
+    llm.generate("Hello", SamplingParams(temperature=0, max_tokens=2), use_tqdm=False)
+    assert llm.get_stats().histograms is None and llm.llm_engine.request_histograms is None
+    assert not llm_with_stats.llm_engine.config.disable_log_stats
+    assert llm_with_stats.get_stats().histograms is not None
+
+
+def test_the_engine_observes_each_finished_request_from_its_own_times_and_counts(llm_with_stats):
+    llm = llm_with_stats
     before = llm.get_stats().histograms
     engine = llm.llm_engine
     tokens_before = engine.num_prompt_tokens_computed + engine.num_generated_tokens
@@ -74,7 +90,8 @@ def _observed(buckets, values) -> Histogram:
     return h
 
 
-def test_n_is_observed_once_per_request_and_every_sample_is_a_request(llm):
+def test_n_is_observed_once_per_request_and_every_sample_is_a_request(llm_with_stats):
+    llm = llm_with_stats
     before = llm.get_stats().histograms
     out = llm.generate("Once upon a time", SamplingParams(n=3, temperature=0.8, seed=1, max_tokens=4, ignore_eos=True),
                        use_tqdm=False)[0]

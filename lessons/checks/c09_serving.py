@@ -56,7 +56,7 @@ def _streams():
 
 def _pieces(tokenizer, token_ids):
     """The detokenizer's new text for each token, as the output processor gets it."""
-    from minivllm.engine.detokenizer import DetokState, detokenize_incrementally
+    from minivllm.engine.output_processor import DetokState, detokenize_incrementally
     pieces, state = [], DetokState()
     for i in range(1, len(token_ids) + 1):
         piece, state = detokenize_incrementally(tokenizer, token_ids[:i], state)

@@ -1,4 +1,4 @@
-"""StepJournal: the undo log that makes an engine step all-or-nothing.
+"""StepJournal and SigintGuard: what makes an engine step all-or-nothing.
 
 Owns: the list of undo actions recorded while a step is open. The scheduler opens it before it plans a step and
 commits it once the step's tokens are in; if anything raises in between (the plan itself, the model forward, the
@@ -18,12 +18,18 @@ Changes to containers (queues, free lists, hash maps) record, next to the change
 Outside a step (add_request, abort_request between steps) `record` does nothing: those changes are final at once.
 Undo actions capture values, not loop variables (`lambda b=b: ...`), and each one only restores what its own change
 altered, so replaying them in reverse order rebuilds the state piece by piece.
+
+The other half of the transaction is `SigintGuard` (below): the undo log can undo only a change whose undo was
+recorded, so a Ctrl-C must not land between the two.
 """
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
-from collections.abc import Callable
+import signal
+import threading
+from collections.abc import Callable, Iterator
 from typing import Any, ClassVar
 
 
@@ -82,3 +88,68 @@ class Journaled:
                 old = self.__dict__[name]
                 journal.record(lambda: object.__setattr__(self, name, old))
         object.__setattr__(self, name, value)
+
+
+class SigintGuard:
+    """Ctrl-C waits for a point where the engine's state is consistent.
+
+    Owns: Python's SIGINT handler while an engine step runs, on the main thread only (signals reach no other thread).
+    A Ctrl-C is a KeyboardInterrupt raised at whatever line runs when it arrives. Inside the model forward that is
+    fine: nothing in the core changes there, and the step rolls back. Inside the core's bookkeeping it is not: between
+    a change and the record of its undo (above), or halfway through a rollback, an interrupt would leave a
+    half-done change that no rollback can see. So a step holds Ctrl-C for its bookkeeping and lets it through only
+    around the forward:
+
+        with guard:                         # a Ctrl-C here is held ...
+            ... bookkeeping ...
+            with guard.open():              # ... delivered at once here (and a held one is raised on entry)
+                forward
+            guard.raise_if_held()           # ... or raised here, at a point the step can roll back from
+            ... commit / rollback ...
+                                            # a Ctrl-C held during commit or rollback is raised on leaving
+
+    Elsewhere (another thread, or a program that installed its own SIGINT handler) it does nothing.
+    """
+
+    def __init__(self) -> None:
+        self._held = False
+        self._previous = None             # the handler to restore; None while not guarding
+
+    def _hold(self, signum, frame) -> None:
+        self._held = True
+
+    def _active(self) -> bool:
+        return (threading.current_thread() is threading.main_thread()
+                and signal.getsignal(signal.SIGINT) is signal.default_int_handler)
+
+    def __enter__(self) -> SigintGuard:
+        self._held = False
+        if self._active():
+            self._previous = signal.signal(signal.SIGINT, self._hold)
+        return self
+
+    def __exit__(self, exc_type, exc, tb) -> None:
+        if self._previous is not None:
+            signal.signal(signal.SIGINT, self._previous)
+            self._previous = None
+        if self._held and exc_type is None:
+            self._held = False
+            raise KeyboardInterrupt
+
+    @contextlib.contextmanager
+    def open(self) -> Iterator[None]:
+        """Let Ctrl-C through (a held one is raised right away)."""
+        self.raise_if_held()
+        if self._previous is None:
+            yield
+            return
+        signal.signal(signal.SIGINT, self._previous)
+        try:
+            yield
+        finally:
+            signal.signal(signal.SIGINT, self._hold)
+
+    def raise_if_held(self) -> None:
+        if self._held:
+            self._held = False
+            raise KeyboardInterrupt

@@ -59,6 +59,11 @@ class KVCacheManager(Journaled):
         return self.block_pool.usage
 
     @property
+    def num_swapped(self) -> int:
+        """Requests whose KV is in the CPU pool right now (swap preemption)."""
+        return len(self.swap_space.tables)
+
+    @property
     def prefix_cache_hit_rate(self) -> float:
         return self.prefix_cache_hits / self.prefix_cache_queries if self.prefix_cache_queries else 0.0
 

@@ -199,6 +199,14 @@ class SamplingParams:
                 raise ValueError(f"min_tokens is {self.min_tokens} with structured_outputs; they cannot be combined: "
                                  "the grammar decides when the output may end (it forbids EOS until the output is "
                                  "complete, then allows only EOS). Leave min_tokens at 0.")
+        # Derived once, here, as vLLM derives its (cached) sampling_type: the sampler reads them every step. So a
+        # SamplingParams is not changed once built; dataclasses.replace builds a new one (and checks it).
+        self.greedy = self.temperature == 0
+        # True when the sampler has to change this request's raw logits (penalties, masks, bias).
+        self.uses_logits_processing = (
+            self.presence_penalty != 0 or self.frequency_penalty != 0 or self.repetition_penalty != 1
+            or self.min_tokens > 0 or bool(self.bad_words) or self.allowed_token_ids is not None
+            or bool(self.logit_bias))
 
     def _check_penalties_and_filters(self) -> None:
         for name in ("presence_penalty", "frequency_penalty"):
@@ -249,17 +257,6 @@ class SamplingParams:
                 bias[t] = float(min(max(b, -100.0), 100.0))        # vLLM's clamp
             self.logit_bias = bias
 
-    @property
-    def uses_logits_processing(self) -> bool:
-        """True when the sampler has to change this request's raw logits (penalties, masks, bias)."""
-        return (self.presence_penalty != 0 or self.frequency_penalty != 0 or self.repetition_penalty != 1
-                or self.min_tokens > 0 or bool(self.bad_words) or self.allowed_token_ids is not None
-                or bool(self.logit_bias))
-
-    @property
-    def greedy(self) -> bool:
-        return self.temperature == 0
-
     @classmethod
     def from_dict(cls, d: dict) -> "SamplingParams":
         """Build from a plain dict, refusing keys SamplingParams does not know (a typo must not pass)."""
@@ -273,31 +270,6 @@ class SamplingParams:
 INT64_MAX = 2 ** 63 - 1
 MAX_N = 128                 # completions per prompt: each is a sequence in the batch
 MAX_LOGPROBS = 20           # vLLM's default max_logprobs (EngineConfig.max_logprobs)
-
-
-def logprobs_over_limit(name: str, value: int | None, max_logprobs: int, vocab_size: int | None,
-                        where: str = "engine") -> str | None:
-    """Why a request may not ask for `value` logprobs per token (vLLM's processor check), or None if it may: the
-    engine returns at most max_logprobs of them (-1: no limit), and a request's -1 counts as the vocabulary's size
-    (vocab_size; None: not known here, so -1 passes only without a limit). None and 0 (the actual token alone) always
-    pass. `where`: "engine" or "server", whose fix the message names (max_logprobs, or the server's --max-logprobs)."""
-    if not value:
-        return None
-    if vocab_size is not None and value > vocab_size:
-        return f"{name} is {value}; the vocabulary has {vocab_size} tokens. Ask for at most that, or -1 for all."
-    asked = vocab_size if value == -1 else value
-    if max_logprobs == -1 or (asked is not None and asked <= max_logprobs):
-        return None
-    what = f"{name} is {value}"
-    if value == -1:
-        what += (", which asks for every token of the vocabulary" + (f" ({vocab_size})" if vocab_size else "")
-                 + " at each position")
-    raise_to = "-1 (no limit)" if value == -1 else f"{value} or more (-1: no limit)"
-    fix = (f"start the server with --max-logprobs {raise_to}" if where == "server" else
-           f"set the engine's max_logprobs to {raise_to}: LLM(max_logprobs=...), or --max-logprobs on the command line")
-    setting = f"--max-logprobs {max_logprobs}" if where == "server" else f"max_logprobs={max_logprobs}"
-    return (f"{what}; this {where} returns at most {max_logprobs} logprobs per token ({setting}). Ask for at most "
-            f"{max_logprobs}, or {fix}.")
 
 
 def _check_number(name: str, value, types: tuple) -> None:

@@ -18,12 +18,11 @@ Order within a step:
      none in a step that preempted (the pool is full, admitting more would thrash). Preempted requests re-enter
      this queue by their original arrival, so they come back first.
 
-A step: begin_step -> schedule -> (model, sampler: not here) -> update_from_output -> finish_request (stop strings)
-        -> commit_step, or rollback_step if anything raised
+A step: begin_step -> schedule -> (the model runs) -> update_from_output -> finish_request -> commit_step | rollback_step
 
 Other modes plug in at named seams and cost this file nothing when they are off:
     batches in flight (async scheduling, pipeline parallelism)   AsyncScheduler, a subclass (async_scheduler.py)
-    speculative decoding                                         _drafts_to_verify, update_draft_token_ids
+    speculative decoding                           _drafts_to_verify, update_draft_token_ids, spec_decoding_stats
     structured output                                            _advance_grammar
     swap preemption (recompute drops the KV; swap copies it to a CPU pool and back)  _preempt, _swap_in
     KV transfer between instances (prefill/decode disaggregation)  `connector` (kv_transfer/)
@@ -43,13 +42,12 @@ from minivllm.core.journal import Journaled
 from minivllm.core.kv_cache_manager import KVCacheManager
 from minivllm.core.request import Request, RequestFailedError, RequestStatus
 from minivllm.core.scheduler_output import EngineCoreOutput, SchedulerOutput
+from minivllm.spec_decode.metrics import SpecDecodingStats
 
 __all__ = ["EngineCoreOutput", "Scheduler", "SchedulerOutput"]
 
 class Scheduler(Journaled):
-    # Counters a failed step must not move (journal.py): preemptions and vLLM's spec-decode counters.
-    JOURNALED = frozenset({"num_preemptions", "num_drafts", "num_draft_tokens", "num_accepted_tokens",
-                           "num_accepted_tokens_per_pos"})
+    JOURNALED = frozenset({"num_preemptions"})      # a counter a failed step must not move (journal.py)
     async_scheduling = False
     # Requests in a batch whose output has not come back -> their tokens in such batches: none here, every batch
     # comes back within its step (AsyncScheduler keeps batches in flight).
@@ -69,8 +67,8 @@ class Scheduler(Journaled):
         self.max_model_len, self.preemption_mode = max_model_len, preemption_mode
         self.waiting: list[Request] = []     # sorted by (priority, arrival_time, admission order)
         self.running: list[Request] = []     # in admission order
-        self.num_preemptions = self.num_drafts = self.num_draft_tokens = self.num_accepted_tokens = 0
-        self.num_accepted_tokens_per_pos: list[int] = []
+        self.num_preemptions = 0
+        self.spec_decoding_stats = SpecDecodingStats(self.journal)      # speculative decoding's counters
         self._order, self._keys = itertools.count(), {}    # admissions counted; request_id -> (priority, arrival, n)
         self._events_at_begin: tuple[int, ...] = ()
 
@@ -136,13 +134,13 @@ class Scheduler(Journaled):
                 victim = self._choose_victim(req)              # no free block: the lowest priority, latest
                 if victim is None:
                     break
-                budget += out.remove(victim)                   # give back its share of this step
+                budget += self._take_from_batch(out, victim)   # give back its share of this step
                 out.blocks_to_swap_out += self._preempt(victim)
                 out.preempted.append(victim)
                 if victim is req:
                     break
             else:
-                out.add(req, n, drafts)
+                self._add_to_batch(out, req, n, drafts)
                 budget -= n + len(drafts)
         self._offer_blocks(out, out.scheduled)                 # same-step prefix sharing with the admissions below
         # 2. Waiting requests by (priority, arrival), while room is left; none after a preemption (the pool is full).
@@ -171,7 +169,7 @@ class Scheduler(Journaled):
             req.status = RequestStatus.RUNNING
             self._append_running(req)
             out.newly_admitted.append(req.request_id)
-            out.add(req, n, [])
+            self._add_to_batch(out, req, n, [])
             budget -= n
             self._offer_blocks(out, [req])
         self._update_after_schedule(out)
@@ -203,6 +201,23 @@ class Scheduler(Journaled):
         if n == 1 and req.num_computed_tokens == req.num_tokens - 1:
             return req.spec_token_ids[:budget - n]
         return []
+
+    @staticmethod
+    def _add_to_batch(out: SchedulerOutput, req: Request, num_tokens: int, drafts: list[int]) -> None:
+        """Put `req` in the batch with `num_tokens` tokens to compute, then its `drafts` to verify."""
+        out.scheduled.append(req)
+        out.num_scheduled_tokens[req.request_id] = num_tokens + len(drafts)
+        if drafts:
+            out.scheduled_spec_decode_tokens[req.request_id] = list(drafts)
+
+    @staticmethod
+    def _take_from_batch(out: SchedulerOutput, req: Request) -> int:
+        """Take `req` out of the batch (preempted after it was scheduled); the tokens it gives back."""
+        if req not in out.scheduled:
+            return 0
+        out.scheduled.remove(req)
+        out.scheduled_spec_decode_tokens.pop(req.request_id, None)
+        return out.num_scheduled_tokens.pop(req.request_id)
 
     def _allocate(self, req: Request, num_tokens: int) -> bool:
         return self.kv_cache_manager.allocate_slots(req, num_tokens)
@@ -293,7 +308,7 @@ class Scheduler(Journaled):
             if isinstance(tokens, int):
                 tokens = [tokens]
             drafts = out.scheduled_spec_decode_tokens.get(req.request_id)
-            accepted = self._count_accepted(drafts, tokens) if drafts else 0
+            accepted = self.spec_decoding_stats.observe_draft(drafts, tokens) if drafts else 0
             status, kept = None, []
             for token in tokens:
                 status = self._append_token(req, token)
@@ -341,19 +356,6 @@ class Scheduler(Journaled):
             self.journal.record(grammar.rollback)
         return grammar.is_terminated
 
-    def _count_accepted(self, drafts: list[int], tokens: list[int]) -> int:
-        """vLLM's spec-decode counters: accepted are the leading tokens equal to the drafts (also past a stop)."""
-        accepted = 0
-        while accepted < min(len(drafts), len(tokens) - 1) and tokens[accepted] == drafts[accepted]:
-            accepted += 1
-        self.num_drafts += 1
-        self.num_draft_tokens += len(drafts)
-        self.num_accepted_tokens += accepted
-        old = self.num_accepted_tokens_per_pos      # a new list: the journal keeps the old one
-        padded = old + [0] * (len(drafts) - len(old))
-        self.num_accepted_tokens_per_pos = [n + (i < accepted) for i, n in enumerate(padded)]
-        return accepted
-
     def update_draft_token_ids(self, drafts: dict[str, list[int]]) -> None:
         """The proposer's drafts for the next step (request_id -> tokens), journaled; grammars filter them."""
         for req in self.running:
@@ -393,8 +395,6 @@ class Scheduler(Journaled):
             self.journal.record(lambda: self._keys.__setitem__(req.request_id, key))
 
     # ------------------------------------------------------------------ introspection
-    num_swapped = property(lambda self: len(self.kv_cache_manager.swap_space.tables))
-
     def check_integrity(self) -> None:
         """Assert the scheduler's and the KV cache's invariants (core/invariants.py). For tests and debug runs."""
         check_scheduler(self)

@@ -1,7 +1,8 @@
 """What the scheduler hands on: a step's plan (`SchedulerOutput`) and one request's result (`EngineCoreOutput`).
 
-Plain data (vLLM v1's `v1/core/sched/output.py` and `v1/engine/__init__.py`): the model runner reads the plan to
-build its inputs, the step trace and the tests read it too; nobody but the scheduler writes one.
+Plain data, no methods (vLLM v1's `v1/core/sched/output.py` and `v1/engine/__init__.py`): the model runner reads the
+plan to build its inputs, the step trace and the tests read it too; nobody but the scheduler writes one
+(Scheduler._add_to_batch, _take_from_batch).
 """
 
 from __future__ import annotations
@@ -38,26 +39,6 @@ class SchedulerOutput:
     encoder_plan: dict[str, list] = field(default_factory=dict)
     encoder_inputs: list = field(default_factory=list)
     free_encoder_hashes: list[str] = field(default_factory=list)
-
-    @property
-    def is_empty(self) -> bool:
-        """Nothing to run and nothing to copy."""
-        return not (self.scheduled or self.blocks_to_swap_out or self.blocks_to_swap_in)
-
-    def add(self, request: Request, num_tokens: int, drafts: list[int]) -> None:
-        """Put `request` in the batch with `num_tokens` tokens to compute, then its `drafts` to verify."""
-        self.scheduled.append(request)
-        self.num_scheduled_tokens[request.request_id] = num_tokens + len(drafts)
-        if drafts:
-            self.scheduled_spec_decode_tokens[request.request_id] = list(drafts)
-
-    def remove(self, request: Request) -> int:
-        """Take `request` out of the batch (it was preempted after it was scheduled); the tokens it gives back."""
-        if request not in self.scheduled:
-            return 0
-        self.scheduled.remove(request)
-        self.scheduled_spec_decode_tokens.pop(request.request_id, None)
-        return self.num_scheduled_tokens.pop(request.request_id)
 
 
 @dataclass

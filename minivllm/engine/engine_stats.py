@@ -190,3 +190,21 @@ def encoder_cache_stats(ecm) -> dict:
         return {}
     return dict(encoder_cache_size=ecm.cache_size, encoder_cache_used=ecm.cache_size - ecm.num_free_slots,
                 num_encoder_outputs_kept=len(ecm.sizes), num_encoder_inputs_scheduled=ecm.num_encoder_inputs_scheduled)
+
+
+def engine_stats(engine) -> EngineStats:
+    """An LLMEngine's EngineStats: its scheduler's, KV cache's and own counters, and its histograms copied."""
+    kv, sched, histograms = engine.kv_cache_manager, engine.scheduler, engine.request_histograms
+    spec = sched.spec_decoding_stats
+    return EngineStats(
+        num_running=len(sched.running), num_waiting=len(sched.waiting), num_kv_blocks=kv.num_blocks,
+        num_free_blocks=kv.num_free_blocks, kv_usage=kv.usage, prefix_cache_hit_rate=kv.prefix_cache_hit_rate,
+        prefix_cache_hits=kv.prefix_cache_hits, prefix_cache_queries=kv.prefix_cache_queries,
+        num_preemptions=sched.num_preemptions, num_swapped=kv.num_swapped, num_steps=engine.num_steps,
+        num_prompt_tokens_computed=engine.num_prompt_tokens_computed, num_generated_tokens=engine.num_generated_tokens,
+        num_failed_steps=engine.num_failed_steps, num_batches_in_flight=len(engine.batch_queue),
+        num_spec_drafts=spec.num_drafts, num_spec_draft_tokens=spec.num_draft_tokens,
+        num_spec_accepted_tokens=spec.num_accepted_tokens,
+        num_spec_accepted_tokens_per_pos=tuple(spec.num_accepted_tokens_per_pos),
+        **encoder_cache_stats(sched.encoder_cache_manager),
+        histograms=None if histograms is None else histograms.copy())

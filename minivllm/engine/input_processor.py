@@ -10,7 +10,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from minivllm.core.kv_cache_manager import KVCacheManager
-from minivllm.core.sampling_params import MAX_LOGPROBS, SamplingParams, logprobs_over_limit
+from minivllm.core.sampling_params import MAX_LOGPROBS, SamplingParams
 
 PromptType = str | dict | list
 
@@ -125,3 +125,28 @@ class InputProcessor:
             if spaced[0] != out[-1][0] and len(spaced) == len(out[-1]):
                 out.append(spaced)
         return out
+
+
+def logprobs_over_limit(name: str, value: int | None, max_logprobs: int, vocab_size: int | None,
+                        where: str = "engine") -> str | None:
+    """Why a request may not ask for `value` logprobs per token (vLLM's processor check), or None if it may: the
+    engine returns at most max_logprobs of them (-1: no limit), and a request's -1 counts as the vocabulary's size
+    (vocab_size; None: not known here, so -1 passes only without a limit). None and 0 (the actual token alone) always
+    pass. `where`: "engine" or "server", whose fix the message names (max_logprobs, or the server's --max-logprobs)."""
+    if not value:
+        return None
+    if vocab_size is not None and value > vocab_size:
+        return f"{name} is {value}; the vocabulary has {vocab_size} tokens. Ask for at most that, or -1 for all."
+    asked = vocab_size if value == -1 else value
+    if max_logprobs == -1 or (asked is not None and asked <= max_logprobs):
+        return None
+    what = f"{name} is {value}"
+    if value == -1:
+        what += (", which asks for every token of the vocabulary" + (f" ({vocab_size})" if vocab_size else "")
+                 + " at each position")
+    raise_to = "-1 (no limit)" if value == -1 else f"{value} or more (-1: no limit)"
+    fix = (f"start the server with --max-logprobs {raise_to}" if where == "server" else
+           f"set the engine's max_logprobs to {raise_to}: LLM(max_logprobs=...), or --max-logprobs on the command line")
+    setting = f"--max-logprobs {max_logprobs}" if where == "server" else f"max_logprobs={max_logprobs}"
+    return (f"{what}; this {where} returns at most {max_logprobs} logprobs per token ({setting}). Ask for at most "
+            f"{max_logprobs}, or {fix}.")

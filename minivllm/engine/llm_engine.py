@@ -18,7 +18,7 @@ from collections.abc import Callable
 from dataclasses import dataclass
 
 from minivllm.config import EngineConfig
-from minivllm.core.journal import StepJournal
+from minivllm.core.journal import SigintGuard, StepJournal
 from minivllm.core.kv_cache_manager import KVCacheManager
 from minivllm.core.request import Request, RequestFailedError, RequestMetrics, RequestStatus
 from minivllm.core.sampling_params import SamplingParams
@@ -28,12 +28,10 @@ from minivllm.core.scheduler import Scheduler, SchedulerOutput
 from minivllm.core.structured_output import StructuredOutputManager
 from minivllm.engine.kv_events import make_kv_event_publisher
 from minivllm.engine.trace import PipelineTrace, StepTrace, StepTracer, record_traces
-from minivllm.engine.engine_stats import (EngineQueues, EngineStats, QueuedRequest, RequestHistograms,
-                                          encoder_cache_stats)
+from minivllm.engine.engine_stats import EngineQueues, EngineStats, QueuedRequest, RequestHistograms, engine_stats
 from minivllm.engine.input_processor import InputProcessor, ProcessedRequest, PromptType
 from minivllm.engine.output_processor import OutputProcessor
 from minivllm.engine.parallel_sampling import ParentRequest
-from minivllm.engine.sigint import SigintGuard
 from minivllm.kv_transfer import make_kv_connectors
 from minivllm.model.llama import ModelConfig
 from minivllm.multimodal import make_multimodal
@@ -57,6 +55,11 @@ class _StepRecord:
     core_outputs: list
     finished: list[Request]
     events: BlockEvents
+
+def _nothing_to_run(sched: SchedulerOutput) -> bool:
+    """A plan with no request to run and no KV to copy: the step issues no batch."""
+    return not (sched.scheduled or sched.blocks_to_swap_out or sched.blocks_to_swap_in)
+
 
 class LLMEngine:
     def __init__(self, config: EngineConfig):
@@ -108,7 +111,8 @@ class LLMEngine:
         self._ids = itertools.count()
         self.num_steps = self.num_failed_steps = self.num_prompt_tokens_computed = self.num_generated_tokens = 0
         self.failed_request_ids: list[str] = []    # the requests of the last step that raised
-        self.request_histograms = RequestHistograms.empty(self.max_model_len)     # vLLM's, for /metrics
+        self.request_histograms = (None if config.disable_log_stats       # vLLM's, for /metrics
+                                   else RequestHistograms.empty(self.max_model_len))
         self._scheduled_at = 0.0                   # when the step under way scheduled: first_scheduled_time
         self.trace_listeners: list[Callable[[StepTrace], None]] = []
         self._tracer = StepTracer()
@@ -185,7 +189,7 @@ class LLMEngine:
         re-raised with the batch's requests in `failed_request_ids` (a RequestFailedError instead ends its one
         request with "error"). The step is `step_fn`, picked once in __init__ as vLLM's EngineCore does:
         `execute_step`, or `step_with_batch_queue` when batches stay in flight (pipeline stages, async scheduling).
-        Here it is wrapped: Ctrl-C waits for a consistent point (sigint.py), the trace goes to listeners.
+        Here it is wrapped: Ctrl-C waits for a consistent point (journal.py SigintGuard), the trace goes to listeners.
         `ahead=False` (the server's single steps while paused): leave no batch in flight."""
         start = time.perf_counter()
         try:
@@ -208,7 +212,7 @@ class LLMEngine:
         self._scheduled_at = time.time()
         try:
             sched = scheduler.schedule()
-            if sched.is_empty:
+            if _nothing_to_run(sched):
                 scheduler.commit_step()
                 return None
             rng_state = self.model_runner.get_rng_state(sched.scheduled)     # a failed step draws again
@@ -241,7 +245,7 @@ class LLMEngine:
         try:
             if len(queue) < self.max_concurrent_batches and (ahead or not queue):
                 sched = scheduler.schedule()
-                if not sched.is_empty:
+                if not _nothing_to_run(sched):
                     if self.async_scheduling:
                         rng_state = runner.get_rng_state(sched.scheduled)
                     with self._sigint.open():
@@ -323,7 +327,8 @@ class LLMEngine:
             num_generated = sum(len(co.new_token_ids) for co in core_outputs)
             self.num_prompt_tokens_computed += batch.sched.num_prefill_tokens
             self.num_generated_tokens += num_generated
-            self.request_histograms.observe_step(batch.sched.num_prefill_tokens + num_generated, ended)
+            if self.request_histograms is not None:
+                self.request_histograms.observe_step(batch.sched.num_prefill_tokens + num_generated, ended)
         self.num_steps += 1
         return _StepRecord(outputs, issued, batch, pipe, core_outputs, finished,
                            self.kv_cache_manager.block_pool.pop_events())
@@ -354,18 +359,8 @@ class LLMEngine:
 
     # ------------------------------------------------------------------ introspection
     def get_stats(self) -> EngineStats:
-        kv, sched = self.kv_cache_manager, self.scheduler
-        return EngineStats(
-            num_running=len(sched.running), num_waiting=len(sched.waiting), num_kv_blocks=kv.num_blocks,
-            num_free_blocks=kv.num_free_blocks, kv_usage=kv.usage, prefix_cache_hit_rate=kv.prefix_cache_hit_rate,
-            prefix_cache_hits=kv.prefix_cache_hits, prefix_cache_queries=kv.prefix_cache_queries,
-            num_preemptions=sched.num_preemptions, num_swapped=sched.num_swapped, num_steps=self.num_steps,
-            num_prompt_tokens_computed=self.num_prompt_tokens_computed, num_generated_tokens=self.num_generated_tokens,
-            num_failed_steps=self.num_failed_steps, num_batches_in_flight=len(self.batch_queue),
-            num_spec_drafts=sched.num_drafts, num_spec_draft_tokens=sched.num_draft_tokens,
-            num_spec_accepted_tokens=sched.num_accepted_tokens,
-            num_spec_accepted_tokens_per_pos=tuple(sched.num_accepted_tokens_per_pos),
-            **encoder_cache_stats(sched.encoder_cache_manager), histograms=self.request_histograms.copy())
+        """The engine's counters now (engine_stats.py), copied: what LLM.get_stats, the dashboard and /metrics read."""
+        return engine_stats(self)
 
     def get_queues(self) -> EngineQueues:
         """The running and waiting queues, copied (O(live requests)); taken with get_stats, they agree."""

@@ -192,7 +192,7 @@ def _step_trace(step: int, duration_s: float, sched: SchedulerOutput, events: Bl
         blocks_swapped_out=tuple(events.swap_out), blocks_swapped_in=tuple(events.swap_in),
         num_waiting=sum(r.status.value in ("waiting", "preempted") for r in scheduler.waiting),
         num_running=len(running),
-        num_swapped=scheduler.num_swapped,
+        num_swapped=scheduler.kv_cache_manager.num_swapped,
         num_kv_blocks=pool.num_blocks, num_free_blocks=pool.num_free_blocks, kv_usage=pool.usage,
         prefix_cache_hit_rate=kv.prefix_cache_hit_rate, num_preemptions_total=scheduler.num_preemptions,
         block_ref_counts={b: pool.blocks[b].ref_count for b in sorted(touched)},

@@ -6,6 +6,7 @@ and returning outputs in input order. All the serving logic lives in the engine.
 
 from __future__ import annotations
 
+import copy
 import dataclasses
 from collections.abc import Sequence
 
@@ -30,6 +31,7 @@ class LLM:
     """
 
     def __init__(self, model: str | None = None, **kwargs):
+        kwargs.setdefault("disable_log_stats", True)      # vLLM's LLM keeps no request histograms unless asked
         self.llm_engine = LLMEngine(EngineConfig.from_kwargs(model=model, **kwargs))
 
     def get_tokenizer(self):
@@ -59,8 +61,10 @@ class LLM:
                 request = engine.input_processor.process_inputs(p, sp, pr)     # checked here, and only here
             except ValueError as e:
                 raise ValueError(f"prompt {i}: {e}") from None
-            # one output per request, at the end (vLLM's LLM does the same); the caller's params stay as given
-            sp = dataclasses.replace(sp, output_kind=RequestOutputKind.FINAL_ONLY)
+            # one output per request, at the end (vLLM's LLM does the same), on a copy: the caller's params stay as
+            # given (a copy of checked params, not rebuilt: SamplingParams checked them when they were made)
+            sp = copy.copy(sp)
+            sp.output_kind = RequestOutputKind.FINAL_ONLY
             processed.append(dataclasses.replace(request, params=sp))
         return self._run(processed, use_tqdm)
 

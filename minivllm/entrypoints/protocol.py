@@ -20,8 +20,8 @@ import math
 import sys
 from dataclasses import dataclass
 
-from minivllm.core.sampling_params import (MAX_LOGPROBS, RequestOutputKind, SamplingParams, StructuredOutputsParams,
-                                           logprobs_over_limit)
+from minivllm.core.sampling_params import MAX_LOGPROBS, RequestOutputKind, SamplingParams, StructuredOutputsParams
+from minivllm.engine.input_processor import logprobs_over_limit
 
 INT64 = (-(2 ** 63), 2 ** 63 - 1)     # torch generators and tensors take no wider ints
 FLOAT_MAX = sys.float_info.max       # a JSON integer beyond it is valid JSON but fits no float

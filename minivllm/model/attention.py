@@ -41,6 +41,23 @@ class AttentionMetadata:
         return self.max_q_len == 1
 
 
+def model_input_tensors(mi, device: torch.device):
+    """(input_ids, positions, AttentionMetadata) of a ModelInput (worker/input_batch.py: one step's flat batch as
+    lists), on `device`: what every rank runs its forward on. cu_seqlens_q is the prefix sum of
+    q_lens: request i's tokens are rows cu[i] .. cu[i + 1] - 1 of the flat batch."""
+    def t(x, dtype):
+        return torch.tensor(x, dtype=dtype).to(device, non_blocking=True)
+
+    cu = [0]
+    for q in mi.q_lens:
+        cu.append(cu[-1] + q)
+    meta = AttentionMetadata(
+        slot_mapping=t(mi.slot_mapping, torch.int64), cu_seqlens_q=t(cu, torch.int32),
+        seq_lens=t(mi.seq_lens, torch.int32), block_tables=t(mi.block_tables, torch.int32),
+        max_q_len=max(mi.q_lens), max_seq_len=max(mi.seq_lens), q_lens_cpu=mi.q_lens, seq_lens_cpu=mi.seq_lens)
+    return t(mi.input_ids, torch.int64), t(mi.positions, torch.int64), meta
+
+
 class AttentionBackend:
     """Stores the new K/V into the paged cache, then attends each sequence's queries to its KV."""
 

@@ -32,7 +32,8 @@ import torch
 
 from minivllm.model.llama import ModelConfig
 from minivllm.model.loader import load_model, resolve_model_path
-from minivllm.worker.input_batch import ModelInput, model_input_tensors
+from minivllm.model.attention import model_input_tensors
+from minivllm.worker.input_batch import ModelInput
 
 
 class DraftModelProposer:

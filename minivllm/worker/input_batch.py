@@ -1,10 +1,11 @@
 """One step's batch as it crosses the worker layer (vLLM v1's `v1/worker/gpu_input_batch.py`).
 
 Owns: the plain data of a step, from its inputs to its sampled outputs: `ModelInput` (the flat batch as lists,
-built by ModelRunner.prepare_inputs, pickled to the other ranks), `model_input_tensors` (those lists on a device)
-and `InFlightBatch` (a batch the executor sent in, with its logits and, under async scheduling, the tokens sampled
-on the device). Plain data only: it runs no model, samples nothing and imports neither the runner, the executor
-nor a proposer, so all of them (and spec_decode's draft model) can share it.
+built by ModelRunner.prepare_inputs, pickled to the other ranks; `model/attention.py`'s `model_input_tensors` puts
+them on a device) and `InFlightBatch` (a batch the executor sent in, with its logits and, under async scheduling,
+the tokens sampled on the device), and the helpers the modes beyond the base step need (async scheduling's
+`prev_token_inputs` and `copy_to_host`, speculative decoding's `first_rows`). It runs no model, samples nothing and
+imports neither the runner, the executor nor a proposer, so all of them (and spec_decode's draft model) share it.
 """
 
 from __future__ import annotations
@@ -16,7 +17,6 @@ import torch
 
 from minivllm.core.request import Request
 from minivllm.core.scheduler import SchedulerOutput
-from minivllm.model.attention import AttentionMetadata
 from minivllm.worker.logprobs import PromptLogprobsSpan, StepScores
 
 # Structured output's masks (core/structured_output.py): (sampling requests, drafts by request id) ->
@@ -46,23 +46,6 @@ class ModelInput:
     mm: object = None                          # images: encoder_runner.MultiModalBatch; None for a text model
 
 
-def model_input_tensors(mi: ModelInput, device: torch.device):
-    """(input_ids, positions, AttentionMetadata) of a ModelInput, on `device`. cu_seqlens_q is the prefix sum of
-    q_lens: request i's tokens are rows cu[i] .. cu[i + 1] - 1 of the flat batch."""
-    def t(x, dtype):
-        return torch.tensor(x, dtype=dtype).to(device, non_blocking=True)
-
-    cu = [0]
-    for q in mi.q_lens:
-        cu.append(cu[-1] + q)
-    meta = AttentionMetadata(
-        slot_mapping=t(mi.slot_mapping, torch.int64), cu_seqlens_q=t(cu, torch.int32),
-        seq_lens=t(mi.seq_lens, torch.int32), block_tables=t(mi.block_tables, torch.int32),
-        max_q_len=max(mi.q_lens), max_seq_len=max(mi.seq_lens), q_lens_cpu=mi.q_lens, seq_lens_cpu=mi.seq_lens)
-    return t(mi.input_ids, torch.int64), t(mi.positions, torch.int64), meta
-
-
-
 def prev_token_inputs(mi: ModelInput, prev_sampled: torch.Tensor | None, device: torch.device
                       ) -> tuple[torch.Tensor, torch.Tensor] | None:
     """Async scheduling: (rows of input_ids, their tokens) to write on the device, from the previous batch's
@@ -74,15 +57,6 @@ def prev_token_inputs(mi: ModelInput, prev_sampled: torch.Tensor | None, device:
     def t(x):
         return torch.tensor(x, dtype=torch.int64).to(device, non_blocking=True)
     return t(rows), prev_sampled.index_select(0, t(prev))
-
-
-def pick_rows(hidden: torch.Tensor, rows: list[int]) -> torch.Tensor:
-    """hidden[rows] -> (len(rows), hidden) without waiting for the GPU: indexing a CUDA tensor with a Python
-    list copies the list to the device synchronously. Consecutive rows (every decode step) are a view."""
-    if rows == list(range(rows[0], rows[0] + len(rows))):
-        return hidden[rows[0]:rows[0] + len(rows)]
-    index = torch.tensor(rows, dtype=torch.int64).to(hidden.device, non_blocking=True)
-    return hidden.index_select(0, index)
 
 
 def first_rows(drafts: list[list[int]]) -> list[int]:
@@ -109,11 +83,6 @@ class InFlightBatch:
     logprobs_ahead: StepScores | None = None    # ... and the logprobs asked for, scored there too
     host: list[torch.Tensor] | None = None      # ... both copied to the host (pinned): [sampled, *scores' tensors]
     ready: "torch.cuda.Event | None" = None     # ... recorded right after that copy (None on a CPU: nothing to wait)
-
-    def drafts(self) -> list[list[int]]:
-        """Each sampling request's draft tokens (speculative decoding; [] for most): it owns 1 + len rows."""
-        spec = self.sched.scheduled_spec_decode_tokens
-        return [spec.get(r.request_id, []) for r in self.sampling_requests]
 
 
 def copy_to_host(tensors: list[torch.Tensor]) -> tuple[list[torch.Tensor], "torch.cuda.Event | None"]:

@@ -31,7 +31,7 @@ import math
 import torch
 import torch.distributed as dist
 
-from minivllm.model.attention import AttentionMetadata, get_attention_backend
+from minivllm.model.attention import AttentionMetadata, get_attention_backend, model_input_tensors
 from minivllm.config import EngineConfig
 from minivllm.worker.cuda_graph import DecodeGraphs, capture_decode_graphs
 from minivllm.model.layers import PPStage, TPGroup
@@ -44,12 +44,21 @@ from minivllm.worker.warm_up import warm_up
 from minivllm.worker.encoder_runner import EncoderRunner, MultiModalBatch, image_spans
 from minivllm.core.request import Request
 from minivllm.worker.input_batch import (GrammarBitmaskFn, InFlightBatch, ModelInput, copy_to_host, first_rows,
-                                         model_input_tensors, pick_rows, prev_token_inputs)
+                                         prev_token_inputs)
 from minivllm.worker.logprobs import PromptLogprobsSpan, StepLogprobs, score_step
 from minivllm.worker.rejection_sampler import RejectionSampler
 from minivllm.worker.sampler import Sampler, apply_grammar_bitmask
 from minivllm.spec_decode import make_proposer, propose_drafts
 from minivllm.core.scheduler import SchedulerOutput
+
+
+def pick_rows(hidden: torch.Tensor, rows: list[int]) -> torch.Tensor:
+    """hidden[rows] -> (len(rows), hidden) without waiting for the GPU: indexing a CUDA tensor with a Python
+    list copies the list to the device synchronously. Consecutive rows (every decode step) are a view."""
+    if rows == list(range(rows[0], rows[0] + len(rows))):
+        return hidden[rows[0]:rows[0] + len(rows)]
+    index = torch.tensor(rows, dtype=torch.int64).to(hidden.device, non_blocking=True)
+    return hidden.index_select(0, index)
 
 
 class ModelRunner(PipelineStageMixin):
@@ -259,7 +268,7 @@ class ModelRunner(PipelineStageMixin):
             return None, None
         if self.pp.size > 1:
             return self._execute_stage(mi)
-        prev = prev_token_inputs(mi, prev_sampled, self.device)
+        prev = prev_token_inputs(mi, prev_sampled, self.device) if mi.prev_token_rows else None   # async
         images = mi.mm is not None and self.encoder_runner.run(mi.mm)       # encode; True if rows take their output
         if not images and self.graphs is not None and self.graphs.can_run(mi.q_lens, mi.block_tables):
             hidden = self.graphs.run(mi.input_ids, mi.positions, mi.slot_mapping, mi.seq_lens, mi.block_tables, prev)
@@ -319,7 +328,8 @@ class ModelRunner(PipelineStageMixin):
         while the CPU fills the grammars' masks. After `sample_on_device` this only waits for the host's copy."""
         if batch.sampled is not None:
             return self._read_sampled(batch)
-        sched, requests, drafts, logits = batch.sched, batch.sampling_requests, batch.drafts(), batch.logits
+        sched, requests, logits = batch.sched, batch.sampling_requests, batch.logits
+        drafts = [sched.scheduled_spec_decode_tokens.get(r.request_id, []) for r in requests]   # [] for most
         if any(r.is_finished for r in requests):          # aborted while the batch was in flight: drop its rows
             first_row = first_rows(drafts)
             keep = [i for i, r in enumerate(requests) if not r.is_finished]

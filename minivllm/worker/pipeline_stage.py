@@ -16,7 +16,8 @@ import time
 import torch
 import torch.distributed as dist
 
-from minivllm.worker.input_batch import ModelInput, model_input_tensors
+from minivllm.model.attention import model_input_tensors
+from minivllm.worker.input_batch import ModelInput
 
 
 class PipelineStageMixin:
