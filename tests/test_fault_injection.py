@@ -316,7 +316,7 @@ class FaultInjection(RuleBasedStateMachine):
             self.count("swapped out")
         if self.kv.prefix_cache_hits > before["counters"]["prefix_cache_hits"]:
             self.count("prefix hit")
-        if engine.scheduler.num_draft_tokens > spec_before[0]:
+        if spec.num_draft_tokens > spec_before[0]:
             self.count("drafts verified")
         if any(engine.scheduler.in_flight.values()) and len(engine.batch_queue) == 1 and engine.async_scheduling:
             self.count("batch in flight between steps")
