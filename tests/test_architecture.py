@@ -79,3 +79,11 @@ def test_one_greedy_request_runs_through_the_files_docs_architecture_lists(llm):
     assert traced == sorted(documented), (
         "docs/architecture.md's list of the files one request passes through is out of date; it should be:\n"
         + "\n".join(f"- `minivllm/{f}`" for f in traced))
+
+
+def test_every_package_of_minivllm_is_in_the_wheel():
+    """pyproject.toml lists the packages by name: one left out installs without it (`pip install .`, not -e)."""
+    import tomllib
+    listed = set(tomllib.loads((ROOT / "pyproject.toml").read_text())["tool"]["setuptools"]["packages"])
+    found = {".".join(p.parent.relative_to(ROOT).parts) for p in PACKAGE.rglob("__init__.py")}
+    assert found <= listed, f"add {sorted(found - listed)} to [tool.setuptools] packages in pyproject.toml"
