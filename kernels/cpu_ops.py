@@ -25,6 +25,8 @@ and the serving path stays on the PyTorch reference (model/attention.py picks).
 
 from __future__ import annotations
 
+import contextlib
+import fcntl
 import hashlib
 import os
 import platform
@@ -66,13 +68,32 @@ def load():
         if shutil.which(os.environ.get("CXX", "c++")) is None:
             raise RuntimeError("no C++ compiler on PATH (install g++, or set CXX)")
         from torch.utils import cpp_extension
-        cpp_extension.load(name=_build_name(), sources=[str(p) for p in _SOURCES], is_python_module=False,
-                           extra_cflags=_CFLAGS, extra_ldflags=["-fopenmp"])
+        name = _build_name()
+        build_dir = Path(cpp_extension._get_build_directory(name, verbose=False))
+        with _build_lock(build_dir):
+            cpp_extension.load(name=name, sources=[str(p) for p in _SOURCES], is_python_module=False,
+                               extra_cflags=_CFLAGS, extra_ldflags=["-fopenmp"], build_directory=str(build_dir))
         _state["ops"] = torch.ops.minivllm_cpu
     except Exception as exc:     # noqa: BLE001 (any build failure means: serve with the reference instead)
         _state["error"] = f"the C++ CPU kernels could not be built: {exc}"
         raise RuntimeError(_state["error"]) from exc
     return _state["ops"]
+
+
+@contextlib.contextmanager
+def _build_lock(build_dir: Path):
+    """One builder at a time, and no wait on a dead one. torch's own lock is a file that a build killed half way
+    (Ctrl-C, a timeout) leaves behind, and every later load then waits for it forever. This lock is an flock, which
+    the kernel drops when its holder dies; whoever holds it knows nobody is building, so a torch lock file found
+    then is stale and is removed."""
+    build_dir.mkdir(parents=True, exist_ok=True)
+    with open(build_dir / "minivllm.build.lock", "w") as f:
+        fcntl.flock(f, fcntl.LOCK_EX)
+        (build_dir / "lock").unlink(missing_ok=True)
+        try:
+            yield
+        finally:
+            fcntl.flock(f, fcntl.LOCK_UN)
 
 
 def available() -> bool:

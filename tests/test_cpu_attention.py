@@ -6,6 +6,7 @@ from __future__ import annotations
 import os
 import subprocess
 import sys
+from pathlib import Path
 
 import pytest
 import torch
@@ -327,3 +328,15 @@ def test_store_kv_cache_equals_the_reference_and_skips_padding(dtype):
         cpu_ops.store_kv_cache(k, v, caches[0], caches[1], torch.full((tokens,), num_blocks * block_size))
     with pytest.raises(RuntimeError, match="share one dtype"):
         cpu_ops.store_kv_cache(k.float() if dtype != torch.float32 else k.double(), v, caches[0], caches[1], slots)
+
+
+def test_a_build_killed_half_way_does_not_make_the_next_load_wait_forever():
+    """torch's cpp_extension leaves its `lock` file behind when a build is killed (Ctrl-C, a timeout); its next load
+    would wait on it forever. cpu_ops takes an flock of its own first, so a lock file found then is stale."""
+    from torch.utils import cpp_extension
+    build_dir = Path(cpp_extension._get_build_directory(cpu_ops._build_name(), verbose=False))
+    (build_dir / "lock").touch()                      # what a killed build leaves
+    code = "from minivllm.model._kernels import kernels; kernels.cpu_ops.load(); print('loaded')"
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=300)
+    assert out.returncode == 0 and "loaded" in out.stdout, out.stderr[-2000:]
+    assert not (build_dir / "lock").exists()
