@@ -18,7 +18,7 @@ Order within a step:
      none in a step that preempted (the pool is full, admitting more would thrash). Preempted requests re-enter
      this queue by their original arrival, so they come back first.
 
-A step: begin_step -> schedule -> (the model runs) -> update_from_output -> finish_request -> commit_step | rollback_step
+A step: begin_step -> schedule -> (the model runs) -> update_from_output -> finish_request -> commit_step (or rollback)
 
 Other modes plug in at named seams and cost this file nothing when they are off:
     batches in flight (async scheduling, pipeline parallelism)   AsyncScheduler, a subclass (async_scheduler.py)
