@@ -121,6 +121,25 @@ def test_no_absolute_path_of_a_build_machine(path):
     assert not hits, f"{path.relative_to(ROOT)} names paths of a build machine: {hits}"
 
 
+PACKAGES = [p.name for p in (ROOT / "minivllm").iterdir() if (p / "__init__.py").exists()]
+
+
+def _package_modules_named(doc: Path) -> list[str]:
+    """Modules named from inside the package (`core/journal.py`), in prose and in tables, except in a table's
+    columns about vLLM (whose files have the same shape of name: vLLM has `platforms/cpu.py`, minivllm has not)."""
+    names, header = [], None
+    for line in re.sub(r"```.*?```", "", doc.read_text(), flags=re.S).splitlines():
+        cells = line.split("|")[1:-1] if line.startswith("|") else None
+        if cells is None:
+            header, kept = None, line
+        elif header is None:
+            header, kept = cells, ""
+        else:
+            kept = "|".join(c for c, h in zip(cells, header + [""] * len(cells)) if "vllm" not in h.lower())
+        names += [s for s in re.findall(r"`([^`\s]+)`", kept) if re.fullmatch(rf"({'|'.join(PACKAGES)})/[\w/]+\.py", s)]
+    return names
+
+
 def test_files_the_docs_name_exist():
     """A path in inline code (`minivllm/core/scheduler.py`, `kernels/`, `.ci/gpu/run.sh`) names a file or folder
     of this repository; a file moved without its docs fails here."""
@@ -131,6 +150,10 @@ def test_files_the_docs_name_exist():
             if re.fullmatch(r"(minivllm|kernels|tests|lessons|docs|\.ci)/[\w./-]*", span) and "*" not in span:
                 if not (ROOT / span).exists():
                     missing.append(f"{doc.relative_to(ROOT)}: {span}")
+
+    for doc in DOCS + [ROOT / "lessons" / "README.md", ROOT / "CONTRIBUTING.md"]:
+        missing += [f"{doc.relative_to(ROOT)}: {span} (in minivllm/)" for span in _package_modules_named(doc)
+                    if not (ROOT / "minivllm" / span).exists()]
     assert not missing, missing
 
 
