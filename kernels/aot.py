@@ -60,7 +60,7 @@ class KernelInfo:
     spill_load_bytes: int = 0
     shared_bytes: int = 0           # Triton's metadata.shared (what the launch asks the SM for)
     uses_tensor_cores: bool = False
-    tensor_core_instrs: str = ""    # e.g. "HMMA.16816" / "HGMMA.64x64x16"
+    tensor_core_instrs: str = ""    # e.g. "mma.sync", "wgmma.mma_async" (PTX); "HMMA" (SASS, read if PTX has none)
     uses_dot: bool = False
 
     @property
@@ -230,8 +230,11 @@ def inspect_compiled(kernel, info: KernelInfo) -> KernelInfo:
     info.uses_dot = "tt.dot" in kernel.asm.get("ttir", "")
     # The SASS (cuobjdump -sass, about 0.6 CPU-s a binary: most of the inspection's time) names the instructions
     # ptxas kept. Only a tl.dot on 16-bit (or fp8) operands can have tensor-core ones (fp32's dots are "ieee" FMA
-    # loops), so the other binaries are read from their PTX alone, which has no mma either.
-    sass = _sass(cubin) if info.uses_dot and info.dtype != "float32" else ""
+    # loops), so the other binaries are read from their PTX alone, which has no mma either. A PTX that has an mma
+    # already answers (ptxas lowers mma.sync to HMMA, wgmma to HGMMA, and drops neither): SASS is read only when
+    # the PTX has none, to find any that ptxas made.
+    ptx_mma = TENSOR_CORE_PTX.search(ptx)
+    sass = _sass(cubin) if info.uses_dot and info.dtype != "float32" and not ptx_mma else ""
     found = sorted(set(TENSOR_CORE_SASS.findall(sass))) + sorted(set(TENSOR_CORE_PTX.findall(ptx)))
     info.uses_tensor_cores = bool(found)
     info.tensor_core_instrs = " ".join(found)
