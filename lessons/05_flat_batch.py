@@ -54,7 +54,8 @@ from matplotlib.patches import Patch, Rectangle
 from minivllm import LLM, SamplingParams
 from minivllm.model._kernels import kernels
 from minivllm.model.attention import TorchAttentionBackend
-from minivllm.worker.model_runner import ModelRunner, model_input_tensors
+from minivllm.model.attention import model_input_tensors
+from minivllm.worker.model_runner import ModelRunner
 from plots import HALO, SHARED_HATCH, RequestColors
 
 torch.manual_seed(0)
@@ -196,9 +197,9 @@ for r in plan:
 # %% [markdown]
 # ## 3. The tensors, and where each one goes
 #
-# On each rank, `model_input_tensors` turns the lists into tensors on the device and adds the one field that
-# is derived rather than stored: `cu_seqlens_q`, the prefix sum of `q_lens`. Request i's queries are rows
-# `cu_seqlens_q[i] .. cu_seqlens_q[i + 1] - 1`.
+# On each rank, `model_input_tensors` (in `model/attention.py`, beside the `AttentionMetadata` it builds) turns
+# the lists into tensors on the device and adds the one field that is derived rather than stored: `cu_seqlens_q`,
+# the prefix sum of `q_lens`. Request i's queries are rows `cu_seqlens_q[i] .. cu_seqlens_q[i + 1] - 1`.
 
 # %%
 input_ids, positions, meta = model_input_tensors(mi, torch.device("cpu"))
