@@ -75,7 +75,8 @@ class EngineConfig:
         "or it waits, and max_num_batched_tokens must be at least max_model_len")
     long_prefill_token_threshold: int | None = option(
         None, "most tokens one request's prefill computes in a step, so a long prompt is prefilled in chunks "
-        "between other requests' decodes (vLLM's name; 0: no cap); default: 0 on a GPU, "
+        "between other requests' decodes (vLLM's name; 0: no cap; as in vLLM it also caps a decode's 1 + speculative "
+        "drafts); default: 0 on a GPU, "
         "CPU_LONG_PREFILL_TOKEN_THRESHOLD on a CPU, where a step of a long chunk would stall every stream")
     max_model_len: int | None = option(
         None, "longest prompt + output in tokens; default: the model's max_position_embeddings")

@@ -348,3 +348,17 @@ def test_a_draft_with_another_vocabulary_is_refused(model_dir, tmp_path):
     (tmp_path / "draft" / "config.json").write_text(json.dumps(cfg))
     with pytest.raises(ValueError, match="share the target's tokenizer"):
         draft_llm(model_dir, model=str(tmp_path / "draft"))
+
+
+@pytest.mark.slow
+def test_long_prefill_token_threshold_caps_one_plus_the_drafts_as_in_vllm(model_dir, reference):
+    """vLLM counts a request's drafts among its new tokens, so long_prefill_token_threshold caps 1 + drafts: at 3,
+    at most 2 of the 4 drafts are verified in a step. Greedy tokens do not change."""
+    llm = make_llm(model_dir, long_prefill_token_threshold=3)
+    engine = llm.llm_engine
+    with engine.record_traces() as traces:
+        outs = run(llm, ALL, greedy())
+    assert [o.outputs[0].token_ids for o in outs] == reference
+    per_request = [r.num_draft_tokens for t in traces for r in t.by_id.values()]
+    assert max(per_request) == 2                                   # the cap, reached
+    fired(llm)

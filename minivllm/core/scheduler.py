@@ -197,9 +197,9 @@ class Scheduler(Journaled):
         return n if self.enable_chunked_prefill or n == num_tokens_left else 0
 
     def _drafts_to_verify(self, req: Request, n: int, budget: int) -> list[int]:
-        """Speculative decoding: a decoding request's drafts, verified with its last token, as the budget allows."""
+        """Speculative decoding: drafts to verify with a decoding request's last token (vLLM's caps on 1 + drafts)."""
         if n == 1 and req.num_computed_tokens == req.num_tokens - 1:
-            return req.spec_token_ids[:budget - n]
+            return req.spec_token_ids[:min(budget, self.long_prefill_token_threshold or budget) - n]
         return []
 
     @staticmethod
