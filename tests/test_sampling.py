@@ -157,3 +157,16 @@ def test_top_p_one_keeps_every_token_in_a_batch_that_filters():
     the end of a 49,152-token row, and a plain `mass_before >= p` would drop the tail."""
     logits = torch.randn(2, 49152, generator=torch.Generator().manual_seed(1)) * 3
     _kept_sets_are_the_definition(logits, [-1, -1], [1.0, 0.9])
+
+
+def test_greedy_and_logits_processing_are_derived_when_params_are_built_and_again_by_replace():
+    import dataclasses
+    sp = SamplingParams(temperature=0.7)
+    assert not sp.greedy and not sp.uses_logits_processing
+    changed = dataclasses.replace(sp, temperature=0, repetition_penalty=1.2)
+    assert changed.greedy and changed.uses_logits_processing
+    assert not sp.greedy and not sp.uses_logits_processing          # the original is untouched
+    assert SamplingParams(temperature=1e-6).greedy                  # below 1e-5 is greedy (vLLM's rule)
+    assert SamplingParams(logit_bias={3: 1.0}).uses_logits_processing
+    assert SamplingParams(min_tokens=2).uses_logits_processing
+    assert "greedy" not in {f.name for f in dataclasses.fields(SamplingParams)}   # derived, not a field to pass

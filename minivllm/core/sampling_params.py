@@ -116,6 +116,9 @@ class SamplingParams:
 
     structured_outputs: StructuredOutputsParams (JSON schema, regex, choice, grammar): a grammar masks every step's
         logits to the tokens that keep the output in its language (core/structured_output.py).
+
+    Built once, then read: the values are checked, and `greedy` / `uses_logits_processing` derived, when it is built.
+    To change a field, build a new one (`dataclasses.replace(params, temperature=0.7)` checks it again).
     """
 
     temperature: float = 1.0
