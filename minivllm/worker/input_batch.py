@@ -46,12 +46,11 @@ class ModelInput:
     mm: object = None                          # images: encoder_runner.MultiModalBatch; None for a text model
 
 
-def prev_token_inputs(mi: ModelInput, prev_sampled: torch.Tensor | None, device: torch.device
-                      ) -> tuple[torch.Tensor, torch.Tensor] | None:
+def prev_token_inputs(mi: ModelInput, prev_sampled: torch.Tensor, device: torch.device
+                      ) -> tuple[torch.Tensor, torch.Tensor]:
     """Async scheduling: (rows of input_ids, their tokens) to write on the device, from the previous batch's
-    sampled tokens (num_sampling,) int64 on the device. None when no input comes from there."""
-    if not mi.prev_token_rows:
-        return None
+    sampled tokens (num_sampling,) int64 on the device. Called only when some input comes from there
+    (`mi.prev_token_rows`)."""
     rows, prev = zip(*mi.prev_token_rows)
 
     def t(x):
